@@ -1,0 +1,2 @@
+"""kvpool command line (typer): one module per noun; each command parses flags, builds
+the config and calls one function."""

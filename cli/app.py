@@ -1,0 +1,363 @@
+"""The ``kvpool`` typer app: cluster processes (up, master, storenode), objects (put, get,
+ls, rm, pin, unpin), admin (status, evict, drain), demo and bench."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import msgspec
+import typer
+from rich.table import Table
+
+from cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, connect, console,
+                        fail, state_file)
+from protocol import errors as E
+from protocol.units import format_bytes, parse_duration, parse_size
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="kvpool: a distributed KV-cache store for LLM inference.")
+
+
+def _run(fn):
+    try:
+        return fn()
+    except E.KVPoolError as e:
+        fail(e)
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+@app.command()
+def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = None) -> None:
+    """Run the configured cluster (etcd child if no endpoint, master, store nodes) until Ctrl-C."""
+    from cli.cluster import LocalCluster
+
+    def go() -> None:
+        cfg = build_config(config, cluster, etcd)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        with console.status("starting etcd, master and store nodes..."):
+            lc = LocalCluster(cfg)
+            lc.__enter__()
+        try:
+            f = state_file(cfg.cluster)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps({"master": lc.master_addr, "etcd": lc.etcd_endpoint}))
+            console.print(f"[green]cluster {cfg.cluster!r} up[/]: etcd {lc.etcd_endpoint}, master {lc.master_addr}, "
+                          f"{len(lc.nodes)} store nodes. Ctrl-C to stop.")
+            try:
+                while not stop.is_set():
+                    stop.wait(0.5)
+                    dead = [n for n, c in lc.nodes.items() if not c.alive()]
+                    if dead:
+                        console.print(f"[yellow]store node(s) exited: {', '.join(dead)}[/]")
+                        stop.set()
+            except KeyboardInterrupt:
+                pass
+            f.unlink(missing_ok=True)
+        finally:
+            with console.status("stopping..."):
+                lc.__exit__(None, None, None)
+            console.print("cluster stopped")
+
+    _run(go)
+
+
+@app.command()
+def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port")],
+           cluster: Annotated[str, typer.Option()] = "default",
+           host: Annotated[str, typer.Option()] = "127.0.0.1",
+           rpc_port: Annotated[int, typer.Option(help="0 = any free port")] = 0,
+           metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus /metrics here")] = None,
+           replicas: Annotated[int, typer.Option()] = 1,
+           lease_ttl: Annotated[str, typer.Option()] = "5s",
+           put_timeout: Annotated[str, typer.Option()] = "30s",
+           quarantine: Annotated[str, typer.Option()] = "5s",
+           node_ttl: Annotated[str, typer.Option()] = "3s",
+           high_watermark: Annotated[float, typer.Option()] = 0.90,
+           low_watermark: Annotated[float, typer.Option()] = 0.80,
+           handoff_ttl: Annotated[str, typer.Option()] = "60s",
+           membership_poll: Annotated[str, typer.Option()] = "250ms") -> None:
+    """Run one master (several may run; one leads through etcd election)."""
+    from master.server import MasterServerSettings, main as run_master
+    from master.state import MasterSettings
+
+    def go() -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise E.ConfigError("need 0 < --low-watermark <= --high-watermark <= 1", key="watermark")
+        st = MasterSettings(replicas, parse_duration(lease_ttl, key="lease_ttl"),
+                            parse_duration(put_timeout, key="put_timeout"),
+                            parse_duration(quarantine, key="quarantine"), high_watermark, low_watermark,
+                            parse_duration(handoff_ttl, key="handoff_ttl"))
+        run_master(MasterServerSettings(etcd, cluster, host, rpc_port, metrics_port,
+                                        parse_duration(membership_poll, key="membership_poll"),
+                                        parse_duration(node_ttl, key="node_ttl"), st))
+
+    _run(go)
+
+
+@app.command()
+def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port")],
+              cluster: Annotated[str, typer.Option()] = "default",
+              name: Annotated[Optional[str], typer.Option(help="Node id (default: random)")] = None,
+              memory: Annotated[str, typer.Option(help="Segment size, e.g. 2GiB")] = "1GiB",
+              host: Annotated[str, typer.Option()] = "127.0.0.1",
+              data_port: Annotated[int, typer.Option()] = 0,
+              host_id: Annotated[Optional[str], typer.Option(help="Override host identity")] = None,
+              node_ttl: Annotated[str, typer.Option()] = "3s",
+              run_dir: Annotated[Optional[str], typer.Option()] = None,
+              device: Annotated[str, typer.Option(help="cpu (cuda:N segments are not built yet)")] = "cpu") -> None:
+    """Run one store node with a shared-memory segment of --memory bytes."""
+    from storenode.server import NodeSettings, main as run_node
+
+    def go() -> None:
+        if device != "cpu":
+            raise E.ConfigError(f"--device {device}: only cpu segments are supported in this build", key="device")
+        run_node(NodeSettings(etcd, cluster, name, parse_size(memory, key="memory"), host, data_port, host_id,
+                              parse_duration(node_ttl, key="node_ttl"), run_dir, device))
+
+    _run(go)
+
+
+# ---- objects --------------------------------------------------------------------------------
+
+@app.command()
+def put(key: str, file: Path, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+        cluster: ClusterOpt = None, replicas: Annotated[Optional[int], typer.Option()] = None) -> None:
+    """Store FILE's bytes under KEY (an existing key is a no-op success)."""
+    def go() -> None:
+        if not file.is_file():
+            raise E.InvalidRequest(f"{file} is not a readable file")
+        data = file.read_bytes()
+        with connect(config, master, etcd, cluster) as c:
+            c.put(key, data, replicas=replicas)
+        console.print(f"stored {key} ({format_bytes(len(data))})")
+
+    _run(go)
+
+
+@app.command()
+def get(key: str, output: Annotated[Optional[Path], typer.Option("-o", "--output")] = None,
+        config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None) -> None:
+    """Fetch KEY to stdout or -o FILE. Exits 3 when the key is not stored."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            data = c.get(key)
+        if data is None:
+            raise E.NotFound(f"key {key!r} is not stored; see `kvpool ls`")
+        if output is None:
+            sys.stdout.buffer.write(data)
+        else:
+            output.write_bytes(data)
+            console.print(f"wrote {format_bytes(len(data))} to {output}")
+
+    _run(go)
+
+
+class SortBy(str, Enum):
+    key = "key"
+    size = "size"
+    age = "age"
+    access = "access"
+
+
+@app.command("ls")
+def ls_(prefix: Annotated[str, typer.Option("--prefix", "-p")] = "",
+        long: Annotated[bool, typer.Option("--long", "-l")] = False,
+        sort: Annotated[SortBy, typer.Option()] = SortBy.key,
+        limit: Annotated[int, typer.Option()] = 10000,
+        json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+        cluster: ClusterOpt = None) -> None:
+    """List stored objects (key, size, layout kind, replicas, age, state)."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            rows = c.ls(prefix, limit)
+        keyf = {"key": lambda r: r.key, "size": lambda r: -r.size, "age": lambda r: r.created,
+                "access": lambda r: -r.last_access}[sort.value]
+        rows = sorted(rows, key=keyf)
+        if json_:
+            print(msgspec.json.encode(rows).decode())
+            return
+        now = time.time()
+        t = Table("key", "size", *(("kind", "replicas", "age", "last access", "state") if long else ()))
+        for r in rows:
+            state = ",".join(s for s in (("leased" if r.leased else ""), (f"pin:{r.pin}" if r.pin else ""),
+                                         ("held" if r.held else "")) if s) or "-"
+            extra = (r.kind, ",".join(r.nodes), f"{now - r.created:.0f}s", f"{now - r.last_access:.0f}s ago",
+                     state) if long else ()
+            t.add_row(r.key, format_bytes(r.size), *extra)
+        console.print(t)
+        console.print(f"{len(rows)} object(s)")
+
+    _run(go)
+
+
+@app.command()
+def rm(key: str, force: Annotated[bool, typer.Option(help="Remove even if leased or pinned")] = False,
+       config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None) -> None:
+    """Remove KEY (HasLease/Pinned unless --force)."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            c.remove(key, force)
+        console.print(f"removed {key}")
+
+    _run(go)
+
+
+@app.command()
+def pin(key: str, ttl: Annotated[Optional[str], typer.Option(help="Soft pin for this long, e.g. 30m")] = None,
+        config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None) -> None:
+    """Hard-pin KEY (never evicted) or, with --ttl, soft-pin it (evicted last)."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            c.pin(key, None if ttl is None else parse_duration(ttl, key="ttl"))
+        console.print(f"pinned {key}" + (f" (soft, {ttl})" if ttl else " (hard)"))
+
+    _run(go)
+
+
+@app.command()
+def unpin(key: str, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+          cluster: ClusterOpt = None) -> None:
+    """Remove KEY's pin."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            c.unpin(key)
+        console.print(f"unpinned {key}")
+
+    _run(go)
+
+
+# ---- admin ----------------------------------------------------------------------------------
+
+@app.command()
+def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+           cluster: ClusterOpt = None) -> None:
+    """Cluster table: leader, nodes (address, host, capacity, used, objects, alive), totals."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            st = c.stats()
+        if json_:
+            print(msgspec.json.encode(st).decode())
+            return
+        console.print(f"cluster [bold]{st.cluster}[/]  leader [bold]{st.leader}[/]")
+        t = Table("node", "address", "host", "capacity", "used", "use %", "objects", "alive")
+        for n in st.nodes:
+            pct = 100 * n.used / n.capacity if n.capacity else 0
+            mark = "[red]" if pct > 100 * st.high_watermark else ""
+            t.add_row(n.node_id + (" (draining)" if n.draining else ""), n.data_addr, n.host_id,
+                      format_bytes(n.capacity), format_bytes(n.used), f"{mark}{pct:.1f}",
+                      str(n.objects), "yes" if n.alive else "no")
+        t.add_row("[bold]total", "", "", format_bytes(st.capacity), format_bytes(st.used),
+                  f"{100 * st.used / st.capacity if st.capacity else 0:.1f}", str(st.objects), "")
+        console.print(t)
+        ev = {k: v for k, v in st.counters.items() if k.startswith("evictions_")}
+        console.print(f"watermarks high {st.high_watermark:.2f} / low {st.low_watermark:.2f}; pending puts "
+                      f"{st.pending}; held {format_bytes(st.held_bytes)}; under-replicated {st.under_replicated}")
+        console.print("evictions: " + (", ".join(f"{k[10:]} {v}" for k, v in sorted(ev.items())) or "none"))
+
+    _run(go)
+
+
+@app.command()
+def evict(key: Annotated[Optional[str], typer.Option()] = None,
+          prefix: Annotated[Optional[str], typer.Option()] = None,
+          model: Annotated[Optional[str], typer.Option()] = None,
+          node: Annotated[Optional[str], typer.Option()] = None,
+          older_than: Annotated[Optional[str], typer.Option(help="e.g. 10m")] = None,
+          all_: Annotated[bool, typer.Option("--all")] = False,
+          dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+          force: Annotated[bool, typer.Option(help="Include leased, pinned and held objects")] = False,
+          json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+          cluster: ClusterOpt = None) -> None:
+    """Evict objects by one selector; prints what was removed and what was skipped and why."""
+    from protocol.messages import EvictSelector
+
+    def go() -> None:
+        sel = EvictSelector(key, prefix, model, node,
+                            None if older_than is None else parse_duration(older_than, key="older-than"), all_)
+        with connect(config, master, etcd, cluster) as c:
+            rep = c.evict(sel, dry_run, force)
+        if json_:
+            print(msgspec.json.encode(rep).decode())
+            return
+        verb = "would remove" if rep.dry_run else "removed"
+        console.print(f"{verb} {rep.removed} object(s) / {format_bytes(rep.removed_bytes)}; skipped "
+                      f"{rep.skipped_leased + rep.skipped_pinned + rep.skipped_held}: leased {rep.skipped_leased}, "
+                      f"pinned {rep.skipped_pinned}, held {rep.skipped_held}")
+
+    _run(go)
+
+
+@app.command()
+def drain(node: str, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+          cluster: ClusterOpt = None) -> None:
+    """Stop placing on NODE and move its held/pinned objects off it."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            c.drain(node)
+        console.print(f"draining {node}; watch `kvpool status` until it holds no pinned/held objects")
+
+    _run(go)
+
+
+# ---- demo and bench -------------------------------------------------------------------------
+
+@app.command()
+def demo(json_: JsonOpt = False, quick: Annotated[bool, typer.Option(help="A few seconds of work")] = False,
+         hybrid: Annotated[bool, typer.Option(help="Also run the hybrid-attention engine")] = False,
+         config: ConfigOpt = None) -> None:
+    """Bring up the local cluster, run the shared-prefix demo on real text, tear down."""
+    from cli.cluster import LocalCluster
+    from cli.demo import render_demo, run_demo
+
+    def go() -> None:
+        cfg = build_config(config)
+        with console.status("starting local cluster (etcd, master, 2 store nodes)...", spinner="dots"):
+            lc = LocalCluster(cfg)
+            lc.__enter__()
+        try:
+            report = run_demo(lc.master_addr, quick=quick, hybrid=hybrid)
+        finally:
+            lc.__exit__(None, None, None)
+        if json_:
+            print(json.dumps(report, indent=2))
+        else:
+            render_demo(report)
+        if not report.get("all_match", True):
+            sys.exit(1)
+
+    _run(go)
+
+
+@app.command()
+def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated")] = "64KiB,1MiB,4MiB",
+          clients: Annotated[str, typer.Option(help="Concurrent client processes, comma separated")] = "1",
+          total: Annotated[str, typer.Option(help="Bytes moved per cell")] = "256MiB",
+          transport: Annotated[str, typer.Option(help="auto (shm on same host) or tcp")] = "auto",
+          metadata: Annotated[bool, typer.Option(help="Also measure master metadata ops/s")] = False,
+          json_: JsonOpt = False, config: ConfigOpt = None) -> None:
+    """Throughput and latency of put/get beside the memcpy and raw-socket ceilings."""
+    from cli.bench import render_bench, run_bench
+
+    def go() -> None:
+        cfg = build_config(config)
+        rep = run_bench(cfg, [parse_size(s.strip()) for s in sizes.split(",")],
+                        [int(c) for c in clients.split(",")], parse_size(total), transport, metadata,
+                        progress=not json_)
+        if json_:
+            print(json.dumps(rep, indent=2))
+        else:
+            render_bench(rep)
+
+    _run(go)
+
+
+def main() -> None:
+    app()

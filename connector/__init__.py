@@ -1,0 +1,2 @@
+"""kvpool connector: the client library engines link (KVPoolClient, group blocks,
+P/D hand-off) and the vLLM adapter (imported only when selected)."""

@@ -1,0 +1,385 @@
+"""KVPoolClient: put/get/exists/remove of bytes and torch tensors, batch forms, admin calls
+and the P/D hand-off API (DESIGN.md §5–7).
+
+Put: ``put_start`` (master places replicas) → write every replica in parallel (one
+thread per node) → ``put_end`` commits; a failed replica write revokes the put and
+reports the error for that key. Get: ``lookup`` grants a read lease → read one replica
+(same-host shared memory first) → verify the xxh3_64 checksum and that the lease was
+still valid when the read finished; otherwise try the next replica, then look up again
+once, then report :class:`~protocol.errors.LeaseExpired` /
+:class:`~protocol.errors.ChecksumMismatch`. A miss is ``None``.
+
+Buffers: ``bytes``/``bytearray``/``memoryview``/numpy arrays (C-contiguous) and torch
+tensors (contiguous; CPU directly, CUDA through a host staging copy). No intermediate
+``bytes`` objects are made for tensor puts or gets.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from connector.dataclient import DataPlane, ReadOp, WriteOp
+from connector.rpc import MasterRPC
+from protocol import messages as M
+from protocol.errors import (ChecksumMismatch, InvalidRequest, KVPoolError, LayoutMismatch, LeaseExpired,
+                             NodeUnavailable, NotFound, StaleExtent, from_wire)
+from protocol.keys import validate_key
+from protocol.layout import LayoutSpec, check_layout
+from protocol.transport import default_host_id
+
+LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
+
+
+def as_buffer(x: Any, writable: bool) -> tuple[memoryview, Callable[[], None] | None]:
+    """A flat unsigned-byte memoryview over ``x`` plus an optional finaliser (for CUDA
+    tensors: copies staged bytes back). Raises InvalidRequest for non-contiguous data."""
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        if not x.is_contiguous():
+            raise InvalidRequest("tensor is not contiguous; call .contiguous() first")
+        if x.device.type != "cpu":
+            host = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8, pin_memory=True)
+            if not writable:
+                host.copy_(x.reshape(-1).view(torch.uint8))
+                return memoryview(host.numpy()), None
+
+            def back() -> None:
+                x.reshape(-1).view(torch.uint8).copy_(host, non_blocking=False)
+
+            return memoryview(host.numpy()), back
+        flat = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
+        return memoryview(flat.numpy()), None
+    if mod.startswith("numpy"):
+        if not x.flags["C_CONTIGUOUS"]:
+            raise InvalidRequest("array is not C-contiguous; use numpy.ascontiguousarray")
+        mv = memoryview(x.reshape(-1).view("u1"))
+    else:
+        mv = memoryview(x)
+    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    if writable and mv.readonly:
+        raise InvalidRequest("output buffer is read-only; pass a bytearray, numpy array or tensor")
+    return mv, None
+
+
+class KVPoolClient:
+    """A connection to one kvpool cluster. Thread-safe.
+
+    ``master``: the master's RPC address (``tcp://host:port``), or ``etcd`` + ``cluster``
+    to follow the elected leader. ``transport``: ``auto`` | ``tcp`` | ``shm``.
+    ``read_hook(key)`` runs after bytes land and before validation (fault injection in
+    tests: a slow reader).
+    """
+
+    def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
+                 transport: str = "auto", host_id: str | None = None, rpc_timeout_s: float = 10.0,
+                 io_timeout_s: float = 30.0, lease_retries: int = 1,
+                 read_hook: Callable[[str], None] | None = None) -> None:
+        self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s)
+        self.host_id = host_id or default_host_id()
+        self.data = DataPlane(self.host_id, transport, io_timeout_s)
+        self.lease_retries = lease_retries
+        self.read_hook = read_hook
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpool-io")
+
+    @classmethod
+    def from_config(cls, cfg, master: str | None = None) -> "KVPoolClient":
+        from protocol.units import parse_duration
+
+        return cls(master, etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
+                   host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
+                   io_timeout_s=parse_duration(cfg.client.io_timeout))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.data.close()
+        self.rpc.close()
+
+    def __enter__(self) -> "KVPoolClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- puts ---------------------------------------------------------------------------
+
+    def put(self, key: str, data: Any, layout: LayoutSpec | None = None, replicas: int | None = None) -> None:
+        """Store ``data`` under ``key``. An existing key is a no-op success. Raises the typed
+        error (InvalidKey, ObjectTooLarge, NoSpace, NodeUnavailable, ...)."""
+        err = self.put_batch([key], [data], [layout], replicas)[0]
+        if err is not None:
+            raise err
+
+    def put_batch(self, keys: Sequence[str], datas: Sequence[Any],
+                  layouts: Sequence[LayoutSpec | None] | LayoutSpec | None = None,
+                  replicas: int | None = None) -> list[KVPoolError | None]:
+        """Store many objects with one master round trip each way; per-key results."""
+        n = len(keys)
+        if len(datas) != n:
+            raise InvalidRequest(f"put_batch: {n} keys but {len(datas)} buffers")
+        lays = _per_key(layouts, n)
+        results: list[KVPoolError | None] = [None] * n
+        items, bufs, idx = [], [], []
+        for i, (k, d, lay) in enumerate(zip(keys, datas, lays)):
+            try:
+                k = validate_key(k)
+                mv, _ = as_buffer(d, writable=False)
+                if lay is not None and lay.nbytes != len(mv):
+                    raise LayoutMismatch(f"object {k!r} has {len(mv)} bytes but layout {lay.kind} describes "
+                                         f"{lay.nbytes}", key=k)
+                items.append(M.PutItem(k, len(mv), xxhash.xxh3_64_intdigest(mv), lay))
+                bufs.append(mv)
+                idx.append(i)
+            except KVPoolError as e:
+                results[i] = e
+        if not items:
+            return results
+        grants = self.rpc.call(M.PutStart(items, self.host_id, replicas or 0))
+        by_node: dict[str, list[WriteOp]] = defaultdict(list)
+        ops_of: dict[int, list[WriteOp]] = {}
+        for j, g in enumerate(grants):
+            i = idx[j]
+            if isinstance(g, M.ErrorInfo):
+                results[i] = from_wire(g)
+                continue
+            if g.status != "write":
+                continue  # "exists" / "in_flight": content-addressed no-op
+            lay = items[j].layout
+            ops = [WriteOp(r, bufs[j], g.key, items[j].checksum, lay.encode() if lay else None)
+                   for r in g.replicas]
+            ops_of[j] = ops
+            for op in ops:
+                by_node[op.ref.node_id].append(op)
+        self._parallel(self.data.write, by_node)
+        commit_keys, commit_ids, revoke_keys, revoke_ids, commit_j = [], [], [], [], []
+        for j, ops in ops_of.items():
+            g = grants[j]
+            bad = next((op.error for op in ops if op.error is not None), None)
+            if bad is None:
+                commit_keys.append(g.key)
+                commit_ids.append(g.put_id)
+                commit_j.append(j)
+            else:
+                revoke_keys.append(g.key)
+                revoke_ids.append(g.put_id)
+                results[idx[j]] = bad
+        if revoke_keys:
+            self.rpc.call(M.PutRevoke(revoke_keys, revoke_ids))
+            dead = {op.ref.node_id: op.ref.incarnation for ops in ops_of.values() for op in ops
+                    if isinstance(op.error, NodeUnavailable)}
+            for nid, inc in dead.items():
+                self.rpc.call(M.ReportDead(nid, inc))
+        if commit_keys:
+            for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids))):
+                if e is not None:
+                    results[idx[j]] = from_wire(e)
+        return results
+
+    def _parallel(self, fn, by_node: dict[str, list]) -> None:
+        groups = list(by_node.values())
+        if len(groups) <= 1:
+            for g in groups:
+                fn(g)
+            return
+        for f in [self._pool.submit(fn, g) for g in groups]:
+            f.result()
+
+    # ---- gets ---------------------------------------------------------------------------
+
+    def get(self, key: str, layout: LayoutSpec | None = None) -> bytes | None:
+        """The object's bytes, or None when not stored."""
+        info = self._lookup_one(key)
+        if info is None:
+            return None
+        buf = bytearray(info.size)
+        got = self.get_into(key, buf, layout)
+        return None if got is None else bytes(buf)
+
+    def _lookup_one(self, key: str) -> M.ObjectInfo | None:
+        r = self.rpc.call(M.Lookup([validate_key(key)], lease=False))[0]
+        return None if isinstance(r, M.ErrorInfo) else r
+
+    def get_into(self, key: str, out: Any, layout: LayoutSpec | None = None) -> int | None:
+        """Copy the object into ``out`` (≥ its size); return bytes copied, None on a miss.
+        Raises LayoutMismatch, LeaseExpired, ChecksumMismatch, NodeUnavailable."""
+        r = self.get_into_batch([key], [out], layout)[0]
+        if isinstance(r, KVPoolError):
+            raise r
+        return r
+
+    def get_batch(self, keys: Sequence[str], layout=None) -> list[bytes | None | KVPoolError]:
+        infos = self.rpc.call(M.Lookup([validate_key(k) for k in keys], lease=False))
+        outs = [bytearray(i.size) if isinstance(i, M.ObjectInfo) else bytearray() for i in infos]
+        res = self.get_into_batch(keys, outs, layout)
+        return [bytes(o) if isinstance(r, int) else r for r, o in zip(res, outs)]
+
+    def get_into_batch(self, keys: Sequence[str], outs: Sequence[Any],
+                       layout: Sequence[LayoutSpec | None] | LayoutSpec | None = None
+                       ) -> list[int | None | KVPoolError]:
+        """Batch get into caller buffers: per key bytes copied, None (miss) or the error."""
+        n = len(keys)
+        if len(outs) != n:
+            raise InvalidRequest(f"get_into_batch: {n} keys but {len(outs)} buffers")
+        lays = _per_key(layout, n)
+        results: list[int | None | KVPoolError] = [None] * n
+        views: list[memoryview | None] = [None] * n
+        fins: list[Callable[[], None] | None] = [None] * n
+        todo = []
+        for i, (k, o) in enumerate(zip(keys, outs)):
+            try:
+                validate_key(k)
+                views[i], fins[i] = as_buffer(o, writable=True)
+                todo.append(i)
+            except KVPoolError as e:
+                results[i] = e
+        for attempt in range(self.lease_retries + 1):
+            if not todo:
+                break
+            todo = self._get_round(keys, views, lays, results, todo, last=attempt == self.lease_retries)
+        for i in range(n):
+            if isinstance(results[i], int) and fins[i] is not None:
+                fins[i]()
+        return results
+
+    def _get_round(self, keys, views, lays, results, todo: list[int], last: bool) -> list[int]:
+        """One lookup + read round; returns the indices to retry with a fresh lease."""
+        t_sent = time.monotonic()
+        infos = self.rpc.call(M.Lookup([keys[i] for i in todo], lease=True))
+        pending: dict[int, tuple[M.ObjectInfo, list[M.ExtentRef]]] = {}
+        for i, info in zip(todo, infos):
+            if isinstance(info, M.ErrorInfo):
+                err = from_wire(info)
+                results[i] = None if isinstance(err, NotFound) else err
+                continue
+            try:
+                if lays[i] is not None:
+                    check_layout(lays[i], info.layout, info.key)
+                if len(views[i]) < info.size:
+                    raise InvalidRequest(f"buffer for {info.key!r} holds {len(views[i])} bytes; the object "
+                                         f"has {info.size}", key=info.key, size=info.size)
+            except KVPoolError as e:
+                results[i] = e
+                continue
+            order = sorted(info.replicas, key=lambda r: r.host_id != self.host_id)
+            pending[i] = (info, order)
+        retry: list[int] = []
+        errors: dict[int, KVPoolError] = {}
+        while pending:
+            by_node: dict[str, list[ReadOp]] = defaultdict(list)
+            op_of: dict[int, ReadOp] = {}
+            for i, (info, order) in pending.items():
+                op = ReadOp(order[0], views[i])
+                op_of[i] = op
+                by_node[op.ref.node_id].append(op)
+            self._parallel(self.data.read, by_node)
+            nxt = {}
+            for i, op in op_of.items():
+                info, order = pending[i]
+                err = op.error
+                if err is None:
+                    if self.read_hook is not None:
+                        self.read_hook(info.key)
+                    if info.lease_ttl_s and time.monotonic() > t_sent + info.lease_ttl_s * LEASE_MARGIN:
+                        err = LeaseExpired(f"read of {info.key!r} finished after its {info.lease_ttl_s:g}s lease "
+                                           "lapsed; the bytes were discarded. Retry, or raise master.lease_ttl "
+                                           "for slow readers", key=info.key)
+                    elif xxhash.xxh3_64_intdigest(views[i][:info.size]) != info.checksum:
+                        err = ChecksumMismatch(f"bytes of {info.key!r} read from {op.ref.node_id} fail the xxh3 "
+                                               "checksum", key=info.key, node=op.ref.node_id)
+                    else:
+                        results[i] = info.size
+                        continue
+                errors[i] = err
+                if isinstance(err, LeaseExpired):
+                    retry.append(i)
+                elif len(order) > 1:
+                    nxt[i] = (info, order[1:])
+                elif isinstance(err, (StaleExtent, NodeUnavailable, ChecksumMismatch)) and not last:
+                    retry.append(i)
+                else:
+                    results[i] = err
+            pending = nxt
+        if last:
+            for i in retry:
+                results[i] = errors[i]
+            return []
+        return retry
+
+    # ---- metadata -------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.exists_batch([key])[0]
+
+    def exists_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Existence without a lease and without touching LRU order (side-effect free)."""
+        return self.rpc.call(M.Exists(list(keys)))
+
+    def lookup(self, keys: Sequence[str]) -> list[M.ObjectInfo | None]:
+        """Headers and replicas, without a lease."""
+        res = self.rpc.call(M.Lookup(list(keys), lease=False))
+        return [r if isinstance(r, M.ObjectInfo) else None for r in res]
+
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove ``key``; raises NotFound, HasLease or Pinned (unless force)."""
+        e = self.remove_batch([key], force)[0]
+        if e is not None:
+            raise e
+
+    def remove_batch(self, keys: Sequence[str], force: bool = False) -> list[KVPoolError | None]:
+        return [None if e is None else from_wire(e) for e in self.rpc.call(M.Remove(list(keys), force))]
+
+    def ls(self, prefix: str = "", limit: int = 10000) -> list[M.ObjectMeta]:
+        return self.rpc.call(M.ListObjects(prefix, limit))
+
+    def stats(self) -> M.ClusterStats:
+        return self.rpc.call(M.Stats())
+
+    def pin(self, key: str, ttl_s: float | None = None) -> None:
+        """Hard pin (``ttl_s=None``: never evicted) or soft pin for ``ttl_s`` seconds."""
+        self.rpc.call(M.Pin(key, ttl_s))
+
+    def unpin(self, key: str) -> None:
+        self.rpc.call(M.Unpin(key))
+
+    def evict(self, selector: M.EvictSelector, dry_run: bool = False, force: bool = False) -> M.EvictReport:
+        return self.rpc.call(M.Evict(selector, dry_run, force))
+
+    def drain(self, node_id: str) -> None:
+        self.rpc.call(M.Drain(node_id))
+
+    # ---- P/D hand-off ---------------------------------------------------------------------
+
+    def handoff_publish(self, request_id: str, keys_by_group: dict[str, list[str]],
+                        layouts: dict[str, LayoutSpec], ttl_s: float, num_tokens: int = 0,
+                        extra: dict | None = None, producer: str = "") -> M.HandoffRecord:
+        """Hold the (already stored) blocks for a consumer until ack/release or ``ttl_s``
+        seconds pass; durable in etcd. Idempotent. Raises NotFound naming missing keys."""
+        rec = M.HandoffRecord(request_id, {str(g): list(k) for g, k in keys_by_group.items()},
+                              {str(g): lay for g, lay in layouts.items()}, producer or self.host_id,
+                              time.time() + ttl_s, num_tokens, extra or {})
+        return self.rpc.call(M.HandoffPublish(rec))
+
+    def handoff_claim(self, request_id: str) -> M.HandoffRecord:
+        """The record; raises HandoffNotFound or HandoffExpired."""
+        return self.rpc.call(M.HandoffClaim(request_id))
+
+    def handoff_ack(self, request_id: str) -> None:
+        self.rpc.call(M.HandoffAck(request_id))
+
+    def handoff_release(self, request_id: str) -> None:
+        self.rpc.call(M.HandoffRelease(request_id))
+
+
+def _per_key(v, n: int) -> list:
+    if v is None or isinstance(v, LayoutSpec):
+        return [v] * n
+    v = list(v)
+    if len(v) != n:
+        raise InvalidRequest(f"expected {n} layouts, got {len(v)}")
+    return v

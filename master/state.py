@@ -1,0 +1,695 @@
+"""The master's state machine: events in, decisions out, no I/O (in the manner of
+dask/distributed's ``worker_state_machine.py``).
+
+It owns the node table, one :class:`~master.allocator.RangeAllocator` per node segment,
+the object index (PENDING → COMMITTED), read leases, pins, hand-off holds, LRU eviction
+and hand-off records. Every method takes ``now`` (seconds since the epoch) explicitly so
+tests drive time. Messages that must reach store nodes (commit/free/copy notices) are
+appended to :attr:`MasterState.outbox` for the server to send.
+
+Eviction order is LRU per node (an ``OrderedDict`` moved-to-end on access), so choosing a
+victim is O(1) amortised regardless of index size; pinned and held objects leave the LRU.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+from master.allocator import RangeAllocator, align_up
+from protocol import errors as E
+from protocol.errors import ErrorInfo
+from protocol.keys import validate_key
+from protocol.layout import LayoutSpec
+from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentRef, HandoffRecord, NodeCommit, NodeDesc,
+                               NodeCopy, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PutGrant, PutItem)
+
+PENDING, COMMITTED = 0, 1
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    """Tunables in seconds and fractions; see ``protocol.config.MasterConfig``."""
+
+    replicas: int = 1
+    lease_ttl_s: float = 5.0
+    put_timeout_s: float = 30.0
+    quarantine_s: float = 5.0
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    handoff_ttl_s: float = 60.0
+
+
+@dataclass
+class Node:
+    desc: NodeDesc
+    alloc: RangeAllocator
+    keys: set[str] = field(default_factory=set)
+    lru: OrderedDict = field(default_factory=OrderedDict)
+    soft_lru: OrderedDict = field(default_factory=OrderedDict)
+    quarantine: list[tuple[float, int, int]] = field(default_factory=list)
+    draining: bool = False
+    next_gen: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def node_id(self) -> str:
+        return self.desc.node_id
+
+    def usage(self) -> float:
+        return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
+
+
+@dataclass
+class Obj:
+    key: str
+    size: int
+    checksum: int
+    layout: LayoutSpec | None
+    replicas: list[ExtentRef]
+    state: int
+    put_id: int
+    created: float
+    last_access: float
+    writer_deadline: float = 0.0
+    lease_until: float = 0.0
+    pin: str = ""
+    pin_until: float = 0.0
+    holds: set[str] = field(default_factory=set)
+    replicas_wanted: int = 1
+    repairing: bool = False
+
+    def evictable_kind(self) -> str:
+        """"" when in the plain LRU, "soft" in the soft-pin LRU, "none" when never evicted."""
+        if self.holds or self.pin == "hard":
+            return "none"
+        return "soft" if self.pin == "soft" else ""
+
+
+@dataclass
+class Handoff:
+    record: HandoffRecord
+    status: str = "open"  # open | acked | released | expired
+
+
+class MasterState:
+    """All master decisions. Not thread-safe: the server calls it from one event loop."""
+
+    def __init__(self, settings: MasterSettings, cluster: str = "default") -> None:
+        self.s = settings
+        self.cluster = cluster
+        self.nodes: dict[str, Node] = {}
+        self.objects: dict[str, Obj] = {}
+        self.pending: dict[str, Obj] = {}
+        self.handoffs: dict[str, Handoff] = {}
+        self.outbox: dict[str, list] = defaultdict(list)
+        self.counters: dict[str, int] = defaultdict(int)
+        self._put_ids = itertools.count(1)
+        self.leader_addr = ""
+
+    # ---- membership ---------------------------------------------------------------------
+
+    def node_up(self, desc: NodeDesc, now: float) -> None:
+        """A node key appeared (or was re-read). A new incarnation replaces the old node:
+        its extents are gone (the node restarted empty)."""
+        old = self.nodes.get(desc.node_id)
+        if old is not None and old.desc.incarnation == desc.incarnation:
+            return
+        if old is not None:
+            self.node_down(desc.node_id, now)
+        self.nodes[desc.node_id] = Node(desc, RangeAllocator(desc.capacity))
+        self.counters["node_joins"] += 1
+
+    def node_down(self, node_id: str, now: float) -> list[str]:
+        """The node's etcd key lapsed or its data plane failed: drop its replicas at once.
+        Returns the keys that lost their last replica (now misses)."""
+        node = self.nodes.pop(node_id, None)
+        if node is None:
+            return []
+        self.counters["node_deaths"] += 1
+        self.outbox.pop(node_id, None)
+        lost: list[str] = []
+        for key in list(node.keys):
+            obj = self.objects.get(key) or self.pending.get(key)
+            if obj is None:
+                continue
+            obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
+            if obj.state == PENDING:
+                self._revoke_pending(obj, now, quarantine=False)
+                continue
+            if not obj.replicas:
+                self._drop(obj, reason="node_lost")
+                lost.append(key)
+        return lost
+
+    def restore_extent(self, node_id: str, key: str, offset: int, size: int, gen: int, checksum: int,
+                       layout: LayoutSpec | None, now: float) -> None:
+        """Rebuild after failover: a node reported a committed extent from its table."""
+        node = self.nodes[node_id]
+        node.alloc.reserve(offset, size)
+        ref = ExtentRef(node_id, node.desc.incarnation, node.desc.data_addr, node.desc.shm_path,
+                        node.desc.host_id, offset, size, gen)
+        node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
+        obj = self.objects.get(key)
+        if obj is None:
+            obj = Obj(key, size, checksum, layout, [ref], COMMITTED, 0, now, now,
+                      replicas_wanted=self.s.replicas)
+            self.objects[key] = obj
+        elif obj.checksum == checksum and obj.size == size:
+            obj.replicas.append(ref)
+        else:
+            self._free_extent(ref)
+            return
+        node.keys.add(key)
+        self._lru_add(obj)
+
+    # ---- puts ---------------------------------------------------------------------------
+
+    def put_start(self, items: list[PutItem], host_id: str, replicas: int, now: float
+                  ) -> list[PutGrant | ErrorInfo]:
+        out: list[PutGrant | ErrorInfo] = []
+        for it in items:
+            try:
+                out.append(self._put_start_one(it, host_id, replicas or self.s.replicas, now))
+            except E.KVPoolError as e:
+                out.append(e.to_wire())
+        return out
+
+    def _put_start_one(self, it: PutItem, host_id: str, replicas: int, now: float) -> PutGrant:
+        key = validate_key(it.key)
+        self.counters["puts"] += 1
+        if key in self.objects:
+            return PutGrant(key, "exists")
+        if key in self.pending:
+            p = self.pending[key]
+            if p.writer_deadline > now:
+                return PutGrant(key, "in_flight")
+            self._revoke_pending(p, now, quarantine=True)
+        if it.size < 0:
+            raise E.InvalidRequest(f"object {key!r}: negative size {it.size}", key=key)
+        refs = self._place(key, it.size, host_id, replicas, now)
+        put_id = next(self._put_ids)
+        obj = Obj(key, it.size, it.checksum, it.layout, refs, PENDING, put_id, now, now,
+                  writer_deadline=now + self.s.put_timeout_s, replicas_wanted=replicas)
+        self.pending[key] = obj
+        for r in refs:
+            self.nodes[r.node_id].keys.add(key)
+        return PutGrant(key, "write", put_id, refs)
+
+    def _place(self, key: str, size: int, host_id: str, replicas: int, now: float) -> list[ExtentRef]:
+        live = [n for n in self.nodes.values() if not n.draining]
+        if not live:
+            raise E.NoSpace(f"no live store node to hold {key!r}; start one with `kvpool storenode` "
+                            "or check `kvpool status`", key=key)
+        need = align_up(max(size, 1))
+        fits = [n for n in live if n.alloc.capacity >= need]
+        if not fits:
+            biggest = max(n.alloc.capacity for n in live)
+            raise E.ObjectTooLarge(
+                f"object {key!r} is {size} bytes but the largest store node segment is {biggest} bytes; "
+                "split it into smaller objects or start store nodes with more --memory",
+                key=key, size=size, largest=biggest)
+        # writer's host first, then most free space; distinct hosts preferred
+        fits.sort(key=lambda n: (n.desc.host_id != host_id, -(n.alloc.capacity - n.alloc.used)))
+        want = min(replicas, len(fits))
+        chosen: list[Node] = []
+        hosts: set[str] = set()
+        for strict_hosts in (True, False):
+            for n in fits:
+                if len(chosen) == want:
+                    break
+                if n in chosen or (strict_hosts and n.desc.host_id in hosts):
+                    continue
+                chosen.append(n)
+                hosts.add(n.desc.host_id)
+        refs: list[ExtentRef] = []
+        spare = [n for n in fits if n not in chosen]
+        for n in chosen:
+            off = self._alloc_on(n, size, now)
+            while off is None and spare:
+                n = spare.pop(0)
+                off = self._alloc_on(n, size, now)
+            if off is None:
+                for r in refs:
+                    self.nodes[r.node_id].alloc.free(r.offset, r.size)
+                raise E.NoSpace(
+                    f"no room for {key!r} ({size} bytes) on {want} store node(s) even after evicting "
+                    "every unleased, unpinned object; wait for leases to lapse, unpin objects "
+                    "(`kvpool ls --long`), or add store nodes", key=key, size=size)
+            refs.append(ExtentRef(n.node_id, n.desc.incarnation, n.desc.data_addr, n.desc.shm_path,
+                                  n.desc.host_id, off, size, next(n.next_gen)))
+        return refs
+
+    def _alloc_on(self, node: Node, size: int, now: float) -> int | None:
+        self._release_quarantine(node, now)
+        off = node.alloc.alloc(size)
+        if off is None:
+            # evict on allocation failure, then retry once
+            self._evict_node(node, target_used=None, need=align_up(max(size, 1)), now=now,
+                             reason="alloc")
+            off = node.alloc.alloc(size)
+        return off
+
+    def put_end(self, keys: list[str], put_ids: list[int], now: float) -> list[ErrorInfo | None]:
+        out: list[ErrorInfo | None] = []
+        for key, pid in zip(keys, put_ids):
+            obj = self.pending.get(key)
+            if obj is None or obj.put_id != pid:
+                if key in self.objects and self.objects[key].put_id == pid:
+                    out.append(None)  # idempotent repeat
+                    continue
+                out.append(E.PutRevoked(
+                    f"put of {key!r} (put_id {pid}) was revoked (writer silent past put_timeout, "
+                    "or a store node died); write it again", key=key).to_wire())
+                continue
+            del self.pending[key]
+            obj.state = COMMITTED
+            obj.last_access = now
+            self.objects[key] = obj
+            for r in obj.replicas:
+                self.outbox[r.node_id].append(NodeCommit([(r.offset, r.gen)]))
+            self._lru_add(obj)
+            out.append(None)
+        self.enforce_watermarks(now)
+        return out
+
+    def put_revoke(self, keys: list[str], put_ids: list[int], now: float) -> list[ErrorInfo | None]:
+        out: list[ErrorInfo | None] = []
+        for key, pid in zip(keys, put_ids):
+            obj = self.pending.get(key)
+            if obj is not None and obj.put_id == pid:
+                self._revoke_pending(obj, now, quarantine=True)
+            out.append(None)
+        return out
+
+    def _revoke_pending(self, obj: Obj, now: float, quarantine: bool) -> None:
+        self.pending.pop(obj.key, None)
+        self.counters["puts_revoked"] += 1
+        for r in obj.replicas:
+            node = self.nodes.get(r.node_id)
+            if node is None:
+                continue
+            node.keys.discard(obj.key)
+            self.outbox[r.node_id].append(NodeFree([(r.offset, r.gen)]))
+            if quarantine:
+                node.quarantine.append((now + self.s.quarantine_s, r.offset, r.size))
+            else:
+                node.alloc.free(r.offset, r.size)
+
+    def _release_quarantine(self, node: Node, now: float) -> None:
+        if node.quarantine and node.quarantine[0][0] <= now:
+            keep = []
+            for until, off, size in node.quarantine:
+                if until <= now:
+                    node.alloc.free(off, size)
+                else:
+                    keep.append((until, off, size))
+            node.quarantine = keep
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def lookup(self, keys: list[str], lease: bool, now: float) -> list[ObjectInfo | ErrorInfo]:
+        out: list[ObjectInfo | ErrorInfo] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            self.counters["gets"] += 1
+            if obj is None:
+                self.counters["misses"] += 1
+                out.append(E.NotFound(f"key {key!r} is not stored", key=key).to_wire())
+                continue
+            self.counters["hits"] += 1
+            self._touch(obj, now)
+            ttl = 0.0
+            if lease:
+                ttl = self.s.lease_ttl_s
+                obj.lease_until = max(obj.lease_until, now + ttl)
+            out.append(ObjectInfo(key, obj.size, obj.checksum, obj.layout, obj.replicas, ttl))
+        return out
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Existence without a lease and without touching LRU order."""
+        return [k in self.objects for k in keys]
+
+    def _touch(self, obj: Obj, now: float) -> None:
+        obj.last_access = now
+        kind = obj.evictable_kind()
+        if kind == "none":
+            return
+        for r in obj.replicas:
+            node = self.nodes.get(r.node_id)
+            if node is not None:
+                lru = node.soft_lru if kind == "soft" else node.lru
+                if obj.key in lru:
+                    lru.move_to_end(obj.key)
+
+    # ---- removal and eviction -----------------------------------------------------------
+
+    def remove(self, keys: list[str], force: bool, now: float) -> list[ErrorInfo | None]:
+        out: list[ErrorInfo | None] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None:
+                out.append(E.NotFound(f"key {key!r} is not stored", key=key).to_wire())
+                continue
+            why = self._skip_reason(obj, now)
+            if why and not force:
+                err = (E.HasLease(f"{key!r} has a live read lease; retry after it lapses "
+                                  f"({self.s.lease_ttl_s:g}s) or pass force", key=key)
+                       if why == "leased" else
+                       E.Pinned(f"{key!r} is {why}; unpin it / ack the hand-off, or pass force", key=key))
+                out.append(err.to_wire())
+                continue
+            self._drop(obj, reason="remove")
+            out.append(None)
+        return out
+
+    def _skip_reason(self, obj: Obj, now: float) -> str:
+        if obj.holds:
+            return "held"
+        if obj.pin == "hard" or (obj.pin == "soft" and obj.pin_until > now):
+            return "pinned"
+        if obj.lease_until > now:
+            return "leased"
+        return ""
+
+    def _drop(self, obj: Obj, reason: str) -> None:
+        self.objects.pop(obj.key, None)
+        self._lru_remove(obj)
+        for r in obj.replicas:
+            self._free_extent(r)
+            node = self.nodes.get(r.node_id)
+            if node is not None:
+                node.keys.discard(obj.key)
+        self.counters[f"evictions_{reason}"] += 1
+
+    def _free_extent(self, r: ExtentRef) -> None:
+        node = self.nodes.get(r.node_id)
+        if node is None:
+            return
+        node.alloc.free(r.offset, r.size)
+        self.outbox[r.node_id].append(NodeFree([(r.offset, r.gen)]))
+
+    def _lru_add(self, obj: Obj) -> None:
+        kind = obj.evictable_kind()
+        for r in obj.replicas:
+            node = self.nodes.get(r.node_id)
+            if node is None:
+                continue
+            node.lru.pop(obj.key, None)
+            node.soft_lru.pop(obj.key, None)
+            if kind == "":
+                node.lru[obj.key] = None
+            elif kind == "soft":
+                node.soft_lru[obj.key] = None
+
+    def _lru_remove(self, obj: Obj) -> None:
+        for r in obj.replicas:
+            node = self.nodes.get(r.node_id)
+            if node is not None:
+                node.lru.pop(obj.key, None)
+                node.soft_lru.pop(obj.key, None)
+
+    def enforce_watermarks(self, now: float) -> int:
+        """Evict LRU objects on every node above the high watermark down to the low one."""
+        n = 0
+        for node in list(self.nodes.values()):
+            if node.usage() > self.s.high_watermark:
+                n += self._evict_node(node, target_used=int(self.s.low_watermark * node.alloc.capacity),
+                                      need=0, now=now, reason="watermark")
+        return n
+
+    def _evict_node(self, node: Node, target_used: int | None, need: int, now: float, reason: str) -> int:
+        """Evict from ``node`` until used <= target_used, or until a ``need``-byte range is free."""
+
+        def done() -> bool:
+            if target_used is not None:
+                return node.alloc.used <= target_used
+            return node.alloc.largest_free() >= need
+
+        evicted = 0
+        for lru in (node.lru, node.soft_lru):
+            skipped: list[str] = []
+            while lru and not done():
+                key, _ = lru.popitem(last=False)
+                obj = self.objects.get(key)
+                if obj is None:
+                    continue
+                if obj.lease_until > now:
+                    skipped.append(key)
+                    continue
+                self._drop(obj, reason=reason)
+                evicted += 1
+            for key in reversed(skipped):  # leased objects stay, at the cold end, for next time
+                lru[key] = None
+                lru.move_to_end(key, last=False)
+            if done():
+                break
+        return evicted
+
+    def evict(self, sel: EvictSelector, dry_run: bool, force: bool, now: float) -> EvictReport:
+        """Admin eviction; exactly one selector field must be set (InvalidRequest otherwise)."""
+        chosen = [f for f in ("key", "prefix", "model", "node", "older_than_s") if getattr(sel, f) is not None]
+        if sel.all:
+            chosen.append("all")
+        if len(chosen) != 1:
+            raise E.InvalidRequest(
+                "evict needs exactly one selector of --key, --prefix, --model, --node, --older-than, --all; "
+                f"got {', '.join(chosen) or 'none'}")
+        if sel.node is not None and sel.node not in self.nodes:
+            raise E.InvalidRequest(f"evict --node {sel.node!r}: no such live node; see `kvpool status`")
+        if sel.key is not None:
+            cands = [self.objects[sel.key]] if sel.key in self.objects else []
+        else:
+            def match(o: Obj) -> bool:
+                if sel.all:
+                    return True
+                if sel.prefix is not None:
+                    return o.key.startswith(sel.prefix)
+                if sel.model is not None:
+                    parts = o.key.split("/")
+                    return len(parts) > 1 and parts[1] == sel.model
+                if sel.node is not None:
+                    return any(r.node_id == sel.node for r in o.replicas)
+                return o.last_access < now - (sel.older_than_s or 0.0)
+            cands = [o for o in self.objects.values() if match(o)]
+        removed = rbytes = leased = pinned = held = 0
+        keys: list[str] = []
+        for o in cands:
+            why = self._skip_reason(o, now)
+            if why and not force:
+                leased += why == "leased"
+                pinned += why == "pinned"
+                held += why == "held"
+                continue
+            removed += 1
+            rbytes += o.size
+            keys.append(o.key)
+            if not dry_run:
+                for rid in list(o.holds):
+                    h = self.handoffs.get(rid)
+                    if h is not None:
+                        self._release_handoff(h, "released")
+                self._drop(o, reason="admin")
+        return EvictReport(removed, rbytes, leased, pinned, held, dry_run, keys[:1000])
+
+    # ---- pins ---------------------------------------------------------------------------
+
+    def pin(self, key: str, ttl_s: float | None, now: float) -> None:
+        obj = self._get(key)
+        self._lru_remove(obj)
+        obj.pin = "hard" if ttl_s is None else "soft"
+        obj.pin_until = 0.0 if ttl_s is None else now + ttl_s
+        self._lru_add(obj)
+        self._maybe_repair(obj)
+
+    def unpin(self, key: str) -> None:
+        obj = self._get(key)
+        self._lru_remove(obj)
+        obj.pin, obj.pin_until = "", 0.0
+        self._lru_add(obj)
+
+    def _get(self, key: str) -> Obj:
+        obj = self.objects.get(key)
+        if obj is None:
+            raise E.NotFound(f"key {key!r} is not stored; see `kvpool ls`", key=key)
+        return obj
+
+    # ---- hand-off -----------------------------------------------------------------------
+
+    def handoff_publish(self, rec: HandoffRecord, now: float) -> HandoffRecord:
+        """Hold every object of ``rec`` until ack/release/deadline. Idempotent by request id.
+        Raises NotFound naming missing keys (nothing is held then)."""
+        h = self.handoffs.get(rec.request_id)
+        if h is not None and h.status == "open":
+            return h.record
+        missing = [k for ks in rec.keys.values() for k in ks if k not in self.objects]
+        if missing:
+            raise E.NotFound(f"hand-off {rec.request_id!r}: {len(missing)} block(s) are not stored "
+                             f"(first: {missing[0]!r}); put them before publishing",
+                             request_id=rec.request_id, missing=missing[:16])
+        self.handoffs[rec.request_id] = Handoff(rec)
+        for ks in rec.keys.values():
+            for k in ks:
+                obj = self.objects[k]
+                self._lru_remove(obj)
+                obj.holds.add(rec.request_id)
+                self._maybe_repair(obj)
+        self.counters["handoffs_published"] += 1
+        return rec
+
+    def handoff_claim(self, request_id: str, now: float) -> HandoffRecord:
+        h = self.handoffs.get(request_id)
+        if h is None:
+            raise E.HandoffNotFound(f"no hand-off record for request {request_id!r}; was it published "
+                                    "to this cluster?", request_id=request_id)
+        if h.status == "expired" or (h.status == "open" and h.record.deadline <= now):
+            raise E.HandoffExpired(f"hand-off {request_id!r} passed its deadline; its blocks are plain "
+                                   "cache entries now and may be evicted", request_id=request_id)
+        if h.status != "open":
+            raise E.HandoffNotFound(f"hand-off {request_id!r} was already {h.status}", request_id=request_id)
+        return h.record
+
+    def handoff_finish(self, request_id: str, status: str) -> bool:
+        """Ack or release (idempotent). Returns True when a live record was closed now."""
+        h = self.handoffs.get(request_id)
+        if h is None or h.status != "open":
+            return False
+        self._release_handoff(h, status)
+        return True
+
+    def _release_handoff(self, h: Handoff, status: str) -> None:
+        h.status = status
+        rid = h.record.request_id
+        for ks in h.record.keys.values():
+            for k in ks:
+                obj = self.objects.get(k)
+                if obj is not None and rid in obj.holds:
+                    obj.holds.discard(rid)
+                    self._lru_add(obj)
+        self.counters[f"handoffs_{status}"] += 1
+
+    def restore_handoff(self, rec: HandoffRecord) -> None:
+        """Rebuild after failover from the durable etcd record."""
+        self.handoffs[rec.request_id] = Handoff(rec)
+        for ks in rec.keys.values():
+            for k in ks:
+                obj = self.objects.get(k)
+                if obj is not None:
+                    self._lru_remove(obj)
+                    obj.holds.add(rec.request_id)
+
+    # ---- periodic work ------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[str]:
+        """Revoke silent writers, expire hand-offs and soft pins, enforce watermarks.
+        Returns the request ids of hand-off records that expired (the server deletes them
+        from etcd)."""
+        for obj in [o for o in self.pending.values() if o.writer_deadline <= now]:
+            self._revoke_pending(obj, now, quarantine=True)
+        for node in self.nodes.values():
+            self._release_quarantine(node, now)
+        expired = []
+        for h in self.handoffs.values():
+            if h.status == "open" and h.record.deadline <= now:
+                self._release_handoff(h, "expired")
+                expired.append(h.record.request_id)
+        # forget closed records after a while (keep them long enough for idempotent repeats)
+        for rid in [r for r, h in self.handoffs.items()
+                    if h.status != "open" and h.record.deadline + 3600 <= now]:
+            del self.handoffs[rid]
+        self.enforce_watermarks(now)
+        return expired
+
+    # ---- repair -------------------------------------------------------------------------
+
+    def _maybe_repair(self, obj: Obj) -> None:
+        """Queue re-replication of a held/pinned object below its replica count."""
+        if obj.repairing or len(obj.replicas) >= obj.replicas_wanted or not obj.replicas:
+            return
+        if not (obj.holds or obj.pin):
+            return
+        used = {r.node_id for r in obj.replicas}
+        cands = [n for n in self.nodes.values() if n.node_id not in used and not n.draining
+                 and n.alloc.largest_free() >= align_up(max(obj.size, 1))]
+        if not cands:
+            return
+        dst = max(cands, key=lambda n: n.alloc.capacity - n.alloc.used)
+        off = dst.alloc.alloc(obj.size)
+        if off is None:
+            return
+        ref = ExtentRef(dst.node_id, dst.desc.incarnation, dst.desc.data_addr, dst.desc.shm_path,
+                        dst.desc.host_id, off, obj.size, next(dst.next_gen))
+        src = obj.replicas[0]
+        obj.repairing = True
+        self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
+                                                 obj.layout.encode() if obj.layout else None))
+        self.counters["repairs_started"] += 1
+
+    def repair_done(self, key: str, dst: ExtentRef, ok: bool) -> None:
+        obj = self.objects.get(key)
+        node = self.nodes.get(dst.node_id)
+        if obj is not None:
+            obj.repairing = False
+        if not ok or obj is None or node is None or node.desc.incarnation != dst.incarnation:
+            if node is not None and node.desc.incarnation == dst.incarnation:
+                node.alloc.free(dst.offset, dst.size)
+                self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
+            return
+        obj.replicas.append(dst)
+        node.keys.add(key)
+        self.outbox[dst.node_id].append(NodeCommit([(dst.offset, dst.gen)]))
+        self._lru_add(obj)
+        self.counters["repairs_done"] += 1
+        self._maybe_repair(obj)
+
+    def repair_all(self) -> None:
+        for obj in self.objects.values():
+            if (obj.holds or obj.pin) and len(obj.replicas) < obj.replicas_wanted:
+                self._maybe_repair(obj)
+
+    def drain(self, node_id: str) -> None:
+        """Stop placing on ``node_id``; move held/pinned objects off it (via repair)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise E.InvalidRequest(f"drain: no live node {node_id!r}; see `kvpool status`")
+        node.draining = True
+        for key in list(node.keys):
+            obj = self.objects.get(key)
+            if obj is not None and (obj.holds or obj.pin):
+                obj.replicas_wanted = max(obj.replicas_wanted, len(obj.replicas) + 1)
+                self._maybe_repair(obj)
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def list_objects(self, prefix: str, limit: int, now: float) -> list[ObjectMeta]:
+        out = []
+        for o in self.objects.values():
+            if o.key.startswith(prefix):
+                pin = o.pin if (o.pin != "soft" or o.pin_until > now) else ""
+                out.append(ObjectMeta(o.key, o.size, o.layout.kind if o.layout else "raw",
+                                      [r.node_id for r in o.replicas], o.created, o.last_access,
+                                      o.lease_until > now, pin, bool(o.holds), o.replicas_wanted))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def stats(self) -> ClusterStats:
+        per_node: dict[str, int] = defaultdict(int)
+        held = under = 0
+        for o in self.objects.values():
+            for r in o.replicas:
+                per_node[r.node_id] += 1
+            if o.holds:
+                held += o.size * len(o.replicas)
+            if len(o.replicas) < o.replicas_wanted:
+                under += 1
+        nodes = [NodeStats(n.node_id, n.desc.data_addr, n.desc.host_id, n.alloc.capacity, n.alloc.used,
+                           per_node[n.node_id], True, n.draining, n.desc.incarnation)
+                 for n in self.nodes.values()]
+        return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
+                            sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,
+                            self.s.high_watermark, self.s.low_watermark, under, dict(self.counters))
+
+    def take_outbox(self) -> dict[str, list]:
+        out, self.outbox = self.outbox, defaultdict(list)
+        return out
+

@@ -1,0 +1,88 @@
+"""Data-plane frames between clients and store nodes.
+
+Each request is ``u32 little-endian header length || msgpack DataRequest`` followed, for
+``write``, by exactly ``size`` payload bytes. Each reply is ``u32 length || msgpack
+DataReply`` followed, for a successful ``read``, by ``size`` payload bytes. Requests may be
+pipelined on one connection; replies come back in order. Payload bytes move with
+``sendall``/``recv_into`` on memoryviews: no per-byte Python work.
+
+Ops: ``write`` (bytes into an extent, recording key/gen/checksum/layout), ``written``
+(same record, bytes already copied through shared memory), ``read`` (named by offset +
+gen; refused for a freed or reused extent: :class:`~protocol.errors.StaleExtent`),
+``map`` (Unix socket only: the reply carries the segment's memfd via SCM_RIGHTS).
+"""
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from protocol.errors import ErrorInfo, InvalidRequest, NodeUnavailable
+
+_LEN = struct.Struct("<I")
+MAX_HEADER = 1 << 16
+
+
+class DataRequest(msgspec.Struct, array_like=True):
+    op: str
+    incarnation: str
+    offset: int = 0
+    size: int = 0
+    gen: int = 0
+    key: str = ""
+    checksum: int = 0
+    layout: bytes | None = None
+
+
+class DataReply(msgspec.Struct, array_like=True):
+    ok: bool
+    error: ErrorInfo | None = None
+    size: int = 0
+    capacity: int = 0
+
+
+_req_dec = msgspec.msgpack.Decoder(DataRequest)
+_rep_dec = msgspec.msgpack.Decoder(DataReply)
+_enc = msgspec.msgpack.Encoder()
+
+
+def frame(msg: msgspec.Struct) -> bytes:
+    body = _enc.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def recv_exact(sock, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; raises NodeUnavailable on EOF."""
+    pos, n = 0, len(view)
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if got == 0:
+            raise NodeUnavailable("data connection closed mid-frame")
+        pos += got
+
+
+def _recv_frame(sock) -> bytes:
+    head = bytearray(4)
+    recv_exact(sock, memoryview(head))
+    (n,) = _LEN.unpack(head)
+    if n > MAX_HEADER:
+        raise InvalidRequest(f"data frame header of {n} bytes exceeds {MAX_HEADER}")
+    body = bytearray(n)
+    recv_exact(sock, memoryview(body))
+    return bytes(body)
+
+
+def recv_request(sock) -> DataRequest:
+    body = _recv_frame(sock)
+    try:
+        return _req_dec.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise InvalidRequest(f"malformed data request: {e}") from None
+
+
+def recv_reply(sock) -> DataReply:
+    body = _recv_frame(sock)
+    try:
+        return _rep_dec.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise InvalidRequest(f"malformed data reply: {e}") from None

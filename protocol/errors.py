@@ -1,0 +1,179 @@
+"""One error hierarchy for every kvpool process.
+
+On the wire an error travels as ``{code, message, fields}`` (:class:`ErrorInfo`) and
+is mapped back to the same class on the receiving side by :func:`from_wire`. Each
+message ends with what to do next, in the manner of Ray's ``ObjectStoreFullError``.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, tag="err", array_like=True):
+    """Wire form of an error: a stable ``code`` string, the message, extra fields."""
+
+    code: str
+    message: str
+    fields: dict[str, Any] = {}
+
+
+class KVPoolError(Exception):
+    """Base of all kvpool errors. ``code`` is stable and travels on the wire."""
+
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, message: str = "", **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+    def to_wire(self) -> ErrorInfo:
+        return ErrorInfo(self.code, self.message, _plain(self.fields))
+
+
+def _plain(fields: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in fields.items():
+        out[k] = v if isinstance(v, (str, int, float, bool, type(None), list, dict, bytes)) else str(v)
+    return out
+
+
+class NotFound(KVPoolError):
+    """The key is not stored (or not yet committed)."""
+
+    code = "not_found"
+
+
+class InvalidKey(KVPoolError):
+    """A key is empty, longer than 512 bytes of UTF-8, or not valid UTF-8."""
+
+    code = "invalid_key"
+
+
+class InvalidRequest(KVPoolError):
+    """A malformed, truncated or semantically invalid message or argument."""
+
+    code = "invalid_request"
+
+
+class LayoutMismatch(KVPoolError):
+    """The stored layout differs from the one the reader asked for."""
+
+    code = "layout_mismatch"
+
+
+class LeaseExpired(KVPoolError):
+    """A read finished after its read lease lapsed; the bytes were discarded."""
+
+    code = "lease_expired"
+
+
+class HasLease(KVPoolError):
+    """Remove refused: the object has a live read lease (pass force=True to override)."""
+
+    code = "has_lease"
+
+
+class Pinned(KVPoolError):
+    """Remove refused: the object is pinned or held (pass force=True to override)."""
+
+    code = "pinned"
+
+
+class NoSpace(KVPoolError):
+    """No store node has room for the object, even after eviction."""
+
+    code = "no_space"
+
+
+class ObjectTooLarge(NoSpace):
+    """The object is larger than any node's whole segment."""
+
+    code = "object_too_large"
+
+
+class NodeUnavailable(KVPoolError):
+    """A store node is dead, unreachable, or restarted with a new generation."""
+
+    code = "node_unavailable"
+
+
+class StaleExtent(NodeUnavailable):
+    """A data-plane request named an extent that was freed or reused (old generation)."""
+
+    code = "stale_extent"
+
+
+class ChecksumMismatch(KVPoolError):
+    """Bytes read did not match the object's xxh3 checksum."""
+
+    code = "checksum_mismatch"
+
+
+class PutRevoked(KVPoolError):
+    """A put_end arrived for a put that was revoked (timed out or superseded)."""
+
+    code = "put_revoked"
+
+
+class HandoffNotFound(NotFound):
+    """No hand-off record exists for this request id."""
+
+    code = "handoff_not_found"
+
+
+class HandoffExpired(KVPoolError):
+    """The hand-off record's deadline passed; its objects are no longer held."""
+
+    code = "handoff_expired"
+
+
+class HandoffLoadFailed(KVPoolError):
+    """A consumer with policy ``fail`` could not load some hand-off blocks."""
+
+    code = "handoff_load_failed"
+
+
+class NotLeader(KVPoolError):
+    """This master is a standby; retry against the current leader."""
+
+    code = "not_leader"
+
+
+class Timeout(KVPoolError):
+    """A wait passed its deadline."""
+
+    code = "timeout"
+
+
+class ConfigError(KVPoolError):
+    """A configuration value is missing or invalid; the message names key and accepted values."""
+
+    code = "config_error"
+
+
+class EtcdUnavailable(KVPoolError):
+    """etcd could not be reached at the configured endpoint."""
+
+    code = "etcd_unavailable"
+
+
+_BY_CODE: dict[str, type[KVPoolError]] = {}
+
+
+def _register(cls: type[KVPoolError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(KVPoolError)
+
+
+def from_wire(info: ErrorInfo) -> KVPoolError:
+    """Rebuild the typed exception for a wire error; unknown codes map to KVPoolError."""
+    cls = _BY_CODE.get(info.code, KVPoolError)
+    err = cls(info.message, **(info.fields or {}))
+    return err

@@ -1,0 +1,329 @@
+"""RPC messages between clients, masters and store nodes (msgpack via msgspec; no pickle).
+
+A request is one of the ``Request`` union's Structs, tagged by ``op``. A reply is a
+:class:`Reply` whose ``result`` is msgpack decoded by the caller with the type it
+expects (``RESULT_TYPES[op]``), or whose ``error`` carries an
+:class:`~protocol.errors.ErrorInfo`. Batch forms take lists and report per-key results.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from protocol.errors import ErrorInfo, InvalidRequest
+from protocol.layout import LayoutSpec
+
+
+class ExtentRef(msgspec.Struct, frozen=True, array_like=True):
+    """Where one replica lives: node, its incarnation (segment generation), data-plane
+    address, same-host shared-memory path, host id, byte offset/size in the segment and the
+    extent's allocation generation ``gen``."""
+
+    node_id: str
+    incarnation: str
+    data_addr: str
+    shm_path: str
+    host_id: str
+    offset: int
+    size: int
+    gen: int
+
+
+class NodeDesc(msgspec.Struct, frozen=True):
+    """What a store node publishes in etcd under ``nodes/<node_id>`` (under its lease).
+    ``data_addr`` is the TCP data address; ``shm_path`` the node's Unix socket address
+    (``unix:///path``) that serves same-host data and hands out the segment memfd."""
+
+    node_id: str
+    incarnation: str
+    data_addr: str
+    ctrl_addr: str
+    shm_path: str
+    host_id: str
+    capacity: int
+    device: str = "cpu"
+
+
+class PutItem(msgspec.Struct, frozen=True, array_like=True):
+    key: str
+    size: int
+    checksum: int
+    layout: LayoutSpec | None = None
+
+
+class PutGrant(msgspec.Struct, frozen=True, array_like=True, tag="grant"):
+    """``status`` is "write" (write every replica, then put_end) or "exists" (no-op)."""
+
+    key: str
+    status: str
+    put_id: int = 0
+    replicas: list[ExtentRef] = []
+
+
+class ObjectInfo(msgspec.Struct, frozen=True, array_like=True, tag="obj"):
+    """A committed object's header and replicas. ``lease_ttl_s`` > 0 when a read lease
+    was granted (seconds, counted from when the request was sent)."""
+
+    key: str
+    size: int
+    checksum: int
+    layout: LayoutSpec | None
+    replicas: list[ExtentRef]
+    lease_ttl_s: float = 0.0
+
+
+class ObjectMeta(msgspec.Struct, frozen=True):
+    """One row of ``ls``: times are seconds since the epoch; ``pin`` is "", "hard" or "soft"."""
+
+    key: str
+    size: int
+    kind: str
+    nodes: list[str]
+    created: float
+    last_access: float
+    leased: bool
+    pin: str
+    held: bool
+    replicas_wanted: int = 1
+
+
+class NodeStats(msgspec.Struct, frozen=True):
+    node_id: str
+    data_addr: str
+    host_id: str
+    capacity: int
+    used: int
+    objects: int
+    alive: bool
+    draining: bool = False
+    incarnation: str = ""
+
+
+class ClusterStats(msgspec.Struct, frozen=True):
+    leader: str
+    cluster: str
+    nodes: list[NodeStats]
+    objects: int
+    pending: int
+    used: int
+    capacity: int
+    held_bytes: int
+    high_watermark: float
+    low_watermark: float
+    under_replicated: int
+    counters: dict[str, int]
+
+
+class EvictSelector(msgspec.Struct, frozen=True):
+    """Admin eviction selector; exactly one of key/prefix/model/node/older_than_s/all."""
+
+    key: str | None = None
+    prefix: str | None = None
+    model: str | None = None
+    node: str | None = None
+    older_than_s: float | None = None
+    all: bool = False
+
+
+class EvictReport(msgspec.Struct, frozen=True):
+    removed: int
+    removed_bytes: int
+    skipped_leased: int
+    skipped_pinned: int
+    skipped_held: int
+    dry_run: bool
+    keys: list[str] = []
+
+
+class HandoffRecord(msgspec.Struct, frozen=True):
+    """Durable P/D hand-off record (DESIGN.md §7). ``keys`` maps group id → keys in block
+    order; ``deadline`` is seconds since the epoch."""
+
+    request_id: str
+    keys: dict[str, list[str]]
+    layouts: dict[str, LayoutSpec]
+    producer: str
+    deadline: float
+    num_tokens: int = 0
+    extra: dict[str, Any] = {}
+
+
+# ---- requests -------------------------------------------------------------------------
+
+class PutStart(msgspec.Struct, tag="put_start"):
+    items: list[PutItem]
+    host_id: str = ""
+    replicas: int = 0
+
+
+class PutEnd(msgspec.Struct, tag="put_end"):
+    keys: list[str]
+    put_ids: list[int]
+
+
+class PutRevoke(msgspec.Struct, tag="put_revoke"):
+    keys: list[str]
+    put_ids: list[int]
+
+
+class Lookup(msgspec.Struct, tag="lookup"):
+    keys: list[str]
+    lease: bool = True
+
+
+class Exists(msgspec.Struct, tag="exists"):
+    keys: list[str]
+
+
+class Remove(msgspec.Struct, tag="remove"):
+    keys: list[str]
+    force: bool = False
+
+
+class ListObjects(msgspec.Struct, tag="list"):
+    prefix: str = ""
+    limit: int = 10000
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    pass
+
+
+class Pin(msgspec.Struct, tag="pin"):
+    key: str
+    ttl_s: float | None = None
+
+
+class Unpin(msgspec.Struct, tag="unpin"):
+    key: str
+
+
+class Evict(msgspec.Struct, tag="evict"):
+    selector: EvictSelector
+    dry_run: bool = False
+    force: bool = False
+
+
+class ReportDead(msgspec.Struct, tag="report_dead"):
+    node_id: str
+    incarnation: str
+
+
+class Drain(msgspec.Struct, tag="drain"):
+    node_id: str
+
+
+class HandoffPublish(msgspec.Struct, tag="handoff_publish"):
+    record: HandoffRecord
+
+
+class HandoffClaim(msgspec.Struct, tag="handoff_claim"):
+    request_id: str
+
+
+class HandoffAck(msgspec.Struct, tag="handoff_ack"):
+    request_id: str
+
+
+class HandoffRelease(msgspec.Struct, tag="handoff_release"):
+    request_id: str
+
+
+Request = Union[PutStart, PutEnd, PutRevoke, Lookup, Exists, Remove, ListObjects, Stats, Pin, Unpin,
+                Evict, ReportDead, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease]
+
+RESULT_TYPES: dict[type, Any] = {
+    PutStart: list[Union[PutGrant, ErrorInfo]],
+    PutEnd: list[Union[ErrorInfo, None]],
+    PutRevoke: list[Union[ErrorInfo, None]],
+    Lookup: list[Union[ObjectInfo, ErrorInfo]],
+    Exists: list[bool],
+    Remove: list[Union[ErrorInfo, None]],
+    ListObjects: list[ObjectMeta],
+    Stats: ClusterStats,
+    Pin: None,
+    Unpin: None,
+    Evict: EvictReport,
+    ReportDead: None,
+    Drain: None,
+    HandoffPublish: HandoffRecord,
+    HandoffClaim: HandoffRecord,
+    HandoffAck: None,
+    HandoffRelease: None,
+}
+
+
+class Reply(msgspec.Struct, frozen=True, array_like=True):
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")
+    error: ErrorInfo | None = None
+
+
+# ---- master -> store node control -------------------------------------------------------
+
+class ExtentEntry(msgspec.Struct, frozen=True, array_like=True):
+    """A store node's extent-table row."""
+
+    key: str
+    offset: int
+    size: int
+    gen: int
+    checksum: int
+    layout: bytes | None = None
+    committed: bool = False
+
+
+class NodeCommit(msgspec.Struct, tag="commit"):
+    extents: list[tuple[int, int]]  # (offset, gen)
+
+
+class NodeFree(msgspec.Struct, tag="free"):
+    extents: list[tuple[int, int]]
+
+
+class NodeList(msgspec.Struct, tag="list_extents"):
+    pass
+
+
+class NodeCopy(msgspec.Struct, tag="copy"):
+    """Copy one committed extent to another node's extent (re-replication)."""
+
+    src_offset: int
+    src_gen: int
+    dst: ExtentRef
+    key: str
+    checksum: int
+    layout: bytes | None = None
+
+
+NodeRequest = Union[NodeCommit, NodeFree, NodeList, NodeCopy]
+
+_req_decoder = msgspec.msgpack.Decoder(Request)
+_node_decoder = msgspec.msgpack.Decoder(NodeRequest)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_request(data: bytes) -> Any:
+    """Decode a client request; raises InvalidRequest for malformed or truncated frames."""
+    try:
+        return _req_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise InvalidRequest(f"malformed request: {e}") from None
+
+
+def decode_node_request(data: bytes) -> Any:
+    try:
+        return _node_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise InvalidRequest(f"malformed node request: {e}") from None
+
+
+def decode_result(data: bytes, typ: Any) -> Any:
+    try:
+        return msgspec.msgpack.decode(data, type=typ)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise InvalidRequest(f"malformed reply: {e}") from None

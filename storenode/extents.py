@@ -1,0 +1,64 @@
+"""The store node's extent table (pure logic, thread-safe, no I/O).
+
+Rows are keyed by segment offset and carry the allocation generation ``gen`` the master
+assigned. A read must name the current ``(offset, gen)``; a freed or reused extent
+refuses it (:class:`~protocol.errors.StaleExtent`). Committed rows are what the master
+rebuilds its index from after a failover (DESIGN.md §8).
+"""
+from __future__ import annotations
+
+import threading
+
+from protocol.errors import InvalidRequest, StaleExtent
+from protocol.messages import ExtentEntry
+
+
+class ExtentTable:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._rows: dict[int, ExtentEntry] = {}
+        self._lock = threading.Lock()
+
+    def check_bounds(self, offset: int, size: int) -> None:
+        if offset < 0 or size < 0 or offset + size > self.capacity:
+            raise InvalidRequest(f"extent [{offset}, +{size}) lies outside the {self.capacity}-byte segment",
+                                 offset=offset, size=size)
+
+    def record_write(self, key: str, offset: int, size: int, gen: int, checksum: int,
+                     layout: bytes | None) -> None:
+        self.check_bounds(offset, size)
+        with self._lock:
+            self._rows[offset] = ExtentEntry(key, offset, size, gen, checksum, layout, False)
+
+    def check_read(self, offset: int, size: int, gen: int) -> ExtentEntry:
+        self.check_bounds(offset, size)
+        with self._lock:
+            row = self._rows.get(offset)
+        if row is None or row.gen != gen or row.size != size:
+            raise StaleExtent(f"extent at offset {offset} gen {gen} was freed or reused on this node; "
+                              "look the key up again", offset=offset, gen=gen)
+        return row
+
+    def commit(self, offset: int, gen: int) -> None:
+        with self._lock:
+            row = self._rows.get(offset)
+            if row is not None and row.gen == gen:
+                self._rows[offset] = ExtentEntry(row.key, row.offset, row.size, row.gen, row.checksum,
+                                                 row.layout, True)
+
+    def free(self, offset: int, gen: int) -> None:
+        with self._lock:
+            row = self._rows.get(offset)
+            if row is not None and row.gen == gen:
+                del self._rows[offset]
+
+    def committed(self) -> list[ExtentEntry]:
+        with self._lock:
+            return [r for r in self._rows.values() if r.committed]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rows.clear()
+
+    def __len__(self) -> int:
+        return len(self._rows)

@@ -1,0 +1,32 @@
+"""One CPU memory segment backed by an anonymous memfd.
+
+The memfd is mapped here and handed to same-host clients over the node's Unix socket
+(SCM_RIGHTS), so a client maps exactly this memory without any named file: nothing is
+left in /dev/shm even if the node is SIGKILLed. ``incarnation`` is a fresh random id per
+segment (its generation): a restarted node's extents never match an old descriptor.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+
+
+class Segment:
+    """``capacity`` bytes of shared memory; :attr:`view` is a writable memoryview."""
+
+    def __init__(self, capacity: int, name: str = "kvpool") -> None:
+        self.capacity = capacity
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, capacity)
+        self.mm = mmap.mmap(self.fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view = memoryview(self.mm)
+        self.incarnation = uuid.uuid4().hex[:16]
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self.mm.close()
+        except (BufferError, ValueError):
+            pass  # a data thread still holds a slice; the OS frees it at exit
+        os.close(self.fd)

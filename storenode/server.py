@@ -1,0 +1,164 @@
+"""Store node process: segment + extent table + data server, registered in etcd under
+a lease, with a zmq control socket for the master's commit/free/list/copy notices.
+
+Readiness is one line on stdout: ``KVPOOL_READY storenode <node_id> <data_addr>``.
+If the etcd lease is lost (the master has then dropped this node's replicas), the node
+takes a new incarnation with an empty extent table and registers again, so it never
+serves extents the cluster already forgot.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from protocol import messages as M
+from protocol import transport
+from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
+from protocol.errors import KVPoolError
+from protocol.etcd import Etcd, Keys, kept_alive
+from storenode.dataserver import DataServer
+from storenode.extents import ExtentTable
+from storenode.segment import Segment
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """``memory_bytes`` of segment; ``node_ttl_s`` etcd lease TTL (seconds)."""
+
+    etcd: str
+    cluster: str = "default"
+    node_id: str | None = None
+    memory_bytes: int = 1 << 30
+    host: str = "127.0.0.1"
+    data_port: int = 0
+    host_id: str | None = None
+    node_ttl_s: float = 3.0
+    run_dir: str | None = None
+    device: str = "cpu"
+
+
+class StoreNode:
+    def __init__(self, s: NodeSettings) -> None:
+        self.s = s
+        self.node_id = s.node_id or f"node-{uuid.uuid4().hex[:8]}"
+        self.keys = Keys(s.cluster)
+        self.segment = Segment(s.memory_bytes, name=f"kvpool-{self.node_id}")
+        self.table = ExtentTable(s.memory_bytes)
+        run_dir = s.run_dir or tempfile.mkdtemp(prefix="kvpool-")
+        self.unix_path = os.path.join(run_dir, f"{self.node_id}.sock")
+        self.data = DataServer(self.segment, self.table,
+                               [f"tcp://{s.host}:{s.data_port}", f"unix://{self.unix_path}"])
+        self.host_id = s.host_id or transport.default_host_id()
+        self._stop = asyncio.Event()
+
+    def descriptor(self, ctrl_addr: str) -> M.NodeDesc:
+        return M.NodeDesc(self.node_id, self.segment.incarnation, self.data.addrs[0], ctrl_addr,
+                          self.data.addrs[1], self.host_id, self.segment.capacity, self.s.device)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        self.data.start()
+        ctx = zmq.asyncio.Context()
+        ctrl = ctx.socket(zmq.ROUTER)
+        ctrl.setsockopt(zmq.LINGER, 0)
+        port = ctrl.bind_to_random_port(f"tcp://{self.s.host}")
+        ctrl_addr = f"tcp://{self.s.host}:{port}"
+        ctrl_task = asyncio.create_task(self._control(ctrl))
+        announced = False
+        try:
+            async with Etcd(self.s.etcd) as etcd:
+                while not self._stop.is_set():
+                    lost = asyncio.Event()
+                    async with kept_alive(etcd, self.s.node_ttl_s, lost) as lease:
+                        desc = self.descriptor(ctrl_addr)
+                        await etcd.put(self.keys.node(self.node_id), msgspec.msgpack.encode(desc), lease=lease)
+                        if not announced:
+                            print(f"KVPOOL_READY storenode {self.node_id} {desc.data_addr}", flush=True)
+                            announced = True
+                        stop_wait = asyncio.create_task(self._stop.wait())
+                        lost_wait = asyncio.create_task(lost.wait())
+                        await asyncio.wait({stop_wait, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
+                        stop_wait.cancel()
+                        lost_wait.cancel()
+                    if lost.is_set() and not self._stop.is_set():
+                        # the cluster may have dropped us: come back empty with a new generation
+                        self.table.clear()
+                        self.segment.incarnation = uuid.uuid4().hex[:16]
+                        await asyncio.sleep(0.2)
+                with contextlib.suppress(Exception):
+                    await etcd.delete(self.keys.node(self.node_id))
+        finally:
+            ctrl_task.cancel()
+            self.data.stop()
+            ctrl.close(0)
+            ctx.term()
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
+
+    async def _control(self, ctrl) -> None:
+        while True:
+            ident, body = await ctrl.recv_multipart()
+            try:
+                req = M.decode_node_request(body)
+            except KVPoolError as e:
+                await ctrl.send_multipart([ident, M.encode(M.Reply(error=e.to_wire()))])
+                continue
+            if isinstance(req, M.NodeCommit):
+                for off, gen in req.extents:
+                    self.table.commit(off, gen)
+            elif isinstance(req, M.NodeFree):
+                for off, gen in req.extents:
+                    self.table.free(off, gen)
+            elif isinstance(req, M.NodeList):
+                rows = self.table.committed()
+                await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(
+                    [self.segment.incarnation, rows]))))])
+            elif isinstance(req, M.NodeCopy):
+                asyncio.create_task(self._copy(ctrl, ident, req))
+
+    async def _copy(self, ctrl, ident: bytes, req: M.NodeCopy) -> None:
+        """Push one committed extent to another node (re-replication for repair/drain)."""
+        def push() -> None:
+            row = self.table.check_read(req.src_offset, req.dst.size, req.src_gen)
+            sock = transport.connect(req.dst.data_addr, 10.0)
+            try:
+                sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,
+                                               req.dst.gen, req.key, row.checksum, req.layout)))
+                sock.sendall(self.segment.view[req.src_offset:req.src_offset + req.dst.size])
+                rep: DataReply = recv_reply(sock)
+                if not rep.ok:
+                    raise KVPoolError(rep.error.message if rep.error else "copy failed")
+            finally:
+                sock.close()
+
+        err = None
+        try:
+            await asyncio.to_thread(push)
+        except (KVPoolError, OSError) as e:
+            err = M.ErrorInfo("copy_failed", str(e))
+        await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err))])
+
+
+def main(s: NodeSettings) -> None:
+    node = StoreNode(s)
+    try:
+        asyncio.run(node.run())
+    except KVPoolError as e:
+        print(f"storenode: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        node.segment.close()
+
+
