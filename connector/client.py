@@ -268,6 +268,7 @@ class KVPoolClient:
                 continue
             order = sorted(info.replicas, key=lambda r: r.host_id != self.host_id)
             pending[i] = (info, order)
+        leased = [info.key for info, _ in pending.values()]
         retry: list[int] = []
         errors: dict[int, KVPoolError] = {}
         while pending:
@@ -305,6 +306,8 @@ class KVPoolClient:
                 else:
                     results[i] = err
             pending = nxt
+        if leased:
+            self.rpc.send_nowait(M.ReleaseLeases(leased))
         if last:
             for i in retry:
                 results[i] = errors[i]

@@ -108,7 +108,8 @@ class DataPlane:
                         try:
                             rep = recv_reply(_Buffered(msg))
                             if rep.ok:
-                                mm = mmap.mmap(fds[0], rep.capacity, mmap.MAP_SHARED,
+                                mm = mmap.mmap(fds[0], rep.capacity,
+                                               mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                                mmap.PROT_READ | mmap.PROT_WRITE)
                                 self._mmaps.append(mm)
                                 seg = memoryview(mm)

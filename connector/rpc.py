@@ -107,6 +107,12 @@ class MasterRPC:
                               op=type(req).__name__)
             time.sleep(0.05)
 
+    def send_nowait(self, req: Any) -> None:
+        """Fire-and-forget (e.g. lease release); its reply is discarded by request id."""
+        if self._addr is None:
+            return
+        self._sock().send_multipart([next(self._ids).to_bytes(8, "little"), M.encode(req)])
+
     def close(self) -> None:
         with self._lock:
             for s in self._socks:

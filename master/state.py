@@ -72,6 +72,7 @@ class Obj:
     last_access: float
     writer_deadline: float = 0.0
     lease_until: float = 0.0
+    lease_count: int = 0
     pin: str = ""
     pin_until: float = 0.0
     holds: set[str] = field(default_factory=set)
@@ -321,9 +322,21 @@ class MasterState:
             ttl = 0.0
             if lease:
                 ttl = self.s.lease_ttl_s
+                if obj.lease_until <= now:
+                    obj.lease_count = 0
+                obj.lease_count += 1
                 obj.lease_until = max(obj.lease_until, now + ttl)
             out.append(ObjectInfo(key, obj.size, obj.checksum, obj.layout, obj.replicas, ttl))
         return out
+
+    def release_leases(self, keys: list[str], now: float) -> None:
+        """Readers finished: a lease whose every holder released lapses at once."""
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is not None and obj.lease_count > 0:
+                obj.lease_count -= 1
+                if obj.lease_count == 0:
+                    obj.lease_until = min(obj.lease_until, now)
 
     def exists(self, keys: list[str]) -> list[bool]:
         """Existence without a lease and without touching LRU order."""

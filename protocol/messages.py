@@ -172,6 +172,12 @@ class Lookup(msgspec.Struct, tag="lookup"):
     lease: bool = True
 
 
+class ReleaseLeases(msgspec.Struct, tag="release"):
+    """The reader is done with these keys' leases (sent without waiting for a reply)."""
+
+    keys: list[str]
+
+
 class Exists(msgspec.Struct, tag="exists"):
     keys: list[str]
 
@@ -230,7 +236,7 @@ class HandoffRelease(msgspec.Struct, tag="handoff_release"):
     request_id: str
 
 
-Request = Union[PutStart, PutEnd, PutRevoke, Lookup, Exists, Remove, ListObjects, Stats, Pin, Unpin,
+Request = Union[PutStart, PutEnd, PutRevoke, Lookup, ReleaseLeases, Exists, Remove, ListObjects, Stats, Pin, Unpin,
                 Evict, ReportDead, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease]
 
 RESULT_TYPES: dict[type, Any] = {
@@ -239,6 +245,7 @@ RESULT_TYPES: dict[type, Any] = {
     PutRevoke: list[Union[ErrorInfo, None]],
     Lookup: list[Union[ObjectInfo, ErrorInfo]],
     Exists: list[bool],
+    ReleaseLeases: None,
     Remove: list[Union[ErrorInfo, None]],
     ListObjects: list[ObjectMeta],
     Stats: ClusterStats,

@@ -1,0 +1,89 @@
+"""Shared fixtures: real etcd + master + store nodes on free loopback ports.
+
+``cluster`` is one module-scoped cluster (2 nodes × 256 MiB); ``make_cluster(**cfg)``
+starts a fresh one per test with config overrides. Every cluster is checked at teardown:
+all its processes gone and no kvpool shared memory left behind.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import psutil
+import pytest
+
+from cli.cluster import LocalCluster
+from protocol.config import load_config
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):
+    """Poll ``cond`` until truthy (returned) or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def _shm_files() -> set[str]:
+    try:
+        return {f for f in os.listdir("/dev/shm") if "kvpool" in f}
+    except FileNotFoundError:
+        return set()
+
+
+def cluster_config(nodes: int = 2, memory: str = "256MiB", **master):
+    over = {"storenodes": [{"name": f"node-{i}", "memory": memory} for i in range(nodes)]}
+    if master:
+        over["master"] = master
+    return load_config(None, over, environ={})
+
+
+class _Started:
+    def __init__(self) -> None:
+        self.clusters: list[LocalCluster] = []
+        self.shm_before = _shm_files()
+
+    def start(self, nodes: int = 2, memory: str = "256MiB", **master) -> LocalCluster:
+        lc = LocalCluster(cluster_config(nodes, memory, **master))
+        self.clusters.append(lc)
+        lc.__enter__()
+        for c in [*lc.nodes.values(), *lc.masters]:
+            assert c.alive(), f"{c.name} died at start:\n{c.tail()}"
+        return lc
+
+    def close(self) -> None:
+        for lc in self.clusters:
+            pids = lc.pids()
+            lc.stop()
+            for pid in pids:
+                wait_for(lambda p=pid: not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie",
+                         5, what=f"process {pid} to exit")
+            assert not os.path.exists(lc.run_dir), "run dir left behind"
+        assert _shm_files() <= self.shm_before, "kvpool shared memory left in /dev/shm"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    s = _Started()
+    lc = s.start()
+    yield lc
+    s.close()
+
+
+@pytest.fixture
+def make_cluster():
+    s = _Started()
+    yield s.start
+    s.close()
+
+
+@pytest.fixture
+def client(cluster):
+    c = cluster.client()
+    yield c
+    c.close()

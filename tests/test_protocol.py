@@ -1,0 +1,118 @@
+"""Pure protocol pieces: keys, block hashes, layouts, config, units, wire errors."""
+import msgspec
+import numpy as np
+import pytest
+
+from protocol import errors as E
+from protocol import messages as M
+from protocol.config import load_config
+from protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key, validate_key
+from protocol.layout import LayoutSpec, TensorSpec, check_layout
+from protocol.units import parse_duration, parse_size
+
+
+def kv_layout(**kw):
+    base = dict(kind="full_attention", tokens_per_block=16,
+                tensors=(TensorSpec("kv", (2, 2, 4, 16, 32), "float32"),), num_kv_heads=4, head_size=32)
+    base.update(kw)
+    return LayoutSpec(**base)
+
+
+def test_key_validation():
+    assert validate_key("a/b") == "a/b"
+    assert validate_key(b"abc") == "abc"
+    with pytest.raises(E.InvalidKey, match="empty"):
+        validate_key("")
+    with pytest.raises(E.InvalidKey, match="513 bytes"):
+        validate_key("x" * 513)
+    assert validate_key("é" * 256) == "é" * 256  # 512 bytes exactly
+    with pytest.raises(E.InvalidKey, match="UTF-8"):
+        validate_key(b"\xff\xfe")
+    with pytest.raises(E.InvalidKey, match="UTF-8"):
+        validate_key("\udc80")
+
+
+def test_block_hash_chain_names_prefix():
+    toks = list(range(100))
+    h = block_hashes(toks, 16)
+    assert len(h) == 6  # only full blocks
+    assert all(len(x) == 16 for x in h)
+    # same prefix, different tail: shared leading hashes, divergent after
+    other = toks[:40] + [999] * 60
+    h2 = block_hashes(other, 16)
+    assert h2[:2] == h[:2] and h2[2] != h[2]
+    # a change in block 0 changes every later hash (chaining)
+    h3 = block_hashes([1] + toks[1:], 16)
+    assert all(a != b for a, b in zip(h, h3))
+    # extra (model id) separates namespaces
+    assert block_hashes(toks, 16, extra_bytes("m1")) != block_hashes(toks, 16, extra_bytes("m2"))
+    # chaining is exactly the documented formula
+    import xxhash
+    first = xxhash.xxh3_128_digest(ROOT_HASH + np.asarray(toks[:16], "<i8").tobytes())
+    assert h[0] == first
+    assert block_hashes(np.array(toks), 16) == h
+
+
+def test_layout_fingerprint_and_mismatch():
+    a = kv_layout()
+    assert a.nbytes == 2 * 2 * 4 * 16 * 32 * 4
+    assert a.fingerprint() == kv_layout(tp_rank=0).fingerprint()
+    assert a.fingerprint() != kv_layout(tokens_per_block=32).fingerprint()
+    assert kv_layout(tp_size=2, tp_rank=1).fingerprint() == kv_layout(tp_size=2, tp_rank=0).fingerprint()
+    assert LayoutSpec.decode(a.encode()) == a
+    check_layout(a, a, "k")
+    with pytest.raises(E.LayoutMismatch, match="tokens_per_block"):
+        check_layout(a, kv_layout(tokens_per_block=32), "k")
+    with pytest.raises(E.LayoutMismatch, match="raw bytes"):
+        check_layout(a, None, "k")
+    with pytest.raises(E.InvalidRequest, match="kind"):
+        kv_layout(kind="bogus")
+    with pytest.raises(E.InvalidRequest, match="REPLICATE"):
+        kv_layout(kind="mla", parallel="split")
+    with pytest.raises(E.InvalidRequest):
+        LayoutSpec.decode(b"\x93garbage")
+
+
+def test_group_key_format():
+    lay = kv_layout()
+    k = group_key("ns", "llama", 0, lay.fingerprint(), bytes(range(16)), 1)
+    assert k == f"ns/llama/0:{lay.fingerprint()}/tp1/000102030405060708090a0b0c0d0e0f"
+    assert "/tp" not in group_key("ns", "m", 1, "f", bytes(16), None)
+
+
+def test_units_and_config(tmp_path):
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("64KiB") == 65536
+    assert parse_size(7) == 7
+    assert parse_duration("250ms") == 0.25
+    assert parse_duration("10m") == 600
+    with pytest.raises(E.ConfigError, match="memory"):
+        parse_size("lots", key="memory")
+    cfg = load_config(None, environ={})
+    assert [n.memory for n in cfg.storenodes] == ["1GiB", "1GiB"] and cfg.etcd.endpoint is None
+    cfg = load_config(None, environ={"KVPOOL_MASTER__REPLICAS": "2"})
+    assert cfg.master.replicas == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("master:\n  high_watermark: 0.5\n  low_watermark: 0.9\n")
+    with pytest.raises(E.ConfigError, match="low_watermark"):
+        load_config(bad, environ={})
+    bad.write_text("master:\n  nonsense: 1\n")
+    with pytest.raises(E.ConfigError, match="nonsense"):
+        load_config(bad, environ={})
+    with pytest.raises(E.ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad.write_text("client:\n  transport: carrier-pigeon\n")
+    with pytest.raises(E.ConfigError, match="accepted: auto, tcp, shm"):
+        load_config(bad, environ={})
+
+
+def test_errors_round_trip_on_the_wire():
+    err = E.HasLease("busy", key="k")
+    info = msgspec.msgpack.decode(M.encode(err.to_wire()), type=E.ErrorInfo)
+    back = E.from_wire(info)
+    assert type(back) is E.HasLease and back.message == "busy" and back.fields == {"key": "k"}
+    assert type(E.from_wire(E.ErrorInfo("no-such-code", "x"))) is E.KVPoolError
+    with pytest.raises(E.InvalidRequest, match="malformed"):
+        M.decode_request(b"\x00\x01garbage")
+    with pytest.raises(E.InvalidRequest, match="malformed"):
+        M.decode_request(M.encode({"type": "put_start"}))  # missing field

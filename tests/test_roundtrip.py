@@ -1,0 +1,125 @@
+"""Real cluster round trips: sizes, transports, concurrency, content addressing, tensors."""
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from connector.blocks import BlockStore
+from protocol import errors as E
+from protocol.keys import block_hashes
+from protocol.layout import LayoutSpec, TensorSpec
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("size", [1, 4096, 1 << 20, 64 << 20])
+def test_round_trip_sizes(cluster, transport, size):
+    with cluster.client(transport=transport) as c:
+        data = os.urandom(size)
+        key = f"rt/{transport}/{size}"
+        c.put(key, data)
+        got = c.get(key)
+        assert got is not None and len(got) == size
+        assert xxhash.xxh3_64_intdigest(got) == xxhash.xxh3_64_intdigest(data)
+        assert got == data
+        c.remove(key)
+        assert c.get(key) is None
+
+
+def test_miss_is_none_and_exists_false(client):
+    assert client.get("never/stored") is None
+    assert client.get_into("never/stored", bytearray(8)) is None
+    assert client.exists_batch(["never/stored"]) == [False]
+    with pytest.raises(E.NotFound):
+        client.remove("never/stored")
+
+
+def test_existing_key_put_is_noop(client):
+    client.put("same/key", b"first")
+    client.put("same/key", b"second-different")  # content-addressed: first write wins, no error
+    assert client.get("same/key") == b"first"
+
+
+def test_two_clients_same_keys_concurrently(cluster):
+    keys = [f"conc/{i}" for i in range(40)]
+    payload = {k: os.urandom(64 << 10) for k in keys}
+    errors = []
+
+    def worker():
+        with cluster.client() as c:
+            try:
+                for k in keys:
+                    c.put(k, payload[k])
+                for k in keys:
+                    got = c.get(k)
+                    # another client may still be writing the same key ("in_flight"): then a
+                    # miss is allowed, wrong bytes never are
+                    assert got is None or got == payload[k]
+            except Exception as e:  # noqa: BLE001 - surfaced below
+                errors.append(e)
+
+    ts = [threading.Thread(target=worker) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    with cluster.client() as c:
+        assert all(c.get(k) == payload[k] for k in keys)
+
+
+def test_batch_forms_report_per_key(client):
+    keys = ["batch/a", "batch/b", "x" * 600]
+    res = client.put_batch(keys, [b"aa", b"bbb", b"c"])
+    assert res[0] is None and res[1] is None and isinstance(res[2], E.InvalidKey)
+    got = client.get_batch(["batch/a", "batch/missing", "batch/b"])
+    assert got == [b"aa", None, b"bbb"]
+
+
+def test_tensor_put_and_get_into(client):
+    t = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    client.put("tensor/a", t)
+    out = torch.empty_like(t)
+    assert client.get_into("tensor/a", out) == t.numel() * 4
+    assert torch.equal(out, t)
+    bf = torch.randn(128, dtype=torch.bfloat16)
+    client.put("tensor/bf16", bf)
+    out = torch.empty_like(bf)
+    client.get_into("tensor/bf16", out)
+    assert torch.equal(out, bf)
+    arr = np.arange(1000, dtype=np.int64)
+    client.put("numpy/a", arr)
+    out = np.zeros_like(arr)
+    client.get_into("numpy/a", out)
+    assert np.array_equal(out, arr)
+    with pytest.raises(E.InvalidRequest, match="contiguous"):
+        client.put("tensor/nc", t.t())
+    with pytest.raises(E.InvalidRequest, match="holds"):
+        client.get_into("tensor/a", torch.empty(10))
+
+
+def test_group_blocks_and_layout_mismatch(client):
+    lay = LayoutSpec(kind="full_attention", tokens_per_block=16,
+                     tensors=(TensorSpec("kv", (2, 2, 4, 16, 32), "float32"),), num_kv_heads=4, head_size=32)
+    store = BlockStore(client, model="tiny", group_id=0, layout=lay, namespace="t")
+    toks = list(range(16 * 5 + 3))
+    hashes = block_hashes(toks, 16)
+    blocks = [torch.full((2, 2, 4, 16, 32), float(i)) for i in range(len(hashes))]
+    assert store.lookup_prefix(hashes) == 0
+    assert store.put_blocks(hashes[:3], blocks[:3]) == [None] * 3
+    assert store.lookup_prefix(hashes) == 3
+    outs = [torch.empty(2, 2, 4, 16, 32) for _ in range(3)]
+    assert store.get_blocks(hashes[:3], outs) == [lay.nbytes] * 3
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    # the same bytes read through a different layout: typed error, no reinterpretation
+    other = LayoutSpec(kind="full_attention", tokens_per_block=16,
+                       tensors=(TensorSpec("kv", (2, 2, 4, 16, 32), "float32"),), num_kv_heads=4, head_size=32,
+                       sliding_window=128)
+    key = store.keys(hashes[:1])[0]
+    with pytest.raises(E.LayoutMismatch, match="sliding_window"):
+        client.get_into(key, torch.empty(2, 2, 4, 16, 32), other)
+    # the wrong byte count for a layout is rejected at put time
+    res = store.put_blocks(hashes[3:4], [torch.zeros(10)])
+    assert isinstance(res[0], E.LayoutMismatch)

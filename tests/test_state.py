@@ -1,0 +1,216 @@
+"""The master's state machine, driven without sockets (time is a parameter)."""
+import pytest
+
+from master.state import MasterSettings, MasterState
+from protocol import errors as E
+from protocol.errors import ErrorInfo
+from protocol.messages import EvictSelector, HandoffRecord, NodeCommit, NodeCopy, NodeDesc, NodeFree, PutItem
+
+MiB = 1 << 20
+
+
+def make(nodes=2, cap=10 * MiB, **kw):
+    st = MasterState(MasterSettings(**kw))
+    for i in range(nodes):
+        st.node_up(NodeDesc(f"n{i}", f"inc{i}", f"tcp://127.0.0.1:{1000 + i}", "", "", f"h{i}", cap), 0.0)
+    return st
+
+
+def put(st, key, size=MiB, now=0.0, replicas=0, host="h0"):
+    g = st.put_start([PutItem(key, size, 1)], host, replicas, now)[0]
+    assert not isinstance(g, ErrorInfo), g
+    if g.status == "write":
+        assert st.put_end([key], [g.put_id], now) == [None]
+    return g
+
+
+def test_put_commit_lookup_and_existing_key_noop():
+    st = make()
+    g = put(st, "a")
+    assert g.status == "write" and g.replicas[0].host_id == "h0"  # writer's host first
+    assert st.put_start([PutItem("a", MiB, 1)], "h0", 0, 1.0)[0].status == "exists"
+    info = st.lookup(["a"], lease=True, now=1.0)[0]
+    assert info.size == MiB and info.lease_ttl_s == 5.0
+    assert isinstance(st.lookup(["b"], True, 1.0)[0], ErrorInfo)
+    assert st.exists(["a", "b"]) == [True, False]
+    out = st.take_outbox()
+    assert any(isinstance(m, NodeCommit) for m in out["n0"])
+
+
+def test_replicas_on_distinct_nodes_and_hosts():
+    st = make(nodes=3)
+    g = put(st, "a", replicas=2)
+    assert len({r.node_id for r in g.replicas}) == 2
+    assert len({r.host_id for r in g.replicas}) == 2
+
+
+def test_too_large_and_no_space():
+    st = make(nodes=1, cap=4 * MiB)
+    r = st.put_start([PutItem("big", 5 * MiB, 1)], "h0", 0, 0.0)[0]
+    assert isinstance(r, ErrorInfo) and r.code == "object_too_large"
+    put(st, "a", 3 * MiB)
+    st.lookup(["a"], True, 0.0)  # leased: cannot be evicted
+    r = st.put_start([PutItem("b", 3 * MiB, 1)], "h0", 0, 0.1)[0]
+    assert isinstance(r, ErrorInfo) and r.code == "no_space"
+    # once the lease lapses, allocation failure evicts and the put succeeds
+    r = st.put_start([PutItem("b", 3 * MiB, 1)], "h0", 0, 10.0)[0]
+    assert r.status == "write"
+    assert "a" not in st.objects and st.counters["evictions_alloc"] == 1
+
+
+def test_watermark_eviction_keeps_most_recently_used():
+    st = make(nodes=1, cap=10 * MiB)
+    for i in range(9):
+        put(st, f"k{i}", now=float(i))
+    # touch k0 and k1: they become most recently used
+    st.lookup(["k0", "k1"], lease=False, now=20.0)
+    put(st, "k9", now=21.0)  # 10 MiB used > 0.9 high watermark -> evict down to 8 MiB
+    node = st.nodes["n0"]
+    assert node.alloc.used <= 0.8 * node.alloc.capacity
+    assert {"k0", "k1", "k9"} <= set(st.objects)
+    assert "k2" not in st.objects and "k3" not in st.objects
+    assert st.counters["evictions_watermark"] == 2
+
+
+def test_exists_takes_no_lease_and_no_lru_touch():
+    st = make(nodes=1, cap=10 * MiB)
+    for i in range(9):
+        put(st, f"k{i}", now=float(i))
+    for _ in range(1000):
+        st.exists(["k0"])
+    put(st, "k9", now=30.0)
+    assert "k0" not in st.objects  # probes did not keep it alive
+
+
+def test_leased_object_survives_eviction_and_remove():
+    st = make(nodes=1, cap=10 * MiB)
+    put(st, "a")
+    st.lookup(["a"], True, 1.0)
+    err = st.remove(["a"], False, 2.0)[0]
+    assert err.code == "has_lease"
+    for i in range(9):
+        put(st, f"k{i}", now=2.0 + i * 0.1)
+    assert "a" in st.objects
+    assert st.remove(["a"], False, 7.0)[0] is None  # lease lapsed at 6.0
+
+
+def test_pins():
+    st = make(nodes=1, cap=10 * MiB)
+    put(st, "hard")
+    put(st, "soft")
+    st.pin("hard", None, 0.0)
+    st.pin("soft", 100.0, 0.0)
+    rep = st.evict(EvictSelector(all=True), dry_run=False, force=False, now=1.0)
+    assert rep.removed == 0 and rep.skipped_pinned == 2
+    # soft pins go last under pressure: fill until only soft-pinned can go
+    for i in range(8):
+        put(st, f"k{i}", now=2.0 + i)
+    assert "hard" in st.objects and "soft" in st.objects
+    assert st.remove(["hard"], False, 1.0)[0].code == "pinned"
+    st.unpin("hard")
+    assert st.remove(["hard"], False, 1.0)[0] is None
+    with pytest.raises(E.NotFound):
+        st.pin("nope", None, 0.0)
+
+
+def test_admin_evict_selectors_and_dry_run():
+    st = make()
+    put(st, "ns/llama/0:f/aa", now=0.0)
+    put(st, "ns/qwen/0:f/bb", now=100.0)
+    rep = st.evict(EvictSelector(model="llama"), True, False, 101.0)
+    assert rep.removed == 1 and rep.dry_run and "ns/llama/0:f/aa" in st.objects
+    rep = st.evict(EvictSelector(older_than_s=50.0), False, False, 101.0)
+    assert rep.keys == ["ns/llama/0:f/aa"] and "ns/llama/0:f/aa" not in st.objects
+    with pytest.raises(E.InvalidRequest, match="exactly one"):
+        st.evict(EvictSelector(prefix="a", all=True), False, False, 0.0)
+    with pytest.raises(E.InvalidRequest, match="no such live node"):
+        st.evict(EvictSelector(node="zz"), False, False, 0.0)
+
+
+def test_stuck_writer_is_revoked_and_key_retaken():
+    st = make(nodes=1, put_timeout_s=10.0, quarantine_s=5.0)
+    g = st.put_start([PutItem("a", MiB, 1)], "h0", 0, 0.0)[0]
+    assert st.put_start([PutItem("a", MiB, 1)], "h0", 0, 1.0)[0].status == "in_flight"
+    st.tick(11.0)
+    assert "a" not in st.pending
+    node = st.nodes["n0"]
+    assert node.alloc.used == MiB  # quarantined, not yet reusable
+    st.tick(17.0)
+    assert node.alloc.used == 0
+    late = st.put_end(["a"], [g.put_id], 18.0)[0]
+    assert late.code == "put_revoked"
+    g2 = put(st, "a", now=19.0)
+    assert g2.put_id != g.put_id and "a" in st.objects
+
+
+def test_node_death_drops_replicas():
+    st = make(nodes=2)
+    put(st, "one", replicas=1, host="h1")
+    put(st, "two", replicas=2)
+    lost = st.node_down("n1", 1.0)
+    assert lost == ["one"] and "one" not in st.objects
+    assert [r.node_id for r in st.objects["two"].replicas] == ["n0"]
+
+
+def test_restarted_node_new_incarnation_forgets_extents():
+    st = make(nodes=1)
+    put(st, "a")
+    st.node_up(NodeDesc("n0", "inc-new", "tcp://x:1", "", "", "h0", 10 * MiB), 1.0)
+    assert "a" not in st.objects and st.nodes["n0"].alloc.used == 0
+
+
+def test_handoff_hold_ack_release_expire_and_repair():
+    st = make(nodes=3, replicas=2)
+    put(st, "b0")
+    put(st, "b1")
+    rec = HandoffRecord("r1", {"0": ["b0", "b1"]}, {}, "p", deadline=100.0)
+    st.handoff_publish(rec, 0.0)
+    assert st.handoff_publish(rec, 0.0) == rec  # idempotent
+    assert st.stats().held_bytes == 4 * MiB
+    rep = st.evict(EvictSelector(all=True), False, False, 1.0)
+    assert rep.skipped_held == 2 and rep.removed == 0
+    # a node holding a held replica dies: repair is queued to restore 2 replicas
+    victim = st.objects["b0"].replicas[0].node_id
+    st.take_outbox()
+    st.node_down(victim, 2.0)
+    st.repair_all()
+    copies = [m for msgs in st.take_outbox().values() for m in msgs if isinstance(m, NodeCopy)]
+    assert {c.key for c in copies} == {"b0", "b1"} or {c.key for c in copies} <= {"b0", "b1"}
+    for c in copies:
+        st.repair_done(c.key, c.dst, True)
+        assert len(st.objects[c.key].replicas) == 2
+    assert st.handoff_claim("r1", 3.0) == rec
+    assert st.handoff_finish("r1", "acked") and not st.handoff_finish("r1", "acked")
+    assert st.stats().held_bytes == 0
+    with pytest.raises(E.HandoffNotFound):
+        st.handoff_claim("nope", 0.0)
+    # deadline passes: hold released, claim says expired
+    st.handoff_publish(HandoffRecord("r2", {"0": ["b0"]}, {}, "p", deadline=10.0), 5.0)
+    assert st.tick(11.0) == ["r2"]
+    with pytest.raises(E.HandoffExpired):
+        st.handoff_claim("r2", 11.0)
+    assert st.stats().held_bytes == 0
+    with pytest.raises(E.NotFound, match="not stored"):
+        st.handoff_publish(HandoffRecord("r3", {"0": ["missing"]}, {}, "p", 100.0), 0.0)
+    assert "r3" not in st.handoffs
+
+
+def test_remove_frees_space_and_notifies_node():
+    st = make(nodes=1)
+    put(st, "a")
+    st.take_outbox()
+    assert st.remove(["a"], False, 1.0) == [None]
+    assert st.nodes["n0"].alloc.used == 0
+    assert any(isinstance(m, NodeFree) for m in st.take_outbox()["n0"])
+    assert st.remove(["a"], False, 1.0)[0].code == "not_found"
+
+
+def test_released_lease_lapses_at_once_but_other_readers_keep_it():
+    st = make()
+    put(st, "a")
+    st.lookup(["a"], True, 1.0)
+    st.lookup(["a"], True, 1.0)
+    st.release_leases(["a"], 1.5)
+    assert st.remove(["a"], False, 1.6)[0].code == "has_lease"  # one reader still holds it
+    st.release_leases(["a"], 1.7)
+    assert st.remove(["a"], False, 1.8)[0] is None
