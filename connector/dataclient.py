@@ -150,7 +150,7 @@ class DataPlane:
                     continue
                 r = op.ref
                 s.sendall(frame(DataRequest("written" if notice else "write", r.incarnation, r.offset, r.size,
-                                            r.gen, op.key, op.checksum, op.layout)))
+                                            r.gen, op.key, op.checksum, op.layout, r.token)))
                 if not notice and r.size:
                     s.sendall(op.data)
             for op in ops:

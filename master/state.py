@@ -16,9 +16,12 @@ import itertools
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+import msgspec
+
 from master.allocator import RangeAllocator, align_up
 from protocol import errors as E
 from protocol.errors import ErrorInfo
+from protocol.grants import grant_token
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec
 from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentRef, HandoffRecord, NodeCommit, NodeDesc,
@@ -78,6 +81,10 @@ class Obj:
     holds: set[str] = field(default_factory=set)
     replicas_wanted: int = 1
     repairing: bool = False
+
+    def read_refs(self) -> list[ExtentRef]:
+        """Replicas without write tokens (readers never get write authority)."""
+        return [msgspec.structs.replace(r, token=b"") for r in self.replicas]
 
     def evictable_kind(self) -> str:
         """"" when in the plain LRU, "soft" in the soft-pin LRU, "none" when never evicted."""
@@ -236,8 +243,7 @@ class MasterState:
                     f"no room for {key!r} ({size} bytes) on {want} store node(s) even after evicting "
                     "every unleased, unpinned object; wait for leases to lapse, unpin objects "
                     "(`kvpool ls --long`), or add store nodes", key=key, size=size)
-            refs.append(ExtentRef(n.node_id, n.desc.incarnation, n.desc.data_addr, n.desc.shm_path,
-                                  n.desc.host_id, off, size, next(n.next_gen)))
+            refs.append(_grant(n, off, size))
         return refs
 
     def _alloc_on(self, node: Node, size: int, now: float) -> int | None:
@@ -326,7 +332,7 @@ class MasterState:
                     obj.lease_count = 0
                 obj.lease_count += 1
                 obj.lease_until = max(obj.lease_until, now + ttl)
-            out.append(ObjectInfo(key, obj.size, obj.checksum, obj.layout, obj.replicas, ttl))
+            out.append(ObjectInfo(key, obj.size, obj.checksum, obj.layout, obj.read_refs(), ttl))
         return out
 
     def release_leases(self, keys: list[str], now: float) -> None:
@@ -629,8 +635,7 @@ class MasterState:
         off = dst.alloc.alloc(obj.size)
         if off is None:
             return
-        ref = ExtentRef(dst.node_id, dst.desc.incarnation, dst.desc.data_addr, dst.desc.shm_path,
-                        dst.desc.host_id, off, obj.size, next(dst.next_gen))
+        ref = _grant(dst, off, obj.size)
         src = obj.replicas[0]
         obj.repairing = True
         self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
@@ -706,3 +711,11 @@ class MasterState:
         out, self.outbox = self.outbox, defaultdict(list)
         return out
 
+
+
+def _grant(node: Node, offset: int, size: int) -> ExtentRef:
+    """A write grant for ``[offset, +size)`` on ``node`` with a fresh generation and token."""
+    d = node.desc
+    gen = next(node.next_gen)
+    return ExtentRef(d.node_id, d.incarnation, d.data_addr, d.shm_path, d.host_id, offset, size, gen,
+                     grant_token(d.grant_key, d.incarnation, offset, size, gen))

@@ -32,6 +32,7 @@ class DataRequest(msgspec.Struct, array_like=True):
     key: str = ""
     checksum: int = 0
     layout: bytes | None = None
+    token: bytes = b""
 
 
 class DataReply(msgspec.Struct, array_like=True):

@@ -17,8 +17,9 @@ from protocol.layout import LayoutSpec
 
 class ExtentRef(msgspec.Struct, frozen=True, array_like=True):
     """Where one replica lives: node, its incarnation (segment generation), data-plane
-    address, same-host shared-memory path, host id, byte offset/size in the segment and the
-    extent's allocation generation ``gen``."""
+    address, same-host shared-memory path, host id, byte offset/size in the segment, the
+    extent's allocation generation ``gen`` and the write ``token`` (see
+    :func:`protocol.grants.grant_token`; empty in read replies)."""
 
     node_id: str
     incarnation: str
@@ -28,6 +29,7 @@ class ExtentRef(msgspec.Struct, frozen=True, array_like=True):
     offset: int
     size: int
     gen: int
+    token: bytes = b""
 
 
 class NodeDesc(msgspec.Struct, frozen=True):
@@ -43,6 +45,7 @@ class NodeDesc(msgspec.Struct, frozen=True):
     host_id: str
     capacity: int
     device: str = "cpu"
+    grant_key: bytes = b""
 
 
 class PutItem(msgspec.Struct, frozen=True, array_like=True):

@@ -12,6 +12,7 @@ import socket
 import threading
 
 from protocol import transport
+from protocol.grants import check_token
 from protocol.dataplane import DataReply, DataRequest, frame, recv_exact, recv_request
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
 from storenode.extents import ExtentTable
@@ -95,8 +96,12 @@ class DataServer:
             if req.incarnation != seg.incarnation and req.op != "ping":
                 raise StaleExtent(f"store node segment restarted (generation {seg.incarnation}, request "
                                   f"named {req.incarnation}); look the key up again")
-            if req.op == "write":
+            if req.op in ("write", "written"):
                 self.table.check_bounds(req.offset, req.size)
+                if not check_token(seg.grant_key, seg.incarnation, req.offset, req.size, req.gen, req.token):
+                    raise InvalidRequest(f"write to [{req.offset}, +{req.size}) gen {req.gen} carries no valid "
+                                         "grant from the master; writes need a put_start grant")
+            if req.op == "write":
                 recv_exact(conn, seg.view[req.offset:req.offset + req.size])
                 self.bytes_in += req.size
                 self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)

@@ -24,7 +24,12 @@ class Segment:
         self.mm = mmap.mmap(self.fd, capacity, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                             mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mm)
+        self.renew()
+
+    def renew(self) -> None:
+        """A new generation: fresh incarnation id and grant key (old grants stop working)."""
         self.incarnation = uuid.uuid4().hex[:16]
+        self.grant_key = os.urandom(32)
 
     def close(self) -> None:
         try:

@@ -63,7 +63,8 @@ class StoreNode:
 
     def descriptor(self, ctrl_addr: str) -> M.NodeDesc:
         return M.NodeDesc(self.node_id, self.segment.incarnation, self.data.addrs[0], ctrl_addr,
-                          self.data.addrs[1], self.host_id, self.segment.capacity, self.s.device)
+                          self.data.addrs[1], self.host_id, self.segment.capacity, self.s.device,
+                          self.segment.grant_key)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -95,7 +96,7 @@ class StoreNode:
                     if lost.is_set() and not self._stop.is_set():
                         # the cluster may have dropped us: come back empty with a new generation
                         self.table.clear()
-                        self.segment.incarnation = uuid.uuid4().hex[:16]
+                        self.segment.renew()
                         await asyncio.sleep(0.2)
                 with contextlib.suppress(Exception):
                     await etcd.delete(self.keys.node(self.node_id))
@@ -135,7 +136,7 @@ class StoreNode:
             sock = transport.connect(req.dst.data_addr, 10.0)
             try:
                 sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,
-                                               req.dst.gen, req.key, row.checksum, req.layout)))
+                                               req.dst.gen, req.key, row.checksum, req.layout, req.dst.token)))
                 sock.sendall(self.segment.view[req.src_offset:req.src_offset + req.dst.size])
                 rep: DataReply = recv_reply(sock)
                 if not rep.ok:

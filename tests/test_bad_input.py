@@ -1,0 +1,126 @@
+"""Bad input gets a typed error and loses nothing (real cluster, real sockets)."""
+import os
+import socket
+import struct
+
+import msgspec
+import pytest
+import zmq
+
+from connector.dataclient import DataPlane, WriteOp
+from protocol import errors as E
+from protocol import messages as M
+from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
+
+
+def test_bad_keys(client):
+    with pytest.raises(E.InvalidKey, match="513 bytes"):
+        client.put("k" * 513, b"x")
+    with pytest.raises(E.InvalidKey, match="UTF-8"):
+        client.put(b"\xff\xfe", b"x")
+    with pytest.raises(E.InvalidKey, match="empty"):
+        client.get("")
+
+
+def test_object_larger_than_any_node(client):
+    big = bytearray(300 << 20)  # nodes have 256 MiB segments
+    with pytest.raises(E.ObjectTooLarge, match="largest store node segment"):
+        client.put("too/big", big)
+    assert client.exists_batch(["too/big"]) == [False]
+    st = client.stats()
+    assert st.pending == 0
+
+
+def test_malformed_rpc_frames_get_errors_and_master_survives(cluster, client):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(cluster.master_addr)
+    try:
+        for body in (b"", b"\xc1\xc1\xc1", msgspec.msgpack.encode({"type": "lookup"}),
+                     msgspec.msgpack.encode({"type": "nope", "keys": []}),
+                     msgspec.msgpack.encode({"type": "lookup", "keys": [1, 2]})):
+            s.send_multipart([b"r1", body])
+            assert s.poll(5000)
+            rid, reply = s.recv_multipart()
+            rep = msgspec.msgpack.decode(reply, type=M.Reply)
+            assert rid == b"r1" and rep.error is not None and rep.error.code == "invalid_request"
+        s.send_multipart([b"a", b"b", b"c", b"d"])  # wrong frame count: dropped, no crash
+    finally:
+        s.close(0)
+    client.put("after/garbage", b"ok")
+    assert client.get("after/garbage") == b"ok"
+    assert all(c.alive() for c in cluster.masters)
+
+
+def test_malformed_and_truncated_data_frames(cluster, client):
+    client.put("data/keep", b"precious")
+    node = client.lookup(["data/keep"])[0].replicas[0]
+    host, port = node.data_addr[len("tcp://"):].rsplit(":", 1)
+    # garbage header
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
+        rep = recv_reply(s)
+        assert not rep.ok and rep.error.code == "invalid_request"
+    # oversized header length: refused
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("<I", 1 << 30))
+        rep = recv_reply(s)
+        assert not rep.ok and "exceeds" in rep.error.message
+    # write outside the segment and with a stale generation: typed errors
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(frame(DataRequest("write", node.incarnation, (1 << 40), 4, 1, "x")) + b"abcd")
+        rep = recv_reply(s)
+        assert not rep.ok and rep.error.code == "invalid_request"
+        s.sendall(frame(DataRequest("read", node.incarnation, node.offset, node.size, node.gen + 99)))
+        rep = recv_reply(s)
+        assert not rep.ok and rep.error.code == "stale_extent"
+        s.sendall(frame(DataRequest("read", "not-this-node", node.offset, node.size, node.gen)))
+        assert recv_reply(s).error.code == "stale_extent"
+    # truncated payload then hang-up: the node drops the connection, nothing else breaks
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(frame(DataRequest("write", node.incarnation, 0, 1 << 20, 1, "trunc")) + b"short")
+    assert client.get("data/keep") == b"precious"
+
+
+def test_store_node_dies_mid_write(make_cluster):
+    lc = make_cluster(nodes=1, memory="64MiB", put_timeout="2s", quarantine="1s")
+    with lc.client(transport="tcp") as c:
+        grant = c.rpc.call(M.PutStart([M.PutItem("doomed", 8 << 20, 0)], c.host_id, 1))[0]
+        ref = grant.replicas[0]
+        # start the write by hand, send half the payload, then the node is SIGKILLed
+        dp = DataPlane(c.host_id, "tcp", 5.0)
+        lc.kill_node("node-0")
+        op = WriteOp(ref, memoryview(bytearray(8 << 20)), "doomed", 0, None)
+        dp.write([op])
+        assert isinstance(op.error, E.NodeUnavailable)
+        dp.close()
+        # through the public API the put fails cleanly with the typed error
+        with pytest.raises((E.NodeUnavailable, E.NoSpace)):
+            c.put("doomed2", os.urandom(1 << 20))
+        # the master drops the dead node and its pending extent
+        from tests.conftest import wait_for
+        wait_for(lambda: c.stats().nodes == [] and c.stats().pending == 0, 15, what="dead node dropped")
+        # a new node joins; the key can be written again
+        lc.start_node("node-1", "64MiB")
+        lc.wait_nodes(1)
+        c.put("doomed", os.urandom(1 << 20))
+        assert c.exists_batch(["doomed"]) == [True]
+
+
+def test_data_reply_decoder_rejects_garbage():
+    class Fake:
+        def __init__(self, data):
+            self.data, self.pos = data, 0
+
+        def recv_into(self, view, n):
+            chunk = self.data[self.pos:self.pos + n]
+            view[:len(chunk)] = chunk
+            self.pos += len(chunk)
+            return len(chunk)
+
+    with pytest.raises(E.InvalidRequest):
+        recv_reply(Fake(struct.pack("<I", 3) + b"\xc1\xc1\xc1"))
+    with pytest.raises(E.NodeUnavailable):
+        recv_reply(Fake(struct.pack("<I", 10) + b"abc"))  # truncated
+    assert recv_reply(Fake(frame(DataReply(True, size=3)))).size == 3
