@@ -194,16 +194,10 @@ class KVPoolClient:
 
     def get(self, key: str, layout: LayoutSpec | None = None) -> bytes | None:
         """The object's bytes, or None when not stored."""
-        info = self._lookup_one(key)
-        if info is None:
-            return None
-        buf = bytearray(info.size)
-        got = self.get_into(key, buf, layout)
-        return None if got is None else bytes(buf)
-
-    def _lookup_one(self, key: str) -> M.ObjectInfo | None:
-        r = self.rpc.call(M.Lookup([validate_key(key)], lease=False))[0]
-        return None if isinstance(r, M.ErrorInfo) else r
+        r = self.get_batch([key], layout)[0]
+        if isinstance(r, KVPoolError):
+            raise r
+        return r
 
     def get_into(self, key: str, out: Any, layout: LayoutSpec | None = None) -> int | None:
         """Copy the object into ``out`` (≥ its size); return bytes copied, None on a miss.
@@ -214,10 +208,29 @@ class KVPoolClient:
         return r
 
     def get_batch(self, keys: Sequence[str], layout=None) -> list[bytes | None | KVPoolError]:
-        infos = self.rpc.call(M.Lookup([validate_key(k) for k in keys], lease=False))
-        outs = [bytearray(i.size) if isinstance(i, M.ObjectInfo) else bytearray() for i in infos]
-        res = self.get_into_batch(keys, outs, layout)
-        return [bytes(o) if isinstance(r, int) else r for r, o in zip(res, outs)]
+        """Batch get into new buffers sized from the lookup: per key bytes, None or error."""
+        n = len(keys)
+        lays = _per_key(layout, n)
+        results: list[Any] = [None] * n
+        outs: list[bytearray] = [bytearray() for _ in range(n)]
+        todo = []
+        for i, k in enumerate(keys):
+            try:
+                validate_key(k)
+                todo.append(i)
+            except KVPoolError as e:
+                results[i] = e
+        for attempt in range(self.lease_retries + 1):
+            if not todo:
+                break
+            t_sent, infos = self._leased_lookup(keys, todo)
+            views: list[Any] = [None] * n
+            for i, info in zip(todo, infos):
+                if isinstance(info, M.ObjectInfo):
+                    outs[i] = bytearray(info.size)
+                    views[i] = memoryview(outs[i])
+            todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
+        return [bytes(o) if isinstance(r, int) else r for r, o in zip(results, outs)]
 
     def get_into_batch(self, keys: Sequence[str], outs: Sequence[Any],
                        layout: Sequence[LayoutSpec | None] | LayoutSpec | None = None
@@ -241,16 +254,19 @@ class KVPoolClient:
         for attempt in range(self.lease_retries + 1):
             if not todo:
                 break
-            todo = self._get_round(keys, views, lays, results, todo, last=attempt == self.lease_retries)
+            t_sent, infos = self._leased_lookup(keys, todo)
+            todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
         for i in range(n):
             if isinstance(results[i], int) and fins[i] is not None:
                 fins[i]()
         return results
 
-    def _get_round(self, keys, views, lays, results, todo: list[int], last: bool) -> list[int]:
-        """One lookup + read round; returns the indices to retry with a fresh lease."""
+    def _leased_lookup(self, keys, todo: list[int]) -> tuple[float, list]:
         t_sent = time.monotonic()
-        infos = self.rpc.call(M.Lookup([keys[i] for i in todo], lease=True))
+        return t_sent, self.rpc.call(M.Lookup([keys[i] for i in todo], lease=True))
+
+    def _read(self, keys, views, lays, results, todo: list[int], infos, t_sent: float, last: bool) -> list[int]:
+        """Read looked-up objects into ``views``; returns the indices to retry with a fresh lease."""
         pending: dict[int, tuple[M.ObjectInfo, list[M.ExtentRef]]] = {}
         for i, info in zip(todo, infos):
             if isinstance(info, M.ErrorInfo):

@@ -318,12 +318,13 @@ class MasterState:
         out: list[ObjectInfo | ErrorInfo] = []
         for key in keys:
             obj = self.objects.get(key)
-            self.counters["gets"] += 1
+            if lease:  # a read; lease-free lookups are metadata queries and are not counted
+                self.counters["gets"] += 1
             if obj is None:
-                self.counters["misses"] += 1
+                self.counters["misses"] += lease
                 out.append(E.NotFound(f"key {key!r} is not stored", key=key).to_wire())
                 continue
-            self.counters["hits"] += 1
+            self.counters["hits"] += lease
             self._touch(obj, now)
             ttl = 0.0
             if lease:

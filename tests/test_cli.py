@@ -1,0 +1,107 @@
+"""The operator CLI against a real cluster (subprocesses, as an operator runs it)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import wait_for
+
+
+def kv(cluster, *args, ok=True):
+    p = subprocess.run([sys.executable, "-m", "cli", *args, "--master", cluster.master_addr],
+                       capture_output=True, text=True, timeout=60)
+    if ok:
+        assert p.returncode == 0, p.stderr + p.stdout
+    return p
+
+
+def test_put_get_ls_rm(cluster, tmp_path):
+    src = tmp_path / "in.bin"
+    src.write_bytes(bytes(range(256)) * 100)
+    kv(cluster, "put", "cli/obj", str(src))
+    out = tmp_path / "out.bin"
+    kv(cluster, "get", "cli/obj", "-o", str(out))
+    assert out.read_bytes() == src.read_bytes()
+    p = kv(cluster, "ls", "--prefix", "cli/", "--json")
+    rows = json.loads(p.stdout)
+    assert [r["key"] for r in rows] == ["cli/obj"] and rows[0]["size"] == 25600
+    p = kv(cluster, "ls", "--prefix", "cli/", "--long")
+    assert "cli/obj" in p.stdout and "raw" in p.stdout
+    # a get right after our own get has released its lease: rm works
+    kv(cluster, "rm", "cli/obj")
+    p = kv(cluster, "get", "cli/obj", ok=False)
+    assert p.returncode == 3 and "not stored" in p.stderr
+    p = kv(cluster, "rm", "cli/obj", ok=False)
+    assert p.returncode == 3
+
+
+def test_status_table_and_json(cluster):
+    p = kv(cluster, "status")
+    assert "node-0" in p.stdout and "node-1" in p.stdout and "leader" in p.stdout
+    st = json.loads(kv(cluster, "status", "--json").stdout)
+    assert len(st["nodes"]) == 2 and st["leader"] == cluster.master_addr
+    assert all(n["capacity"] == 256 << 20 for n in st["nodes"])
+
+
+def test_evict_pin_unpin(cluster, tmp_path):
+    src = tmp_path / "x"
+    src.write_bytes(b"z" * 1000)
+    for i in range(3):
+        kv(cluster, "put", f"ev/{i}", str(src))
+    kv(cluster, "pin", "ev/0")
+    kv(cluster, "pin", "ev/1", "--ttl", "30m")
+    p = kv(cluster, "ls", "--prefix", "ev/", "--json")
+    pins = {r["key"]: r["pin"] for r in json.loads(p.stdout)}
+    assert pins == {"ev/0": "hard", "ev/1": "soft", "ev/2": ""}
+    rep = json.loads(kv(cluster, "evict", "--prefix", "ev/", "--dry-run", "--json").stdout)
+    assert rep["removed"] == 1 and rep["skipped_pinned"] == 2 and rep["dry_run"]
+    assert len(json.loads(kv(cluster, "ls", "--prefix", "ev/", "--json").stdout)) == 3  # dry run changed nothing
+    p = kv(cluster, "evict", "--prefix", "ev/")
+    assert "removed 1 object(s)" in p.stdout and "pinned 2" in p.stdout
+    kv(cluster, "unpin", "ev/1")
+    rep = json.loads(kv(cluster, "evict", "--prefix", "ev/", "--json").stdout)
+    assert rep["removed"] == 1 and rep["skipped_pinned"] == 1
+    rep = json.loads(kv(cluster, "evict", "--key", "ev/0", "--force", "--json").stdout)
+    assert rep["removed"] == 1
+    assert json.loads(kv(cluster, "ls", "--prefix", "ev/", "--json").stdout) == []
+
+
+@pytest.mark.parametrize("args,msg", [
+    ([], "exactly one selector"),
+    (["--prefix", "a", "--all"], "exactly one selector"),
+    (["--node", "no-such-node"], "no such live node"),
+    (["--older-than", "soon"], "not a duration"),
+])
+def test_bad_selectors_fail_clearly(cluster, args, msg):
+    p = kv(cluster, "evict", *args, ok=False)
+    assert p.returncode == 2 and msg in p.stderr
+
+
+def test_errors_say_what_to_do(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "cli", "status", "--master", "tcp://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                                         "KVPOOL_CLIENT__RPC_TIMEOUT": "1s"})
+    assert p.returncode == 4 and "kvpool status" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "cli", "status", "--cluster", "nothing-here"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "kvpool up" in p.stderr
+
+
+def test_metrics_endpoint(make_cluster):
+    import urllib.request
+
+    from cli.cluster import free_port
+
+    port = free_port()
+    lc = make_cluster(nodes=1, memory="32MiB", metrics_port=port)
+    with lc.client() as c:
+        c.put("m/a", b"x" * 100)
+        c.get("m/a")
+        c.get("m/missing")
+    body = wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode(),
+                    what="metrics")
+    assert "kvpool_objects 1.0" in body
+    assert 'kvpool_ops_total{op="hits"} 1.0' in body and 'kvpool_ops_total{op="misses"} 1.0' in body
+    assert 'kvpool_node_capacity_bytes{node="node-0"} 3.3554432e+07' in body
+    assert "kvpool_rpc_seconds_bucket" in body
