@@ -1,0 +1,161 @@
+"""Store-node and master failures with SIGKILL (DESIGN.md §8). Marked chaos."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+import xxhash
+
+from connector.client import KVPoolClient
+from connector.dataclient import DataPlane, ReadOp
+from connector.handoff import HandoffConsumer, HandoffProducer
+from protocol import errors as E
+from protocol.layout import LayoutSpec, TensorSpec
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.chaos
+KiB = 1 << 10
+
+
+def test_node_killed_during_mixed_workload_replicas_2(make_cluster):
+    lc = make_cluster(nodes=3, memory="128MiB", replicas=2, node_ttl="1s")
+    committed: dict[str, int] = {}
+    lock = threading.Lock()
+    bad, hung = [], []
+    stop = threading.Event()
+
+    def worker(wid: int):
+        with lc.client(rpc_timeout_s=10, io_timeout_s=5) as c:
+            i = 0
+            while not stop.is_set():
+                key = f"mix/{wid}/{i}"
+                data = os.urandom(64 * KiB)
+                t0 = time.monotonic()
+                try:
+                    c.put(key, data)
+                    with lock:
+                        committed[key] = xxhash.xxh3_64_intdigest(data)
+                except (E.NodeUnavailable, E.NoSpace, E.PutRevoked):
+                    pass  # a put may fail cleanly while the node is dying
+                with lock:
+                    sample = list(committed.items())[-20:]
+                for k, h in sample:
+                    try:
+                        got = c.get(k)
+                    except (E.NodeUnavailable, E.StaleExtent):
+                        got = None
+                    if got is not None and xxhash.xxh3_64_intdigest(got) != h:
+                        bad.append(k)
+                if time.monotonic() - t0 > 20:
+                    hung.append(key)
+                i += 1
+
+    ts = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in ts:
+        t.start()
+    time.sleep(2)
+    lc.kill_node("node-1")
+    time.sleep(3)
+    stop.set()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts), "a client hung"
+    assert not bad and not hung
+    with lc.client() as c:
+        wait_for(lambda: len(c.stats().nodes) == 2, 10, what="dead node dropped")
+        missing = []
+        for k, h in committed.items():
+            got = c.get(k)
+            if got is None:
+                missing.append(k)
+            else:
+                assert xxhash.xxh3_64_intdigest(got) == h
+        assert not missing, f"{len(missing)} committed objects lost with replicas=2"
+
+
+def test_replicas_1_lost_objects_are_clean_misses(make_cluster):
+    lc = make_cluster(nodes=2, memory="64MiB", replicas=1, node_ttl="1s")
+    with lc.client() as c:
+        data = {f"r1/{i}": os.urandom(32 * KiB) for i in range(40)}
+        assert c.put_batch(list(data), list(data.values())) == [None] * 40
+        on_node1 = [o.key for o in c.ls("r1/") if o.nodes == ["node-1"]]
+        assert on_node1
+        lc.kill_node("node-1")
+        # before the master notices, reads of node-1 objects fail cleanly (no wrong bytes)
+        for k in on_node1[:3]:
+            try:
+                got = c.get(k)
+                assert got is None or got == data[k]
+            except E.NodeUnavailable:
+                pass
+        wait_for(lambda: len(c.stats().nodes) == 1, 10, what="dead node dropped")
+        for k, v in data.items():
+            got = c.get(k)
+            assert got is None if k in on_node1 else got == v
+
+
+def test_restarted_node_refuses_old_descriptors(make_cluster):
+    lc = make_cluster(nodes=1, memory="32MiB", node_ttl="1s")
+    with lc.client(transport="tcp") as c:
+        c.put("old/a", b"x" * 4096)
+        ref = c.lookup(["old/a"])[0].replicas[0]
+        lc.kill_node("node-0")
+        lc.start_node("node-0", "32MiB")
+        wait_for(lambda: [n.incarnation for n in c.stats().nodes] not in ([], [ref.incarnation]), 10,
+                 what="new incarnation registered")
+        assert c.get("old/a") is None  # the restarted node came back empty
+        for mode in ("tcp", "auto"):
+            dp = DataPlane(c.host_id, mode, 5.0)
+            op = ReadOp(ref, memoryview(bytearray(4096)))
+            dp.read([op])
+            assert isinstance(op.error, (E.StaleExtent, E.NodeUnavailable)), op.error
+            dp.close()
+
+
+def test_held_object_repaired_after_node_death(make_cluster):
+    lc = make_cluster(nodes=3, memory="64MiB", replicas=2, node_ttl="1s")
+    lay = LayoutSpec(kind="full_attention", tokens_per_block=16,
+                     tensors=(TensorSpec("kv", (2, 2, 4, 16, 32), "float32"),), num_kv_heads=4, head_size=32)
+    blocks = [torch.full((2, 2, 4, 16, 32), float(i)) for i in range(6)]
+    keys = [f"rep/{i}" for i in range(6)]
+    with lc.client() as c:
+        HandoffProducer(c).publish("rep-req", {"0": (lay, keys, blocks)})
+        victim = c.ls("rep/")[0].nodes[0]
+        lc.kill_node(victim)
+        wait_for(lambda: len(c.stats().nodes) == 2, 10, what="dead node dropped")
+        wait_for(lambda: all(len(o.nodes) == 2 and victim not in o.nodes for o in c.ls("rep/")), 15,
+                 what="replica count restored")
+        assert c.stats().under_replicated == 0
+        cons = HandoffConsumer(c)
+        rec = cons.claim("rep-req")
+        outs = [torch.empty(2, 2, 4, 16, 32) for _ in keys]
+        assert cons.load(rec, "0", outs).failed == []
+        assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+        cons.ack("rep-req")
+        assert c.stats().held_bytes == 0
+
+
+def test_master_failover_rebuilds_index(make_cluster):
+    lc = make_cluster(nodes=2, memory="64MiB", replicas=2, node_ttl="1s")
+    standby = lc.start_master(wait_leader=False)
+    data = {f"fo/{i}": os.urandom(16 * KiB) for i in range(30)}
+    with lc.client() as c:
+        assert c.put_batch(list(data), list(data.values())) == [None] * 30
+        c.pin("fo/0")
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("b", (16 * KiB,), "uint8"),))
+    with lc.client() as c:
+        assert c.put_batch(["fo/held"], [torch.zeros(16 * KiB, dtype=torch.uint8)], lay) == [None]
+        c.handoff_publish("fo-req", {"0": ["fo/held"]}, {"0": lay}, ttl_s=120)
+    lc.masters[0].kill()
+    standby.wait_line("KVPOOL_LEADER", 20)
+    with KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20) as c:
+        assert c.rpc.leader() != ""
+        for k, v in data.items():
+            assert c.get(k) == v
+        st = c.stats()
+        assert st.objects == 31 and st.leader != lc.master_addr
+        assert c.handoff_claim("fo-req").keys == {"0": ["fo/held"]}
+        assert st.held_bytes == 2 * 16 * KiB
+        c.put("fo/new", b"after failover")
+        assert c.get("fo/new") == b"after failover"
