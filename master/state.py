@@ -621,11 +621,16 @@ class MasterState:
 
     # ---- repair -------------------------------------------------------------------------
 
+    def _live_replicas(self, obj: Obj) -> list[ExtentRef]:
+        """Replicas on nodes that are not draining."""
+        return [r for r in obj.replicas if r.node_id in self.nodes and not self.nodes[r.node_id].draining]
+
     def _maybe_repair(self, obj: Obj) -> None:
-        """Queue re-replication of a held/pinned object below its replica count."""
-        if obj.repairing or len(obj.replicas) >= obj.replicas_wanted or not obj.replicas:
+        """Queue re-replication of a held/pinned object below its replica count (replicas on
+        draining nodes do not count)."""
+        if obj.repairing or not obj.replicas or not (obj.holds or obj.pin):
             return
-        if not (obj.holds or obj.pin):
+        if len(self._live_replicas(obj)) >= obj.replicas_wanted:
             return
         used = {r.node_id for r in obj.replicas}
         cands = [n for n in self.nodes.values() if n.node_id not in used and not n.draining
@@ -653,16 +658,23 @@ class MasterState:
                 node.alloc.free(dst.offset, dst.size)
                 self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
             return
+        self._lru_remove(obj)
         obj.replicas.append(dst)
         node.keys.add(key)
         self.outbox[dst.node_id].append(NodeCommit([(dst.offset, dst.gen)]))
+        if len(self._live_replicas(obj)) >= obj.replicas_wanted:
+            # moved off draining nodes: drop those copies
+            for r in [r for r in obj.replicas if self.nodes[r.node_id].draining]:
+                obj.replicas.remove(r)
+                self.nodes[r.node_id].keys.discard(key)
+                self._free_extent(r)
         self._lru_add(obj)
         self.counters["repairs_done"] += 1
         self._maybe_repair(obj)
 
     def repair_all(self) -> None:
         for obj in self.objects.values():
-            if (obj.holds or obj.pin) and len(obj.replicas) < obj.replicas_wanted:
+            if (obj.holds or obj.pin) and not obj.repairing:
                 self._maybe_repair(obj)
 
     def drain(self, node_id: str) -> None:
@@ -673,8 +685,7 @@ class MasterState:
         node.draining = True
         for key in list(node.keys):
             obj = self.objects.get(key)
-            if obj is not None and (obj.holds or obj.pin):
-                obj.replicas_wanted = max(obj.replicas_wanted, len(obj.replicas) + 1)
+            if obj is not None:
                 self._maybe_repair(obj)
 
     # ---- introspection ------------------------------------------------------------------

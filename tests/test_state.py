@@ -214,3 +214,19 @@ def test_released_lease_lapses_at_once_but_other_readers_keep_it():
     assert st.remove(["a"], False, 1.6)[0].code == "has_lease"  # one reader still holds it
     st.release_leases(["a"], 1.7)
     assert st.remove(["a"], False, 1.8)[0] is None
+
+
+def test_drain_moves_pinned_objects_off():
+    st = make(nodes=2)
+    put(st, "pinned", host="h0")
+    put(st, "plain", host="h0")
+    st.pin("pinned", None, 0.0)
+    st.take_outbox()
+    st.drain("n0")
+    copies = [m for m in st.take_outbox()["n0"] if isinstance(m, NodeCopy)]
+    assert [c.key for c in copies] == ["pinned"] and copies[0].dst.node_id == "n1"
+    st.repair_done("pinned", copies[0].dst, True)
+    assert [r.node_id for r in st.objects["pinned"].replicas] == ["n1"]
+    assert st.put_start([PutItem("new", MiB, 1)], "h0", 0, 1.0)[0].replicas[0].node_id == "n1"
+    with pytest.raises(E.InvalidRequest):
+        st.drain("zz")
