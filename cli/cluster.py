@@ -155,13 +155,24 @@ class LocalCluster:
         cport, pport = free_port(), free_port()
         self.etcd_endpoint = f"http://127.0.0.1:{cport}"
         data = os.path.join(self.run_dir, "etcd-data")
-        self.etcd = Child("etcd", [binary, "--name", "kvpool", "--data-dir", data,
+        self._etcd_argv = [binary, "--name", "kvpool", "--data-dir", data,
                                    "--listen-client-urls", self.etcd_endpoint,
                                    "--advertise-client-urls", self.etcd_endpoint,
                                    "--listen-peer-urls", f"http://127.0.0.1:{pport}",
                                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-                                   "--initial-cluster", f"kvpool=http://127.0.0.1:{pport}"],
-                          self.run_dir)
+                                   "--initial-cluster", f"kvpool=http://127.0.0.1:{pport}"]
+        self.etcd = Child("etcd", self._etcd_argv, self.run_dir)
+        self._wait_etcd()
+
+    def kill_etcd(self) -> None:
+        """SIGKILL the embedded etcd (its data dir stays for a restart)."""
+        self.etcd.kill(signal.SIGKILL)
+        self.etcd.stop()
+        self.etcd = None
+
+    def restart_etcd(self) -> None:
+        """Start the embedded etcd again on the same ports and data dir."""
+        self.etcd = Child("etcd", self._etcd_argv, self.run_dir)
         self._wait_etcd()
 
     def _wait_etcd(self) -> None:

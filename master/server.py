@@ -32,7 +32,7 @@ import zmq
 from master.metrics import Metrics
 from master.state import MasterSettings, MasterState
 from protocol import messages as M
-from protocol.errors import KVPoolError, NotLeader
+from protocol.errors import EtcdUnavailable, KVPoolError, NotLeader
 from protocol.etcd import Etcd, Keys, kept_alive
 
 
@@ -63,6 +63,7 @@ class MasterServer:
         self.stop = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.fatal: KVPoolError | None = None
+        self.etcd_ok = True
         self.etcd: Etcd | None = None
         self.rpc = self.ctx.socket(zmq.ROUTER)
         self.rpc.setsockopt(zmq.LINGER, 0)
@@ -134,8 +135,9 @@ class MasterServer:
                     await asyncio.sleep(self.s.membership_poll_s)
                     try:
                         self.events.put(("nodes", await self._read_nodes(etcd)))
+                        self.etcd_ok = True
                     except Exception:
-                        pass  # etcd unavailable: membership changes wait (DESIGN.md §8)
+                        self.etcd_ok = False  # etcd unavailable: membership changes wait (DESIGN.md §8)
             finally:
                 self.events.put(("step_down",))
                 if not lost.is_set():
@@ -152,10 +154,18 @@ class MasterServer:
 
     def _etcd_call(self, coro_fn, wait: bool):
         """Run ``coro_fn(etcd)`` on the etcd thread; block for the result when ``wait``."""
-        if self.loop is None or self.etcd is None:
-            raise KVPoolError("etcd is not connected yet; retry")
+        if self.loop is None or self.etcd is None or (wait and not self.etcd_ok):
+            raise EtcdUnavailable("etcd is unavailable; durable hand-off records need etcd. Check the etcd "
+                                  "endpoint (`kvpool status` still works), then retry")
         fut = asyncio.run_coroutine_threadsafe(coro_fn(self.etcd), self.loop)
-        return fut.result(10.0) if wait else None
+        if not wait:
+            return None
+        try:
+            return fut.result(3.0)
+        except Exception as e:  # timeout or a gRPC error: etcd is unavailable
+            fut.cancel()
+            raise EtcdUnavailable(f"etcd did not answer ({type(e).__name__}); durable hand-off records need etcd. "
+                                  "Check `kvpool status` and the etcd endpoint, then retry") from None
 
     # ---- RPC thread ---------------------------------------------------------------------
 

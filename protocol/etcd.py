@@ -95,8 +95,12 @@ class Etcd:
 
 @contextlib.asynccontextmanager
 async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIterator[aetcd.Lease]:
-    """Grant a lease and refresh it every TTL/3 until the block exits; sets ``lost`` when a
-    refresh finds the lease gone (etcd restarted with lost data, or we were partitioned)."""
+    """Grant a lease and refresh it every TTL/3 until the block exits.
+
+    ``lost`` is set only when etcd *answers* that the lease is gone (TTL <= 0: it expired
+    or etcd lost its data). While etcd is unreachable we keep retrying: the holder keeps
+    serving what it knows (DESIGN.md §8), and etcd extends live leases when it comes back.
+    """
     lease = await etcd.lease(ttl_s)
 
     async def refresher() -> None:
@@ -104,13 +108,12 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
             await asyncio.sleep(max(ttl_s / 3, 0.2))
             try:
                 r = await lease.refresh()
-                if getattr(r, "TTL", 1) <= 0:
-                    lost.set()
-                    return
             except asyncio.CancelledError:
                 raise
             except Exception:
-                lost.set()  # treat any failure as loss; the owner re-registers
+                continue  # unreachable: retry
+            if r.TTL <= 0:  # protobuf default 0: etcd no longer knows the lease
+                lost.set()
                 return
 
     task = asyncio.create_task(refresher())
@@ -121,7 +124,7 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
         with contextlib.suppress(BaseException):
             await task
         with contextlib.suppress(Exception):
-            await lease.revoke()
+            await asyncio.wait_for(lease.revoke(), 2.0)
 
 
 def read_key_sync(endpoint: str, key: str, timeout_s: float = 5.0) -> bytes | None:
