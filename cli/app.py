@@ -261,6 +261,10 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
         console.print(f"watermarks high {st.high_watermark:.2f} / low {st.low_watermark:.2f}; pending puts "
                       f"{st.pending}; held {format_bytes(st.held_bytes)}; under-replicated {st.under_replicated}")
         console.print("evictions: " + (", ".join(f"{k[10:]} {v}" for k, v in sorted(ev.items())) or "none"))
+        rs, rd = st.counters.get("repairs_started", 0), st.counters.get("repairs_done", 0)
+        if rs or st.under_replicated:
+            console.print(f"repair: {rd}/{rs} copies done, {rs - rd} in flight, "
+                          f"{st.under_replicated} object(s) under-replicated")
 
     _run(go)
 
