@@ -1,0 +1,406 @@
+"""Shared pieces of the vLLM adapter: settings, layouts, keys, step metadata, stats.
+
+Imported only by the adapter modules (``connector.vllm_*``), never by ``connector`` or
+``connector.client``: this module imports vLLM.
+
+Stored format (one kvpool object per block per cache group): the group's layers in the
+group's own layer order, each layer's page in vLLM's *logical* ``[H, N, C]`` order
+(heads, tokens, content; for attention C = K then V, for MLA C = the latent), packed
+back to back. The logical order does not depend on the physical KV-cache layout
+(LBHNC, LBNHC, ...) or on kernel block splitting, so engines with different physical
+layouts share blocks; anything that changes the bytes' meaning (dtype, heads, head
+size, block size, TP split, layer names) changes the :class:`LayoutSpec` and with it
+the fingerprint in the key.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from protocol.errors import ConfigError
+from protocol.keys import block_hashes, extra_bytes, group_key
+from protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+POLICIES = ("fail", "recompute")
+PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
+_EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
+               "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves"}
+
+
+# ---- settings -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """kvpool settings from ``kv_transfer_config.kv_connector_extra_config``.
+
+    ``master`` (``tcp://host:port``) or ``etcd`` (+ ``cluster``) locate the cluster;
+    ``namespace`` prefixes every key; ``model_id`` names the model in keys and hashes
+    (default: the model path/name with ``/`` replaced by ``--``); ``load_failure_policy``
+    (``fail`` | ``recompute``) overrides ``kv_transfer_config.kv_load_failure_policy``;
+    ``handoff_ttl_s`` bounds how long a producer's blocks stay held for the consumer;
+    ``max_inflight_saves`` bounds the background save queue (saves beyond it wait).
+    """
+
+    master: str | None
+    etcd: str | None
+    cluster: str
+    namespace: str
+    model_id: str
+    policy: str
+    role: str
+    handoff_ttl_s: float
+    transport: str
+    rpc_timeout_s: float
+    io_timeout_s: float
+    max_inflight_saves: int
+    engine_id: str
+
+    @staticmethod
+    def from_vllm(vllm_config: "VllmConfig") -> "ConnectorSettings":
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - _EXTRA_KEYS)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; accepted: "
+                              f"{', '.join(sorted(_EXTRA_KEYS))}", key="kv_connector_extra_config")
+        master, etcd = extra.get("master"), extra.get("etcd")
+        if not master and not etcd:
+            raise ConfigError("kv_connector_extra_config needs 'master' (tcp://host:port) or 'etcd' "
+                              "(http://host:port, with 'cluster') to find the kvpool cluster",
+                              key="kv_connector_extra_config.master")
+        policy = extra.get("load_failure_policy", ktc.kv_load_failure_policy)
+        if policy not in POLICIES:
+            raise ConfigError(f"kv_connector_extra_config.load_failure_policy: {policy!r}; accepted: "
+                              "fail, recompute", key="load_failure_policy")
+        model = extra.get("model_id") or str(vllm_config.model_config.model)
+        model = model.strip("/").replace("/", "--") or "model"
+
+        def num(key: str, default: float, lo: float) -> float:
+            try:
+                v = float(extra.get(key, default))
+            except (TypeError, ValueError):
+                raise ConfigError(f"kv_connector_extra_config.{key}: {extra.get(key)!r} is not a "
+                                  "number", key=key) from None
+            if v < lo:
+                raise ConfigError(f"kv_connector_extra_config.{key}: must be >= {lo}, got {v}", key=key)
+            return v
+
+        transport = str(extra.get("transport", "auto"))
+        if transport not in ("auto", "tcp", "shm"):
+            raise ConfigError(f"kv_connector_extra_config.transport: {transport!r}; accepted: auto, tcp, "
+                              "shm", key="transport")
+        return ConnectorSettings(
+            master=master, etcd=etcd, cluster=str(extra.get("cluster", "default")),
+            namespace=str(extra.get("namespace", "vllm")).strip("/") or "vllm", model_id=model,
+            policy=policy, role=str(ktc.kv_role), handoff_ttl_s=num("handoff_ttl_s", 60.0, 0.001),
+            transport=transport, rpc_timeout_s=num("rpc_timeout_s", 10.0, 0.001),
+            io_timeout_s=num("io_timeout_s", 30.0, 0.001),
+            max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id))
+
+    @property
+    def loads(self) -> bool:
+        """Whether this engine reads KV from kvpool (kv_both, kv_consumer)."""
+        return self.role in ("kv_both", "kv_consumer")
+
+    @property
+    def saves(self) -> bool:
+        """Whether this engine writes KV to kvpool (kv_both, kv_producer)."""
+        return self.role in ("kv_both", "kv_producer")
+
+    @property
+    def producer(self) -> bool:
+        return self.role == "kv_producer"
+
+    def make_client(self):
+        from connector.client import KVPoolClient
+
+        return KVPoolClient(self.master, etcd=self.etcd, cluster=self.cluster, transport=self.transport,
+                            rpc_timeout_s=self.rpc_timeout_s, io_timeout_s=self.io_timeout_s)
+
+
+# ---- layouts ---------------------------------------------------------------------------
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"KV cache dtype {name} is not supported by kvpool layouts; accepted: "
+                          f"{', '.join(DTYPE_BYTES)}", key="dtype")
+    return name
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One transferable cache group: its vLLM index, layers (in order), the per-layer
+    logical page shape ``(H, N, C)`` and element dtype, and the kvpool LayoutSpec."""
+
+    group_id: int
+    layer_names: tuple[str, ...]
+    page_shape: tuple[int, int, int]
+    dtype: str
+    layout: LayoutSpec
+
+    @property
+    def name(self) -> str:
+        return str(self.group_id)
+
+    @property
+    def replicated(self) -> bool:
+        return self.layout.replicated
+
+    @property
+    def layer_nbytes(self) -> int:
+        h, n, c = self.page_shape
+        return h * n * c * DTYPE_BYTES[self.dtype]
+
+
+def group_layouts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                  tp_rank: int = 0) -> list[GroupLayout]:
+    """Derive the layout of every transferable cache group from vLLM's cache specs.
+
+    Raises ConfigError for what kvpool cannot store faithfully yet: sliding-window,
+    chunked-local, Mamba and other non-full-attention groups, compressed states
+    (tokens_per_state != 1), decode-context and pipeline parallelism.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+
+    pc = vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) > 1:
+        raise ConfigError("the kvpool connector does not support pipeline parallelism yet "
+                          "(pipeline_parallel_size > 1)", key="pipeline_parallel_size")
+    if getattr(pc, "decode_context_parallel_size", 1) > 1:
+        raise ConfigError("the kvpool connector does not support decode context parallelism yet",
+                          key="decode_context_parallel_size")
+    tp_size = int(pc.tensor_parallel_size)
+    block_size = int(vllm_config.cache_config.block_size)
+    out = []
+    for gid in kv_cache_config.transfer_group_ids:
+        group = kv_cache_config.kv_cache_groups[gid]
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) \
+                or getattr(spec, "attention_chunk_size", None):
+            raise ConfigError(f"cache group {gid} ({kind}) is not full attention; the kvpool connector "
+                              "stores full-attention and MLA groups only", key="kv_cache_groups")
+        if spec.block_size != block_size:
+            raise ConfigError(f"cache group {gid} has block size {spec.block_size}, the engine "
+                              f"{block_size}; kvpool needs one block size", key="block_size")
+        if spec.tokens_per_state != 1:
+            raise ConfigError(f"cache group {gid} compresses {spec.tokens_per_state} tokens per state; "
+                              "not supported by the kvpool connector", key="kv_cache_groups")
+        mla = isinstance(spec, MLAAttentionSpec)
+        packed = spec.state_content_bytes is not None or spec.kv_quant_mode != KVQuantMode.NONE
+        if packed:
+            dtype, content = "uint8", int(spec.state_content_size_bytes)
+        else:
+            dtype = _dtype_name(spec.dtype)
+            content = int(spec.state_content_size_bytes) // DTYPE_BYTES[dtype]
+        heads = int(spec.num_heads)
+        page = (heads, block_size, content)
+        layers = tuple(group.layer_names)
+        tensors = tuple(TensorSpec(name, page, dtype) for name in layers)
+        layout = LayoutSpec(kind="mla" if mla else "full_attention", tokens_per_block=block_size,
+                            tensors=tensors, num_kv_heads=int(spec.num_kv_heads),
+                            head_size=int(spec.head_size), latent_dim=int(spec.head_size) if mla else 0,
+                            tp_size=tp_size, tp_rank=tp_rank if not mla else 0,
+                            parallel="replicate" if mla else "split")
+        out.append(GroupLayout(gid, layers, page, dtype, layout))
+    if not out:
+        raise ConfigError("the model has no transferable KV cache groups", key="kv_cache_groups")
+    return out
+
+
+# ---- keys --------------------------------------------------------------------------------
+
+def request_extra(settings: ConnectorSettings, request: "Request") -> bytes:
+    """Hash input beyond the token ids: model id, LoRA adapter, cache salt and the
+    identifiers of every multimodal input (conservatively applied to all blocks)."""
+    lora = getattr(request, "lora_request", None)
+    mm = [str(getattr(f, "identifier", "")) for f in (getattr(request, "mm_features", None) or [])]
+    return extra_bytes(settings.model_id, lora.lora_name if lora is not None else None,
+                       getattr(request, "cache_salt", None), "\x1f".join(mm) if mm else None)
+
+
+class HashCache:
+    """Chained block hashes of one request's token ids, extended as tokens append."""
+
+    __slots__ = ("extra", "hashes")
+
+    def __init__(self, extra: bytes) -> None:
+        self.extra = extra
+        self.hashes: list[bytes] = []
+
+    def upto(self, token_ids, n_blocks: int, block_size: int) -> list[bytes]:
+        have = len(self.hashes)
+        if n_blocks > have:
+            parent = self.hashes[-1] if self.hashes else bytes(16)
+            start = have * block_size
+            self.hashes += block_hashes(token_ids[start:n_blocks * block_size], block_size, self.extra,
+                                        parent=parent)
+        return self.hashes[:n_blocks]
+
+
+def keys_for(settings: ConnectorSettings, g: GroupLayout, hashes: list[bytes], rank: int | None) -> list[str]:
+    """Group keys of ``hashes`` for TP rank ``rank`` (ignored for replicated layouts)."""
+    fp = g.layout.fingerprint()
+    r = None if g.replicated else rank
+    return [group_key(settings.namespace, settings.model_id, g.group_id, fp, h, r) for h in hashes]
+
+
+def handoff_group_names(g: GroupLayout, tp_size: int) -> list[tuple[str, int | None]]:
+    """Names under which a hand-off record lists ``g``'s keys: one per TP rank for split
+    layouts (``"0/tp1"``), one for replicated layouts (``"0"``)."""
+    if g.replicated:
+        return [(g.name, None)]
+    return [(f"{g.name}/tp{r}", r) for r in range(tp_size)]
+
+
+# ---- step metadata (scheduler -> workers) ------------------------------------------------
+
+@dataclass
+class LoadJob:
+    """Load ``hashes`` (block order) into ``block_ids[g]`` of every transfer group.
+    ``error`` set: nothing can be loaded (e.g. a hand-off that could not be claimed under
+    policy ``fail``); the worker reports every block as failed."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[list[int]]
+    handoff_id: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class SaveJob:
+    """Save blocks ``first_block ..`` of a request: their hashes and per-group block ids.
+    ``sync``: the worker commits the puts before ``wait_for_save`` returns (a producer's
+    last prompt chunk, so the hand-off can be published as the request finishes)."""
+
+    req_id: str
+    first_block: int
+    hashes: list[bytes]
+    block_ids: list[list[int]]
+    sync: bool = False
+
+
+@dataclass
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: finished saves ``(req_id, first_block, n_ok, n_failed)``
+    and finished loads ``req_id -> n_failed``."""
+
+    saves: list[tuple[str, int, int, int]] = field(default_factory=list)
+    loads: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVPoolWorkerMetadata":
+        if not isinstance(other, KVPoolWorkerMetadata):
+            return self
+        loads = dict(self.loads)
+        for k, v in other.loads.items():
+            loads[k] = max(loads.get(k, 0), v)
+        return KVPoolWorkerMetadata(self.saves + other.saves, loads)
+
+
+# ---- stats -------------------------------------------------------------------------------
+
+_COUNTERS = {
+    "lookups": "Prefix lookups (get_num_new_matched_tokens calls that asked kvpool)",
+    "hit_tokens": "Prompt tokens found in kvpool beyond the local prefix cache",
+    "miss_tokens": "Prompt tokens looked up but not found in kvpool",
+    "loads": "Finished load jobs (one per request)",
+    "blocks_loaded": "Blocks loaded from kvpool into the KV cache",
+    "blocks_load_failed": "Blocks that could not be loaded (missing, checksum, layout, node down)",
+    "bytes_loaded": "Bytes loaded from kvpool",
+    "blocks_saved": "Blocks put into kvpool (existing keys count as saved)",
+    "blocks_save_failed": "Blocks whose put failed",
+    "bytes_saved": "Bytes put into kvpool",
+    "handoffs_published": "P/D hand-offs published by this producer",
+    "handoffs_acked": "P/D hand-offs loaded and acknowledged by this consumer",
+    "handoffs_released": "P/D hand-offs released unused or after a failed load",
+    "handoff_errors": "Hand-offs that could not be published or claimed",
+}
+MAX_LATENCIES = 1024  # load latencies kept per collection interval
+
+
+@dataclass
+class KVPoolConnectorStats(KVConnectorStats):
+    """Counters since the last collection, plus the latency (seconds) of each finished
+    load (``load_s``, at most MAX_LATENCIES per interval)."""
+
+    def __post_init__(self) -> None:
+        for k in _COUNTERS:
+            self.data.setdefault(k, 0)
+        self.data.setdefault("load_s", [])
+
+    def add(self, key: str, v: float = 1) -> None:
+        self.data[key] = self.data.get(key, 0) + v
+
+    def observe_load(self, seconds: float) -> None:
+        if len(self.data["load_s"]) < MAX_LATENCIES:
+            self.data["load_s"].append(float(seconds))
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in _COUNTERS}
+        self.data["load_s"] = []
+
+    def aggregate(self, other: KVConnectorStats) -> "KVPoolConnectorStats":
+        for k, v in (other.data or {}).items():
+            if isinstance(v, list):
+                self.data[k] = (list(self.data.get(k) or []) + v)[:MAX_LATENCIES]
+            elif isinstance(v, (int, float)):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        lat = sorted(self.data.get("load_s") or [])
+        d["avg_load_ms"] = round(1000.0 * sum(lat) / len(lat), 3) if lat else 0.0
+        d["p99_load_ms"] = round(1000.0 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else 0.0
+        return d
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in _COUNTERS) and not self.data.get("load_s")
+
+
+class KVPoolPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvpool_<counter>_total`` counters and the ``vllm:kvpool_load_seconds``
+    histogram, per engine, fed from :class:`KVPoolConnectorStats`."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        for key, doc in _COUNTERS.items():
+            c = self._counter_cls(name=f"vllm:kvpool_{key}_total", documentation=doc, labelnames=labelnames)
+            self.counters[key] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
+        h = self._histogram_cls(name="vllm:kvpool_load_seconds",
+                                documentation="Latency of one request's load from kvpool (seconds)",
+                                labelnames=labelnames,
+                                buckets=(1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0))
+        self.load_hist = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self.counters.items():
+            v = transfer_stats_data.get(key)
+            if v and engine_idx in per_engine:
+                per_engine[engine_idx].inc(v)
+        hist = self.load_hist.get(engine_idx)
+        if hist is not None:
+            for s in transfer_stats_data.get("load_s") or ():
+                hist.observe(s)
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,385 @@
+"""Scheduler side of the kvpool vLLM connector.
+
+Per request it keeps the chained block hashes (extended as tokens append), where its
+load came from and how far its prompt has been saved. One step:
+
+* ``get_num_new_matched_tokens``: side-effect free. With hand-off params (consumer) it
+  claims the record (a read) and compares the record's keys with its own; otherwise it
+  asks the master which keys exist (``exists_batch``: no lease, no LRU touch). Only
+  whole blocks beyond ``num_computed_tokens`` count; loads are asynchronous.
+* ``update_state_after_alloc``: turns a positive match into a :class:`LoadJob`.
+* ``build_connector_meta``: hands pending loads to the workers and adds a
+  :class:`SaveJob` for every prompt block that becomes complete in this step.
+* ``update_connector_output``: acks (or releases) hand-offs once their loads finish.
+* ``request_finished_all_groups``: a producer publishes the hand-off and returns the
+  ``kv_transfer_params`` the router passes to the consumer. Blocks are never held back
+  (``delay_free`` is False): the worker copies every block it saves into its own
+  staging memory before ``wait_for_save`` returns, so no vLLM block is read after the
+  step that computed it, and a producer's last puts are committed by then.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from connector.vllm_meta import (
+    PARAMS_KEY,
+    ConnectorSettings,
+    GroupLayout,
+    HashCache,
+    KVPoolConnectorMetadata,
+    KVPoolConnectorStats,
+    KVPoolWorkerMetadata,
+    LoadJob,
+    SaveJob,
+    group_layouts,
+    handoff_group_names,
+    keys_for,
+    request_extra,
+)
+from protocol.errors import KVPoolError, LayoutMismatch
+from protocol.layout import first_difference
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.vllm")
+
+
+@dataclass
+class _Req:
+    request: Any
+    hashes: HashCache
+    num_prompt_tokens: int
+    save_from: int = 0            # first block index this engine saves
+    saved_upto: int = 0           # blocks [0, saved_upto) have save jobs
+    handoff_id: str | None = None  # consumer: claimed record to ack
+    handoff_done: bool = False
+    planned: bool = False
+    cacheable: bool = True        # False for prompt-embedding inputs (no token ids to hash)
+
+
+@dataclass
+class _Match:
+    """Cached outcome of one lookup (so update_state_after_alloc needs no second RPC)."""
+
+    start: int
+    n: int
+    handoff_id: str | None = None
+    error: str | None = None
+
+
+class KVPoolScheduler:
+    def __init__(self, settings: ConnectorSettings, vllm_config, kv_cache_config, client=None) -> None:
+        self.s = settings
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, 0)
+        self.client = client if client is not None else settings.make_client()
+        self.kv_cache_manager = None
+        self.reqs: dict[str, _Req] = {}
+        self.matches: dict[str, _Match] = {}
+        self.pending_loads: dict[str, LoadJob] = {}
+        self.stats = KVPoolConnectorStats()
+        kec = getattr(vllm_config, "kv_events_config", None)
+        self.emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
+        self.events: list[Any] = []
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _state(self, request: "Request") -> _Req:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = _Req(request, HashCache(request_extra(self.s, request)), int(request.num_prompt_tokens))
+            st.cacheable = request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+            self.reqs[request.request_id] = st
+        return st
+
+    def _hashes(self, request: "Request", n_blocks: int) -> list[bytes]:
+        # the per-request hash cache is a memo, not state: lookups stay side-effect free
+        return self._state(request).hashes.upto(request.all_token_ids, n_blocks, self.block_size)
+
+    def _all_rank_keys(self, hashes: list[bytes]) -> list[list[str]]:
+        """Per block, every key that must exist for the block to be loadable by all ranks."""
+        per_block: list[list[str]] = [[] for _ in hashes]
+        for g in self.groups:
+            ranks = [None] if g.replicated else range(self.tp_size)
+            for r in ranks:
+                for i, k in enumerate(keys_for(self.s, g, hashes, r)):
+                    per_block[i].append(k)
+        return per_block
+
+    def _existing_prefix(self, hashes: list[bytes]) -> int:
+        if not hashes:
+            return 0
+        per_block = self._all_rank_keys(hashes)
+        flat = [k for ks in per_block for k in ks]
+        found = self.client.exists_batch(flat)
+        n, pos = 0, 0
+        for ks in per_block:
+            if not all(found[pos:pos + len(ks)]):
+                break
+            pos += len(ks)
+            n += 1
+        return n
+
+    @staticmethod
+    def _params(request: "Request") -> dict | None:
+        p = request.kv_transfer_params
+        if isinstance(p, dict) and isinstance(p.get(PARAMS_KEY), dict):
+            return p[PARAMS_KEY]
+        return None
+
+    def _claim_prefix(self, handoff_id: str, hashes: list[bytes]) -> int:
+        """Claim the hand-off record; return how many leading blocks of ``hashes`` it holds
+        (every group and rank). Raises the claim's error."""
+        rec = self.client.handoff_claim(handoff_id)
+        n = len(hashes)
+        for g in self.groups:
+            for name, rank in handoff_group_names(g, self.tp_size):
+                theirs = rec.keys.get(name)
+                if theirs is None:
+                    raise KVPoolError(f"hand-off {handoff_id!r} has no blocks for cache group {name}; the "
+                                      "producer runs a different model or TP setup", request_id=handoff_id)
+                lay = rec.layouts.get(name)
+                if lay is not None and lay.fingerprint() != g.layout.fingerprint():
+                    field_ = first_difference(lay, g.layout)
+                    raise LayoutMismatch(f"hand-off {handoff_id!r} was produced with a different KV layout "
+                                      f"({field_}: producer {getattr(lay, field_)!r}, this engine "
+                                      f"{getattr(g.layout, field_)!r}); check model, dtype and TP",
+                                      request_id=handoff_id)
+                mine = keys_for(self.s, g, hashes, rank)
+                m = 0
+                while m < min(len(mine), len(theirs)) and mine[m] == theirs[m]:
+                    m += 1
+                n = min(n, m)
+        return n
+
+    # ---- vLLM hooks ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        self.matches.pop(request.request_id, None)
+        if not self.s.loads or request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+            return 0, False
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            return 0, False
+        start = num_computed_tokens // bs
+        n_full = request.num_tokens // bs
+        if start >= n_full:
+            return 0, False
+        hashes = self._hashes(request, n_full)
+        params = self._params(request)
+        handoff_id = params.get("handoff_id") if params else None
+        n = 0
+        if handoff_id:
+            try:
+                n = self._claim_prefix(handoff_id, hashes)
+                if self.s.policy == "recompute":  # load only what is still there
+                    n = start + self._existing_prefix(hashes[start:n])
+                m = _Match(start, max(0, n - start), handoff_id)
+            except KVPoolError as e:
+                self.stats.add("handoff_errors")
+                want = min(int(params.get("num_blocks", 0) or 0), n_full)
+                if self.s.policy == "fail" and want > start:
+                    log.error("kvpool: request %s cannot use hand-off %s (%s: %s); policy=fail, the "
+                              "request will fail", request.request_id, handoff_id, type(e).__name__, e)
+                    m = _Match(start, want - start, handoff_id, error=f"{type(e).__name__}: {e}")
+                else:
+                    log.warning("kvpool: request %s cannot use hand-off %s (%s: %s); recomputing what "
+                                "kvpool does not hold", request.request_id, handoff_id, type(e).__name__, e)
+                    m = self._lookup(request, hashes, start)
+        else:
+            m = self._lookup(request, hashes, start)
+        self.stats.add("lookups")
+        self.stats.add("hit_tokens", m.n * bs)
+        self.stats.add("miss_tokens", max(0, request.num_tokens - num_computed_tokens - m.n * bs))
+        if m.n > 0 or m.handoff_id:
+            self.matches[request.request_id] = m  # a memo for update_state_after_alloc
+        if m.n <= 0:
+            return 0, False
+        return m.n * bs, True
+
+    def _lookup(self, request: "Request", hashes: list[bytes], start: int) -> _Match:
+        try:
+            return _Match(start, self._existing_prefix(hashes[start:]))
+        except KVPoolError as e:
+            log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
+                        request.request_id, type(e).__name__, e)
+            return _Match(start, 0)
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        m = self.matches.pop(request.request_id, None)
+        bs = self.block_size
+        if m is None:
+            return
+        if num_external_tokens <= 0:
+            if m.handoff_id and m.error is None and not st.handoff_done:
+                st.handoff_id = m.handoff_id  # claimed but nothing left to load: let it go
+                self._finish_handoff(st, ok=False)
+            return
+        n = num_external_tokens // bs
+        ids = blocks.get_block_ids()
+        job_ids = []
+        for g in self.groups:
+            gids = ids[g.group_id]
+            if len(gids) < m.start + n:
+                raise RuntimeError(f"kvpool: request {request.request_id} has {len(gids)} blocks in group "
+                                   f"{g.group_id}, the load needs {m.start + n}")
+            job_ids.append(list(gids[m.start:m.start + n]))
+        hashes = st.hashes.upto(request.all_token_ids, m.start + n, bs)[m.start:]
+        self.pending_loads[request.request_id] = LoadJob(request.request_id, hashes, job_ids,
+                                                         m.handoff_id, m.error)
+        if m.handoff_id and m.error is None:
+            st.handoff_id = m.handoff_id
+        if not self.s.producer:
+            st.save_from = max(st.save_from, m.start + n)
+
+    def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
+        meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()))
+        self.pending_loads.clear()
+        if not self.s.saves:
+            return meta
+        sched = scheduler_output.num_scheduled_tokens
+        for nr in scheduler_output.scheduled_new_reqs:
+            self._plan_save(meta, nr.req_id, nr.num_computed_tokens, sched.get(nr.req_id, 0))
+        cr = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            self._plan_save(meta, rid, cr.num_computed_tokens[i], sched.get(rid, 0))
+        return meta
+
+    def _plan_save(self, meta: KVPoolConnectorMetadata, req_id: str, computed: int, scheduled: int) -> None:
+        st = self.reqs.get(req_id)
+        if st is None or not st.cacheable or self.kv_cache_manager is None:
+            return
+        bs = self.block_size
+        if not st.planned:
+            st.planned = True
+            if not self.s.producer:
+                # kv_both: blocks that came from vLLM's prefix cache or from kvpool are already
+                # stored (by whoever computed them); a producer saves them all for its hand-off
+                st.save_from = max(st.save_from, computed // bs)
+        done_tokens = computed + scheduled
+        prompt_blocks = st.num_prompt_tokens // bs
+        upto = min(done_tokens, st.num_prompt_tokens) // bs
+        first = max(st.saved_upto, st.save_from)
+        if upto <= first:
+            st.saved_upto = max(st.saved_upto, upto)
+            return
+        hashes = st.hashes.upto(st.request.all_token_ids, upto, bs)[first:upto]
+        ids = self.kv_cache_manager.get_block_ids(req_id)
+        job_ids = [list(ids[g.group_id][first:upto]) for g in self.groups]
+        if any(len(j) != upto - first for j in job_ids):
+            log.warning("kvpool: request %s: block table shorter than its computed prompt; not saving",
+                        req_id)
+            return
+        meta.saves.append(SaveJob(req_id, first, hashes, job_ids,
+                                  sync=self.s.producer and upto == prompt_blocks))
+        st.saved_upto = upto
+
+    def update_connector_output(self, connector_output) -> None:
+        wm = connector_output.kv_connector_worker_meta
+        if isinstance(wm, KVPoolWorkerMetadata):
+            for req_id, first, n_ok, n_failed in wm.saves:
+                if self.emit_events and n_failed == 0:
+                    self._stored_event(req_id, first, n_ok)
+        failed = wm.loads if isinstance(wm, KVPoolWorkerMetadata) else {}
+        for req_id in connector_output.finished_recving or ():
+            st = self.reqs.get(req_id)
+            if st is None or not st.handoff_id or st.handoff_done:
+                continue
+            self._finish_handoff(st, ok=not failed.get(req_id))
+
+    def _finish_handoff(self, st: _Req, ok: bool) -> None:
+        st.handoff_done = True
+        try:
+            if ok:
+                self.client.handoff_ack(st.handoff_id)
+                self.stats.add("handoffs_acked")
+            else:
+                self.client.handoff_release(st.handoff_id)
+                self.stats.add("handoffs_released")
+        except KVPoolError as e:
+            log.warning("kvpool: closing hand-off %s failed (%s: %s); the master frees it at its "
+                        "deadline", st.handoff_id, type(e).__name__, e)
+
+    def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self.matches.pop(request.request_id, None)
+        self.pending_loads.pop(request.request_id, None)
+        st = self.reqs.pop(request.request_id, None)
+        params = self._params(request) if self.s.loads else None
+        if params and params.get("handoff_id") and not (st is not None and st.handoff_done):
+            # the consumer is done with this hand-off without having acked it (aborted before
+            # its load finished, or never loaded it): release the producer's blocks now
+            if st is None:
+                st = _Req(request, HashCache(b""), 0)
+            st.handoff_id = str(params["handoff_id"])
+            self._finish_handoff(st, ok=False)
+        if not self.s.producer or st is None:
+            return False, None
+        return False, self._publish(request, st)
+
+    def _publish(self, request: "Request", st: _Req) -> dict[str, Any] | None:
+        bs = self.block_size
+        n = st.num_prompt_tokens // bs
+        handoff_id = f"{self.s.engine_id}:{request.request_id}"
+        params: dict[str, Any] = {"handoff_id": None, "num_blocks": 0, "block_size": bs,
+                                  "model": self.s.model_id}
+        if n == 0:
+            return {PARAMS_KEY: params}  # nothing to hand off: the consumer computes it all
+        if st.saved_upto < n:
+            log.warning("kvpool: request %s finished before its prompt was saved (%d of %d blocks); "
+                        "no hand-off", request.request_id, st.saved_upto, n)
+            return None
+        hashes = st.hashes.upto(request.all_token_ids, n, bs)
+        keys, layouts = {}, {}
+        for g in self.groups:
+            for name, rank in handoff_group_names(g, self.tp_size):
+                keys[name] = keys_for(self.s, g, hashes, rank)
+                layouts[name] = g.layout
+        try:
+            self.client.handoff_publish(handoff_id, keys, layouts, self.s.handoff_ttl_s, num_tokens=n * bs,
+                                        extra={"model": self.s.model_id}, producer=self.s.engine_id)
+            self.stats.add("handoffs_published")
+        except KVPoolError as e:
+            self.stats.add("handoff_errors")
+            log.error("kvpool: publishing hand-off %s failed (%s: %s); the consumer will apply its "
+                      "load-failure policy", handoff_id, type(e).__name__, e)
+            params["error"] = f"{type(e).__name__}: {e}"
+        params.update(handoff_id=handoff_id, num_blocks=n)
+        return {PARAMS_KEY: params}
+
+    # ---- events and stats ---------------------------------------------------------------
+
+    def _stored_event(self, req_id: str, first: int, n: int) -> None:
+        from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
+
+        st = self.reqs.get(req_id)
+        if st is None or n <= 0:
+            return
+        request = st.request
+        bs = self.block_size
+        hashes = st.hashes.upto(request.all_token_ids, first + n, bs)
+        lora = getattr(request, "lora_request", None)
+        for g in self.groups:
+            self.events.append(BlockStored(
+                block_hashes=hashes[first:first + n], parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=list(request.all_token_ids[first * bs:(first + n) * bs]), block_size=bs,
+                lora_id=None, medium=MEDIUM_STORAGE, lora_name=lora.lora_name if lora else None,
+                group_idx=g.group_id, kv_cache_spec_kind=g.layout.kind, ownership="kvpool"))
+
+    def take_events(self):
+        ev, self.events = self.events, []
+        return ev
+
+    def take_stats(self) -> KVPoolConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        st, self.stats = self.stats, KVPoolConnectorStats()
+        return st
+
+    def close(self) -> None:
+        self.client.close()

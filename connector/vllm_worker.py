@@ -1,0 +1,376 @@
+"""Worker side of the kvpool vLLM connector.
+
+* ``register_kv_caches``: records each layer's cache tensor as a ``[blocks, H, N, C]``
+  view (kernel sub-blocks folded back into manager blocks) and checks it against the
+  group's :class:`LayoutSpec`.
+* loads run on a background thread: ``start_load_kv`` submits the step's load jobs
+  (``get_into_batch`` into staging memory, verified by checksum and layout, then
+  scattered into the request's blocks); ``get_finished`` reports the requests whose
+  loads completed and ``get_block_ids_with_load_errors`` the blocks that did not load
+  (for multi-group models, where block ids are ambiguous, the request is reported in
+  ``failed_recving`` instead).
+* saves: ``save_kv_layer`` copies the layer's pages of every block saved this step
+  into the job's staging buffer (one contiguous object per block) right after the
+  layer ran; ``wait_for_save`` completes any layer vLLM did not pass and then puts the
+  objects from a background thread — except a producer's last prompt chunk, which is
+  committed before returning so the hand-off can be published when the request ends.
+  After ``wait_for_save`` returns, no vLLM block is read by a save.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from connector.vllm_meta import (
+    ConnectorSettings,
+    GroupLayout,
+    KVPoolConnectorMetadata,
+    KVPoolConnectorStats,
+    KVPoolWorkerMetadata,
+    LoadJob,
+    SaveJob,
+    group_layouts,
+    keys_for,
+    monotonic,
+)
+from protocol.errors import ConfigError, KVPoolError
+
+log = logging.getLogger("kvpool.vllm")
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
+                 "int32": torch.int32, "int64": torch.int64}
+
+
+@dataclass
+class _Staged:
+    """A save job being staged: one ``[n, block_nbytes]`` uint8 buffer per group."""
+
+    job: SaveJob
+    bufs: list[torch.Tensor]
+    done_layers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _LoadResult:
+    req_id: str
+    failed_blocks: set[int]
+    n_failed: int
+    n_ok: int
+    nbytes: int
+    seconds: float
+
+
+class KVPoolWorker:
+    def __init__(self, settings: ConnectorSettings, vllm_config, kv_cache_config, client=None) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.s = settings
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        try:
+            self.rank = int(get_tensor_model_parallel_rank())
+        except (AssertionError, AttributeError, RuntimeError):
+            self.rank = 0
+        self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, self.rank)
+        self.multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        self.client = client if client is not None else settings.make_client()
+        self.caches: dict[str, torch.Tensor] = {}      # layer -> [num_blocks, H, N, C] view
+        self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group index, byte offset)
+        self.meta: KVPoolConnectorMetadata | None = None
+        self.staged: list[_Staged] = []
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+        self.saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+        self.loads: dict[str, Future] = {}
+        self.saves: list[Future] = []
+        self.invalid: set[int] = set()
+        self.failed_reqs: set[str] = set()
+        self.report = KVPoolWorkerMetadata()
+        self.stats = KVPoolConnectorStats()
+        self.lock = threading.Lock()  # guards report and stats (updated from I/O threads)
+        self.warned: set[str] = set()
+
+    # ---- registration ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for gi, g in enumerate(self.groups):
+            off = 0
+            for name in g.layer_names:
+                t = kv_caches.get(name)
+                if t is None:
+                    raise ConfigError(f"kvpool: layer {name} of cache group {g.group_id} has no KV cache "
+                                      "tensor on this worker", key="kv_caches")
+                self.caches[name] = self._block_view(name, t, g)
+                self.layer_pos[name] = (gi, off)
+                off += g.layer_nbytes
+        log.info("kvpool: registered %d layers in %d group(s); %d bytes per block; rank %d",
+                 len(self.caches), len(self.groups), sum(g.layout.nbytes for g in self.groups), self.rank)
+
+    def _block_view(self, name: str, t: torch.Tensor, g: GroupLayout) -> torch.Tensor:
+        if isinstance(t, (list, tuple)):
+            raise ConfigError(f"kvpool: layer {name} has a multi-tensor cache; not supported", key="kv_caches")
+        h, n, c = g.page_shape
+        want = _TORCH_DTYPES[g.dtype]
+        if t.dtype != want:
+            if want == torch.uint8:
+                t = t.view(torch.uint8)
+            else:
+                raise ConfigError(f"kvpool: layer {name} cache dtype {t.dtype} differs from the spec's "
+                                  f"{g.dtype}", key="kv_caches")
+        if t.dim() != 4:
+            raise ConfigError(f"kvpool: layer {name} cache has shape {tuple(t.shape)}; expected the "
+                              "logical [blocks, heads, tokens, content] view", key="kv_caches")
+        nb = t.shape[0]
+        if nb != self.num_blocks:  # kernel blocks: fold them back into manager blocks
+            if nb % self.num_blocks:
+                raise ConfigError(f"kvpool: layer {name} has {nb} kernel blocks for {self.num_blocks} "
+                                  "blocks", key="kv_caches")
+            r = nb // self.num_blocks
+            t = t.unflatten(0, (self.num_blocks, r)).permute(0, 2, 1, 3, 4)
+            t = _Merged(t)  # [B, H, r, Nk, C] seen as [B, H, r*Nk, C]
+            shape = (t.shape[1], t.shape[2], t.shape[3])
+        else:
+            shape = tuple(t.shape[1:])
+        if tuple(shape) != (h, n, c):
+            raise ConfigError(f"kvpool: layer {name} page is {tuple(shape)}, the layout says {(h, n, c)}",
+                              key="kv_caches")
+        return t
+
+    # ---- metadata ---------------------------------------------------------------------------
+
+    def bind(self, meta) -> None:
+        self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
+        self.staged = []
+        if self.meta is None or not self.meta.saves:
+            return
+        for job in self.meta.saves:
+            if self.rank != 0 and all(g.replicated for g in self.groups):
+                continue  # one copy of a replicated layout serves every rank
+            n = len(job.hashes)
+            bufs = [torch.empty((n, g.layout.nbytes), dtype=torch.uint8) for g in self.groups]
+            self.staged.append(_Staged(job, bufs))
+
+    def clear(self) -> None:
+        self.meta = None
+        self.staged = []
+
+    # ---- loads ------------------------------------------------------------------------------
+
+    def start_load_kv(self) -> None:
+        if self.meta is None:
+            return
+        for job in self.meta.loads:
+            if job.req_id in self.loads:
+                continue
+            self.loads[job.req_id] = self.loader.submit(self._load, job)
+
+    def _load(self, job: LoadJob) -> _LoadResult:
+        t0 = monotonic()
+        n = len(job.block_ids[0]) if job.block_ids else 0
+        ok_upto = n
+        failed: set[int] = set()
+        nbytes = 0
+        if job.error is not None or not job.hashes:
+            ok_upto = 0
+            reason = job.error or "no blocks"
+        else:
+            reason = ""
+            staged = []
+            for g in self.groups:
+                buf = torch.empty((n, g.layout.nbytes), dtype=torch.uint8)
+                keys = keys_for(self.s, g, job.hashes, self.rank)
+                try:
+                    res = self.client.get_into_batch(keys, [buf[i] for i in range(n)], g.layout)
+                except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
+                    res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * n
+                for i, r in enumerate(res):
+                    if not isinstance(r, int) and i < ok_upto:
+                        ok_upto = i
+                        reason = "missing" if r is None else f"{type(r).__name__}: {r}"
+                staged.append(buf)
+            for gi, g in enumerate(self.groups):
+                if ok_upto:
+                    self._scatter(g, staged[gi][:ok_upto], job.block_ids[gi][:ok_upto])
+                    nbytes += ok_upto * g.layout.nbytes
+        if ok_upto < n:
+            # everything from the first unloadable block on holds no valid KV
+            for gi in range(len(self.groups)):
+                failed.update(job.block_ids[gi][ok_upto:])
+            level = logging.ERROR if self.s.policy == "fail" else logging.WARNING
+            log.log(level, "kvpool: request %s: %d of %d blocks could not be loaded (first failure: %s)%s; "
+                    "policy=%s", job.req_id, n - ok_upto, n, reason,
+                    f" from hand-off {job.handoff_id}" if job.handoff_id else "", self.s.policy)
+        return _LoadResult(job.req_id, failed, n - ok_upto, ok_upto, nbytes, monotonic() - t0)
+
+    def _scatter(self, g: GroupLayout, buf: torch.Tensor, block_ids: list[int]) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        n = len(block_ids)
+        dtype = _TORCH_DTYPES[g.dtype]
+        off = 0
+        for name in g.layer_names:
+            cache = self.caches[name]
+            src = buf[:, off:off + g.layer_nbytes].view(dtype).view(n, *g.page_shape)
+            dev = cache.device
+            cache.index_copy_(0, idx.to(dev), src.to(dev, non_blocking=False))
+            off += g.layer_nbytes
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished loads, failed loads) completed since the last call."""
+        done, failed = set(), set()
+        for req_id, fut in list(self.loads.items()):
+            if not fut.done():
+                continue
+            del self.loads[req_id]
+            try:
+                r = fut.result()
+            except Exception as e:  # noqa: BLE001 - a bug in the load must not hang the request
+                log.exception("kvpool: load of request %s crashed: %s", req_id, e)
+                r = _LoadResult(req_id, set(), 1, 0, 0, 0.0)
+                failed.add(req_id)
+            done.add(req_id)
+            if r.n_failed:
+                if self.multi_group or not r.failed_blocks:
+                    failed.add(req_id)
+                else:
+                    self.invalid |= r.failed_blocks
+            with self.lock:
+                self.report.loads[req_id] = r.n_failed
+                self.stats.add("loads")
+                self.stats.observe_load(r.seconds)
+                self.stats.add("blocks_loaded", r.n_ok)
+                self.stats.add("blocks_load_failed", r.n_failed)
+                self.stats.add("bytes_loaded", r.nbytes)
+        return done, failed
+
+    def take_invalid(self) -> set[int]:
+        out, self.invalid = self.invalid, set()
+        return out
+
+    # ---- saves ------------------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str) -> None:
+        pos = self.layer_pos.get(layer_name)
+        if pos is None or not self.staged:
+            return
+        for st in self.staged:
+            if layer_name not in st.done_layers:
+                self._gather(st, layer_name, pos)
+
+    def _gather(self, st: _Staged, layer_name: str, pos: tuple[int, int]) -> None:
+        gi, off = pos
+        g = self.groups[gi]
+        ids = st.job.block_ids[gi]
+        cache = self.caches[layer_name]
+        idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+        pages = cache.index_select(0, idx)
+        dst = st.bufs[gi][:, off:off + g.layer_nbytes].view(_TORCH_DTYPES[g.dtype]).view(len(ids), *g.page_shape)
+        dst.copy_(pages)  # synchronous for CPU caches (and device->host copies)
+        st.done_layers.add(layer_name)
+
+    def wait_for_save(self) -> None:
+        staged, self.staged = self.staged, []
+        if not staged:
+            return
+        sync = []
+        for st in staged:
+            for name, pos in self.layer_pos.items():
+                if name not in st.done_layers:
+                    self._gather(st, name, pos)
+            if st.job.sync:
+                sync.append(st)
+            else:
+                self._throttle()
+                self.saves.append(self.saver.submit(self._put, st))
+        if sync:
+            # a producer's last prompt chunk: every earlier chunk and this one are committed
+            # before the step ends, so the scheduler can publish the hand-off right away
+            self.flush(timeout_s=self.s.io_timeout_s)
+            for st in sync:
+                self._put(st)
+
+    def _throttle(self) -> None:
+        self.saves = [f for f in self.saves if not f.done()]
+        while len(self.saves) >= self.s.max_inflight_saves:
+            self.saves[0].result()
+            self.saves = [f for f in self.saves if not f.done()]
+
+    def _put(self, st: _Staged) -> None:
+        job = st.job
+        n = len(job.hashes)
+        failed = 0
+        nbytes = 0
+        for gi, g in enumerate(self.groups):
+            if g.replicated and self.rank != 0:
+                continue
+            keys = keys_for(self.s, g, job.hashes, self.rank)
+            buf = st.bufs[gi]
+            try:
+                res = self.client.put_batch(keys, [buf[i] for i in range(n)], g.layout)
+            except Exception as e:  # noqa: BLE001 - a failed save is a later cache miss, never a crash
+                err = e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")
+                res = [err] * n
+            errs = [r for r in res if r is not None]
+            failed = max(failed, len(errs))
+            nbytes += (n - len(errs)) * g.layout.nbytes
+            if errs:
+                kind = type(errs[0]).__name__
+                if kind not in self.warned:
+                    self.warned.add(kind)
+                    log.warning("kvpool: %d of %d blocks of request %s were not saved (%s: %s); they will "
+                                "be recomputed by whoever needs them", len(errs), n, job.req_id, kind, errs[0])
+        with self.lock:
+            self.report.saves.append((job.req_id, job.first_block, n - failed, failed))
+            self.stats.add("blocks_saved", n - failed)
+            self.stats.add("blocks_save_failed", failed)
+            self.stats.add("bytes_saved", nbytes)
+
+    def take_report(self) -> KVPoolWorkerMetadata | None:
+        with self.lock:
+            if not self.report.saves and not self.report.loads:
+                return None
+            rep, self.report = self.report, KVPoolWorkerMetadata()
+            return rep
+
+    def take_stats(self) -> KVPoolConnectorStats | None:
+        with self.lock:
+            if self.stats.is_empty():
+                return None
+            st, self.stats = self.stats, KVPoolConnectorStats()
+            return st
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for every queued save (used at shutdown and by tests)."""
+        for f in list(self.saves):
+            f.result(timeout=timeout_s)
+        self.saves = []
+
+    def close(self) -> None:
+        try:
+            self.flush(timeout_s=self.s.io_timeout_s)
+        except Exception as e:  # noqa: BLE001 - shutting down anyway
+            log.warning("kvpool: saves still pending at shutdown: %s", e)
+        self.loader.shutdown(wait=True, cancel_futures=True)
+        self.saver.shutdown(wait=True)
+        self.client.close()
+
+
+class _Merged:
+    """A ``[B, H, r, Nk, C]`` cache (kernel blocks) used as ``[B, H, r*Nk, C]`` pages."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        b, h, r, nk, c = t.shape
+        self.shape = (b, h, r * nk, c)
+        self.device = t.device
+        self.dtype = t.dtype
+
+    def index_select(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
+        sel = self.t.index_select(dim, idx)
+        return sel.reshape(len(idx), *self.shape[1:])
+
+    def index_copy_(self, dim: int, idx: torch.Tensor, src: torch.Tensor) -> None:
+        b, h, r, nk, c = self.t.shape
+        self.t.index_copy_(dim, idx, src.reshape(len(idx), h, r, nk, c))

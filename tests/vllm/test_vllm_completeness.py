@@ -1,0 +1,130 @@
+"""The connector against the installed vLLM's interface, without running an engine:
+every abstract method implemented with vLLM's signature, settings and layouts derived
+from real vLLM config objects, and kvpool importable without vLLM."""
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from harness import REPO
+
+pytestmark = pytest.mark.vllm
+
+base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+
+
+def _params(fn) -> list[tuple[str, object, object]]:
+    sig = inspect.signature(fn)
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+def test_implements_every_abstract_method_with_matching_signature():
+    from connector.vllm_connector import KVPoolConnector
+
+    assert issubclass(KVPoolConnector, base.KVConnectorBase_V1)
+    assert issubclass(KVPoolConnector, base.SupportsHMA) and base.supports_hma(KVPoolConnector)
+    assert not KVPoolConnector.__abstractmethods__, KVPoolConnector.__abstractmethods__
+    abstract = set(base.KVConnectorBase_V1.__abstractmethods__) | set(base.SupportsHMA.__abstractmethods__)
+    assert abstract, "the installed vLLM declares no abstract connector methods?"
+    for name in sorted(abstract):
+        ours = KVPoolConnector.__dict__.get(name)
+        assert ours is not None, f"{name} is not implemented by KVPoolConnector itself"
+        theirs = getattr(base.KVConnectorBase_V1, name, None) or getattr(base.SupportsHMA, name)
+        assert _params(ours) == _params(theirs), f"{name}: {inspect.signature(ours)} != {inspect.signature(theirs)}"
+
+
+def test_overridden_hooks_keep_vllm_signatures():
+    from connector.vllm_connector import KVPoolConnector
+
+    for name, ours in KVPoolConnector.__dict__.items():
+        theirs = getattr(base.KVConnectorBase_V1, name, None)
+        if name.startswith("_") or theirs is None or not callable(theirs):
+            continue
+        ours = ours.__func__ if isinstance(ours, classmethod) else ours
+        theirs = inspect.getattr_static(base.KVConnectorBase_V1, name)
+        theirs = theirs.__func__ if isinstance(theirs, classmethod) else theirs
+        if isinstance(ours, property) or isinstance(theirs, property):
+            continue
+        assert [p[0] for p in _params(ours)] == [p[0] for p in _params(theirs)], name
+
+
+def test_kvpool_imports_without_vllm():
+    code = ("import sys, connector, connector.client, connector.reference; "
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=str(REPO), check=True, timeout=60)
+
+
+def _vllm_config(extra: dict, role: str = "kv_both", policy: str = "fail", tp: int = 1):
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role=role, kv_load_failure_policy=policy,
+                           kv_connector_module_path="connector.vllm_connector", kv_connector_extra_config=extra)
+    return SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/org/tiny"),
+                           cache_config=SimpleNamespace(block_size=32),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                                           decode_context_parallel_size=1))
+
+
+def test_settings():
+    from connector.vllm_meta import ConnectorSettings
+    from protocol.errors import ConfigError
+
+    s = ConnectorSettings.from_vllm(_vllm_config({"master": "tcp://127.0.0.1:1"}))
+    assert (s.model_id, s.namespace, s.policy, s.loads, s.saves) == ("models--org--tiny", "vllm", "fail", True, True)
+    s = ConnectorSettings.from_vllm(_vllm_config({"etcd": "http://127.0.0.1:2379", "load_failure_policy":
+                                                  "recompute"}, role="kv_producer"))
+    assert (s.policy, s.loads, s.saves, s.producer) == ("recompute", False, True, True)
+    for bad in ({}, {"master": "x", "colour": 1}, {"master": "x", "load_failure_policy": "retry"},
+                {"master": "x", "handoff_ttl_s": "soon"}, {"master": "x", "transport": "ib"}):
+        with pytest.raises(ConfigError):
+            ConnectorSettings.from_vllm(_vllm_config(bad))
+
+
+def _cache_config(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"l{i}.a", f"l{i}.b"], sp) for i, sp in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_layouts_from_vllm_specs():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from connector.vllm_meta import group_layouts
+    from protocol.errors import ConfigError
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32)
+    (g,) = group_layouts(_vllm_config({"master": "x"}, tp=2), _cache_config(full), tp_rank=1)
+    assert g.page_shape == (4, 32, 64) and g.dtype == "float32"
+    assert g.layout.nbytes == 2 * 4 * 32 * 64 * 4
+    assert (g.layout.kind, g.layout.parallel, g.layout.tp_size, g.layout.tp_rank) == ("full_attention", "split", 2, 1)
+    (g0,) = group_layouts(_vllm_config({"master": "x"}, tp=2), _cache_config(full), tp_rank=0)
+    assert g0.layout.fingerprint() == g.layout.fingerprint()  # ranks share a fingerprint, keys differ by rank
+    half = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float16)
+    (gh,) = group_layouts(_vllm_config({"master": "x"}), _cache_config(half))
+    (gf,) = group_layouts(_vllm_config({"master": "x"}), _cache_config(full))
+    assert gh.layout.fingerprint() != gf.layout.fingerprint()
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    (gm,) = group_layouts(_vllm_config({"master": "x"}, tp=4), _cache_config(mla), tp_rank=3)
+    assert (gm.layout.kind, gm.replicated, gm.page_shape) == ("mla", True, (1, 32, 576))
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32, sliding_window=128)
+    with pytest.raises(ConfigError):
+        group_layouts(_vllm_config({"master": "x"}), _cache_config(full, swa))
+
+
+def test_stats_aggregate_and_reduce():
+    from connector.vllm_connector import KVPoolConnector
+
+    a = KVPoolConnector.build_kv_connector_stats()
+    assert a.is_empty()
+    a.add("hit_tokens", 64)
+    a.observe_load(0.002)
+    b = KVPoolConnector.build_kv_connector_stats(dict(hit_tokens=32, load_s=[0.004], blocks_loaded=3))
+    r = a.aggregate(b).reduce()
+    assert r["hit_tokens"] == 96 and r["blocks_loaded"] == 3 and r["avg_load_ms"] == pytest.approx(3.0)

