@@ -210,26 +210,10 @@ class KVPoolClient:
     def get_batch(self, keys: Sequence[str], layout=None) -> list[bytes | None | KVPoolError]:
         """Batch get into new buffers sized from the lookup: per key bytes, None or error."""
         n = len(keys)
-        lays = _per_key(layout, n)
         results: list[Any] = [None] * n
         outs: list[bytearray] = [bytearray() for _ in range(n)]
-        todo = []
-        for i, k in enumerate(keys):
-            try:
-                validate_key(k)
-                todo.append(i)
-            except KVPoolError as e:
-                results[i] = e
-        for attempt in range(self.lease_retries + 1):
-            if not todo:
-                break
-            t_sent, infos = self._leased_lookup(keys, todo)
-            views: list[Any] = [None] * n
-            for i, info in zip(todo, infos):
-                if isinstance(info, M.ObjectInfo):
-                    outs[i] = bytearray(info.size)
-                    views[i] = memoryview(outs[i])
-            todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
+        todo = self._valid(keys, results)
+        self._get_rounds(keys, _per_key(layout, n), results, todo, [None] * n, alloc=outs)
         return [bytes(o) if isinstance(r, int) else r for r, o in zip(results, outs)]
 
     def get_into_batch(self, keys: Sequence[str], outs: Sequence[Any],
@@ -239,27 +223,47 @@ class KVPoolClient:
         n = len(keys)
         if len(outs) != n:
             raise InvalidRequest(f"get_into_batch: {n} keys but {len(outs)} buffers")
-        lays = _per_key(layout, n)
         results: list[int | None | KVPoolError] = [None] * n
         views: list[memoryview | None] = [None] * n
         fins: list[Callable[[], None] | None] = [None] * n
         todo = []
-        for i, (k, o) in enumerate(zip(keys, outs)):
+        for i in self._valid(keys, results):
             try:
-                validate_key(k)
-                views[i], fins[i] = as_buffer(o, writable=True)
+                views[i], fins[i] = as_buffer(outs[i], writable=True)
                 todo.append(i)
             except KVPoolError as e:
                 results[i] = e
-        for attempt in range(self.lease_retries + 1):
-            if not todo:
-                break
-            t_sent, infos = self._leased_lookup(keys, todo)
-            todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
+        self._get_rounds(keys, _per_key(layout, n), results, todo, views)
         for i in range(n):
             if isinstance(results[i], int) and fins[i] is not None:
                 fins[i]()
         return results
+
+    @staticmethod
+    def _valid(keys: Sequence[str], results: list) -> list[int]:
+        """Indices of valid keys; InvalidKey errors go into ``results``."""
+        todo = []
+        for i, k in enumerate(keys):
+            try:
+                validate_key(k)
+                todo.append(i)
+            except KVPoolError as e:
+                results[i] = e
+        return todo
+
+    def _get_rounds(self, keys, lays, results, todo: list[int], views: list, alloc: list | None = None) -> None:
+        """Leased lookup + read, retried with a fresh lease up to ``lease_retries`` times.
+        With ``alloc``, buffers are made to each object's size after the lookup."""
+        for attempt in range(self.lease_retries + 1):
+            if not todo:
+                return
+            t_sent, infos = self._leased_lookup(keys, todo)
+            if alloc is not None:
+                for i, info in zip(todo, infos):
+                    if isinstance(info, M.ObjectInfo):
+                        alloc[i] = bytearray(info.size)
+                        views[i] = memoryview(alloc[i])
+            todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
 
     def _leased_lookup(self, keys, todo: list[int]) -> tuple[float, list]:
         t_sent = time.monotonic()
