@@ -97,12 +97,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
     """Softmax attention of queries at absolute positions ``q_start..`` over keys ``0..T-1``.
 
-    q: ``[heads, S, d]``; k, v: ``[heads, T, d]`` -> ``[heads, S, d]``. Query ``i`` sees
+    q, k: ``[heads, S|T, d]``; v: ``[heads, T, dv]`` -> ``[heads, S, dv]``. Query ``i`` sees
     keys ``j <= q_start + i``. Queries are processed in chunks to bound memory.
     """
     s, t, d = q.shape[1], k.shape[1], q.shape[2]
     scale = 1.0 / math.sqrt(d)
-    out = torch.empty_like(q)
+    out = q.new_empty((q.shape[0], s, v.shape[2]))
     kpos = torch.arange(t)
     chunk = 512
     for a in range(0, s, chunk):

@@ -61,10 +61,11 @@ def user_turn(question: str) -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """One demo request: a stable id and its prompt text."""
+    """One demo request: a stable id, its prompt text and a short label for reports."""
 
     request_id: str
     prompt: str
+    label: str = ""
 
     @property
     def token_ids(self) -> list[int]:
@@ -82,10 +83,12 @@ def demo_requests(quick: bool = False) -> tuple[list[Request], list[Request]]:
     docs = QUICK_DOCUMENTS if quick else DOCUMENTS
     sp = system_prompt(docs)
     n_seen = 2 if quick else 3
-    a = [Request(f"a{i}", sp + user_turn(q)) for i, q in enumerate(QUESTIONS[:n_seen])]
-    b = [Request(f"b{i}", r.prompt) for i, r in enumerate(a)]
+    a = [Request(f"a{i}", sp + user_turn(q), q) for i, q in enumerate(QUESTIONS[:n_seen])]
+    b = [Request(f"b{i}", r.prompt, r.label) for i, r in enumerate(a)]
     new_qs = QUESTIONS[n_seen:n_seen + (1 if quick else 3)]
-    b += [Request(f"b{len(b) + i}", sp + user_turn(q)) for i, q in enumerate(new_qs)]
-    other = "Document 1:\n" + load_text("moby_dick_ch1" if quick else "declaration_of_independence").strip()
-    b.append(Request(f"b{len(b)}", other + "\n\n" + user_turn(QUESTIONS[0])))
+    b += [Request(f"b{len(b) + i}", sp + user_turn(q), q) for i, q in enumerate(new_qs)]
+    doc = "moby_dick_ch1" if quick else "declaration_of_independence"
+    other = "Document 1:\n" + load_text(doc).strip()
+    b.append(Request(f"b{len(b)}", other + "\n\n" + user_turn(QUESTIONS[0]),
+                     f"{QUESTIONS[0]} [no system prompt; document {doc} only]"))
     return a, b
