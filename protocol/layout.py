@@ -86,10 +86,15 @@ class LayoutSpec(msgspec.Struct, frozen=True, kw_only=True):
     def replicated(self) -> bool:
         return self.parallel == "replicate"
 
+    def canonical(self) -> "LayoutSpec":
+        """The layout with what does not change the bytes zeroed: tp_rank always (the rank
+        goes into the key instead), and tp_size too for REPLICATE layouts (one copy serves
+        every TP size)."""
+        return msgspec.structs.replace(self, tp_rank=0, tp_size=1 if self.replicated else self.tp_size)
+
     def fingerprint(self) -> str:
-        """Stable 16-hex-digit xxh3_64 of the layout with tp_rank zeroed."""
-        canon = msgspec.structs.replace(self, tp_rank=0)
-        return xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(canon))
+        """Stable 16-hex-digit xxh3_64 of the :meth:`canonical` layout's msgpack encoding."""
+        return xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(self.canonical()))
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -118,8 +123,7 @@ def check_layout(expected: LayoutSpec, stored: LayoutSpec | None, key: str) -> N
         raise LayoutMismatch(f"object {key!r} has no layout descriptor but layout {expected.kind} was "
                              "asked for; it was stored as raw bytes", key=key)
     if expected.replicated:
-        expected = msgspec.structs.replace(expected, tp_rank=0)
-        stored = msgspec.structs.replace(stored, tp_rank=0)
+        expected, stored = expected.canonical(), stored.canonical()
     field = first_difference(expected, stored)
     if field is not None:
         raise LayoutMismatch(

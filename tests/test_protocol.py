@@ -116,3 +116,13 @@ def test_errors_round_trip_on_the_wire():
         M.decode_request(b"\x00\x01garbage")
     with pytest.raises(E.InvalidRequest, match="malformed"):
         M.decode_request(M.encode({"type": "put_start"}))  # missing field
+
+
+def test_replicated_layout_keys_do_not_depend_on_tp():
+    def mla(tp_size, tp_rank):
+        return LayoutSpec(kind="mla", tokens_per_block=32, tensors=(TensorSpec("latent", (32, 576), "bfloat16"),),
+                          num_kv_heads=1, latent_dim=576, tp_size=tp_size, tp_rank=tp_rank, parallel="replicate")
+
+    assert mla(1, 0).fingerprint() == mla(2, 1).fingerprint() == mla(8, 5).fingerprint()
+    check_layout(mla(2, 1), mla(1, 0), "k")  # one stored copy serves every TP size and rank
+    assert kv_layout(tp_size=2).fingerprint() != kv_layout(tp_size=1).fingerprint()  # SPLIT: heads differ
