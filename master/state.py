@@ -43,7 +43,7 @@ class MasterSettings:
     handoff_ttl_s: float = 60.0
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class Node:
     desc: NodeDesc
     alloc: RangeAllocator
@@ -62,7 +62,7 @@ class Node:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class Obj:
     key: str
     size: int
@@ -81,10 +81,14 @@ class Obj:
     holds: set[str] = field(default_factory=set)
     replicas_wanted: int = 1
     repairing: bool = False
+    _read_refs: list[ExtentRef] | None = None
 
     def read_refs(self) -> list[ExtentRef]:
-        """Replicas without write tokens (readers never get write authority)."""
-        return [msgspec.structs.replace(r, token=b"") for r in self.replicas]
+        """Replicas without write tokens (readers never get write authority); cached until
+        the replica list changes."""
+        if self._read_refs is None:
+            self._read_refs = [msgspec.structs.replace(r, token=b"") for r in self.replicas]
+        return self._read_refs
 
     def evictable_kind(self) -> str:
         """"" when in the plain LRU, "soft" in the soft-pin LRU, "none" when never evicted."""
@@ -141,6 +145,7 @@ class MasterState:
             if obj is None:
                 continue
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
+            obj._read_refs = None
             if obj.state == PENDING:
                 self._revoke_pending(obj, now, quarantine=False)
                 continue
@@ -164,6 +169,7 @@ class MasterState:
             self.objects[key] = obj
         elif obj.checksum == checksum and obj.size == size:
             obj.replicas.append(ref)
+            obj._read_refs = None
         else:
             self._free_extent(ref)
             return
@@ -217,20 +223,22 @@ class MasterState:
                 "split it into smaller objects or start store nodes with more --memory",
                 key=key, size=size, largest=biggest)
         # writer's host first, then most free space; distinct hosts preferred
-        fits.sort(key=lambda n: (n.desc.host_id != host_id, -(n.alloc.capacity - n.alloc.used)))
+        if len(fits) > 1:
+            fits.sort(key=lambda n: (n.desc.host_id != host_id, n.alloc.used - n.alloc.capacity))
         want = min(replicas, len(fits))
-        chosen: list[Node] = []
-        hosts: set[str] = set()
-        for strict_hosts in (True, False):
-            for n in fits:
-                if len(chosen) == want:
-                    break
-                if n in chosen or (strict_hosts and n.desc.host_id in hosts):
-                    continue
-                chosen.append(n)
-                hosts.add(n.desc.host_id)
+        if want == 1:
+            chosen = fits[:1]
+        else:
+            chosen, hosts = [], set()
+            for n in fits:  # one per host first ...
+                if len(chosen) < want and n.desc.host_id not in hosts:
+                    chosen.append(n)
+                    hosts.add(n.desc.host_id)
+            for n in fits:  # ... then fill up with distinct nodes on shared hosts
+                if len(chosen) < want and all(n is not c for c in chosen):
+                    chosen.append(n)
         refs: list[ExtentRef] = []
-        spare = [n for n in fits if n not in chosen]
+        spare = [n for n in fits if all(n is not c for c in chosen)]
         for n in chosen:
             off = self._alloc_on(n, size, now)
             while off is None and spare:
@@ -660,6 +668,7 @@ class MasterState:
             return
         self._lru_remove(obj)
         obj.replicas.append(dst)
+        obj._read_refs = None
         node.keys.add(key)
         self.outbox[dst.node_id].append(NodeCommit([(dst.offset, dst.gen)]))
         if len(self._live_replicas(obj)) >= obj.replicas_wanted:
