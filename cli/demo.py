@@ -236,21 +236,23 @@ def _size(n: int) -> str:
 
 
 def _request_table(title: str, rows: list[dict], tol: float):
-    """One row per request; the questions are listed under the table (see render_demo)."""
+    """One row per request, 79 columns wide at most for the usual values (fits an 80-column
+    terminal); the questions are listed under the table (see render_demo). A row whose
+    logits differ by more than ``tol`` shows a red NO under "ok"."""
     from rich import box
     from rich.table import Table
 
     t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1),
-              pad_edge=False)
+              pad_edge=False, show_edge=False, collapse_padding=True)
     for col in ("req", "kind", "prompt\ntokens", "hit\ntokens", "loaded", "TTFT ms\nstore", "TTFT ms\nfull",
-                "speed\nup", "max\n|Δlogit|", "match"):
+                "speed-\nup", "max\n|Δlogit|", "ok"):
         t.add_column(col, justify="left" if col in ("req", "kind") else "right", no_wrap=True)
     for r in rows:
         sp = r.get("speedup")
         t.add_row(r["request_id"], r.get("kind", ""), str(r["prompt_tokens"]), str(r["hit_tokens"]),
                   _size(r["bytes_loaded"]), f"{r['ttft_store_ms']:.1f}", f"{r['ttft_no_store_ms']:.1f}",
                   f"{sp:.1f}x" if sp else "-", f"{r['max_abs_diff']:.1e}",
-                  "[green]yes[/]" if r["match"] else f"[red]NO > {tol:g}[/]")
+                  "[green]yes[/]" if r["match"] else "[bold red]NO[/]")
     return t
 
 
@@ -267,26 +269,29 @@ def render_demo(report: dict, console=None) -> None:
     from rich.console import Console
 
     if console is None:
-        console = Console()
-        if not console.is_terminal:  # piped or redirected: room for the table
+        console = Console()  # a terminal's width, or $COLUMNS when set
+        if not console.is_terminal and not os.environ.get("COLUMNS"):  # piped or redirected
             console = Console(width=110)
     m, tot, p = report["model"], report["totals"], report["producer"]
     console.print(f"[bold]kvpool demo[/] ({'quick' if report['quick'] else 'full'}) against {report['master']}, "
                   f"namespace [cyan]{report['namespace']}[/]")
+    # short lines: the report stays readable in an 80-column terminal
     console.print(f"model {m['id']}: byte tokens, dim {m['dim']}, {m['layers']} layers x {m['heads']} heads x "
-                  f"{m['head_dim']}, {m['dtype']}; KV block = {m['block_size']} tokens = {_size(m['block_bytes'])}; "
-                  f"weights {m['weights_digest']}, layout {m['layout_fingerprint']}")
+                  f"{m['head_dim']}")
+    console.print(f"{m['dtype']} KV blocks of {m['block_size']} tokens = {_size(m['block_bytes'])}")
+    console.print(f"weights {m['weights_digest']}, layout {m['layout_fingerprint']}")
     put_blocks = sum(r["blocks_put"] for r in p["rows"])
     skipped = sum(r["already_stored_blocks"] for r in p["rows"])
-    console.print(f"engine A (pid {p['pid']}): prefilled {len(p['rows'])} prompts, stored {put_blocks} blocks "
-                  f"({_size(tot['bytes_put'])}), skipped {skipped} already stored; "
+    console.print(f"engine A (pid {p['pid']}): prefilled {len(p['rows'])} prompts, "
                   f"{'exited before engine B read' if p['exited_before_consumer'] else 'still running'}")
+    console.print(f"  stored {put_blocks} blocks ({_size(tot['bytes_put'])}), skipped {skipped} already stored")
     console.print(_request_table(f"engine B (pid {report['consumer']['pid']}): store-backed prefill vs full recompute",
                                  report["requests"], report["tolerance"]))
     _questions(report["requests"], console)
-    console.print(f"hit rate {tot['hit_rate']:.0%} of prompt tokens, {_size(tot['bytes_loaded'])} loaded; "
-                  f"TTFT total {tot['ttft_store_ms']:.0f} ms with the store vs {tot['ttft_no_store_ms']:.0f} ms "
-                  f"recomputing; max |Δlogit| {tot['max_abs_diff']:.2e} (tolerance {report['tolerance']:g})")
+    console.print(f"hit rate {tot['hit_rate']:.0%} of prompt tokens, {_size(tot['bytes_loaded'])} loaded")
+    console.print(f"TTFT total {tot['ttft_store_ms']:.0f} ms with the store vs {tot['ttft_no_store_ms']:.0f} ms "
+                  "recomputing")
+    console.print(f"max |Δlogit| {tot['max_abs_diff']:.2e} (tolerance {report['tolerance']:g})")
     h = report.get("hybrid")
     if h is not None:
         from connector.reference.hybrid import render_hybrid_section

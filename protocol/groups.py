@@ -11,8 +11,8 @@ and field instead of letting group order drift silently.
 
 Also here, free of I/O:
 
-- :func:`storage_layout`: the layout a group's objects are stored and keyed under
-  (REPLICATE layouts drop TP size and rank: one copy serves every TP size and rank).
+- :func:`storage_layout`: the layout a group's objects are stored under (REPLICATE
+  layouts in canonical form: one copy serves every TP size and rank).
 - :func:`tp_read_plan`: which stored TP ranks and head ranges a reader rank needs
   (heterogeneous TP for SPLIT attention groups; rejects what cannot be sliced exactly).
 - :func:`validate_state_slot`: mamba/KDA state slots must carry every sub-tensor (conv
@@ -110,11 +110,12 @@ class TransferProjection(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def storage_layout(layout: LayoutSpec) -> LayoutSpec:
-    """The layout objects of this group are keyed and stored under: REPLICATE layouts drop
-    ``tp_size``/``tp_rank`` (their bytes do not depend on TP), SPLIT layouts keep both."""
-    if layout.replicated:
-        return msgspec.structs.replace(layout, tp_size=1, tp_rank=0)
-    return layout
+    """The layout objects of this group are stored under (the descriptor that travels with
+    each object): REPLICATE layouts are :meth:`~protocol.layout.LayoutSpec.canonical` (no
+    TP size or rank: one copy serves every TP size and rank); SPLIT layouts keep both,
+    since each rank's object holds that rank's heads. Its fingerprint is the layout's own
+    (fingerprints are taken over the canonical form)."""
+    return layout.canonical() if layout.replicated else layout
 
 
 def _tensor_role(name: str) -> str | None:
@@ -171,9 +172,8 @@ def project(groups: Sequence[CacheGroupSpec]) -> TransferProjection:
         validate_group_layout(g.layout, g.name)
         if not g.enable_kv_transfer:
             continue
-        st = storage_layout(g.layout)
         out.append(TransferGroup(index=len(out), name=g.name, kind=g.layout.kind, layers=tuple(g.layers),
-                                 tokens_per_block=g.layout.tokens_per_block, fingerprint=st.fingerprint(),
+                                 tokens_per_block=g.layout.tokens_per_block, fingerprint=g.layout.fingerprint(),
                                  layout=g.layout))
     return TransferProjection(groups=tuple(out))
 
@@ -232,17 +232,14 @@ def tp_read_plan(stored: LayoutSpec, local: LayoutSpec, group: str = "?") -> lis
     if stored.replicated != local.replicated:
         raise LayoutMismatch(f"group {group!r}: stored parallel mode {stored.parallel}, this engine "
                              f"uses {local.parallel}", field="parallel", group=group)
-    if stored.replicated:
-        f = _first_diff(storage_layout(stored), storage_layout(local))
+    if stored.replicated or stored.tp_size == local.tp_size:
+        # the same bytes or nothing: canonical() sets aside the rank (and, for REPLICATE, the TP size)
+        f = _first_diff(stored.canonical(), local.canonical())
         if f is not None:
             raise LayoutMismatch(f"group {group!r}: stored {f}={getattr(stored, f)!r}, this engine "
                                  f"uses {getattr(local, f)!r}", field=f, group=group)
-        return [ReadPiece(None, 0, 0, 0)]
-    if stored.tp_size == local.tp_size:
-        f = _first_diff(msgspec.structs.replace(stored, tp_rank=0), msgspec.structs.replace(local, tp_rank=0))
-        if f is not None:
-            raise LayoutMismatch(f"group {group!r}: stored {f}={getattr(stored, f)!r}, this engine "
-                                 f"uses {getattr(local, f)!r}", field=f, group=group)
+        if stored.replicated:
+            return [ReadPiece(None, 0, 0, 0)]
         return [ReadPiece(local.tp_rank, 0, local.num_kv_heads, 0)]
     if stored.kind not in ATTENTION_KINDS:
         raise LayoutMismatch(

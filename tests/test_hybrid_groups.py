@@ -111,7 +111,11 @@ def test_tp_read_plans():
             assert tp_read_plan(mla(1, 0), mla(tp, r)) == [ReadPiece(None, 0, 0, 0)]
     assert storage_layout(mla(2, 1)) == storage_layout(mla(1, 0))
     assert storage_layout(mla(4, 3)).fingerprint() == mla().fingerprint()
-    assert storage_layout(attn(2, 2, 1)) == attn(2, 2, 1)
+    assert storage_layout(attn(2, 2, 1)) == attn(2, 2, 1)  # SPLIT: each rank's object says its rank
+    assert storage_layout(mla(4, 3)) == mla(4, 3).canonical() == mla()
+    # a group's fingerprint is its layout's: REPLICATE ones agree across TP sizes, SPLIT ones do not
+    assert project(groups(tp=2, rank=1)).group("mla").fingerprint == project(groups()).group("mla").fingerprint
+    assert project(groups(tp=2, rank=1)).group("attn").fingerprint != project(groups()).group("attn").fingerprint
 
 
 def test_tp_read_plan_rejections():

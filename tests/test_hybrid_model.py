@@ -1,71 +1,36 @@
-"""The hybrid reference engine (attention, sliding window, MLA, KDA) without a cluster.
+"""The hybrid reference engine (attention, sliding window, MLA, KDA).
 
-Restores go through the engine's real export/import byte paths; ``MemoryClient`` is an
-in-process stand-in for KVPoolClient (dict of bytes + layout checks) so the
-lookup/load logic can be swept over many group mixes and prefix lengths quickly. The
-same paths against a real cluster are in test_hybrid_store.py.
+Pure model tests (weights, group layouts, TP forward, KDA checkpoints, guards) run
+without a store. Everything that stores and restores goes through the real cluster
+(``client`` fixture: etcd + master + 2 store nodes), each test in its own key namespace,
+so the engine's export/import byte paths, the store glue and the wire layouts are all
+exercised together; the restore is swept over many group mixes and prefix lengths.
 """
 from __future__ import annotations
+
+import uuid
 
 import pytest
 import torch
 
-from connector.reference.hybrid import HybridCache, HybridConfig, HybridModel, HybridStore
+from connector.hybrid_store import HybridStore, pack_tensors
+from connector.reference.hybrid import HybridCache, HybridConfig, HybridModel
 from connector.reference.tokenizer import encode, load_text
 from protocol.errors import InvalidRequest, LayoutMismatch
 from protocol.groups import project
-from protocol.layout import check_layout
 
 TOL = 1e-5
 MIXES = [("attn",), ("mla",), ("kda",), ("swa",), ("attn", "mla"), ("attn", "kda"), ("mla", "kda"),
          ("attn", "kda", "mla", "kda"), ("swa", "kda", "mla", "attn")]
 
 
-class MemoryClient:
-    """The slice of KVPoolClient that HybridStore uses, over a dict (content-addressed:
-    a put of an existing key is a no-op; gets check the stored layout)."""
+def ns() -> str:
+    """A fresh key namespace: tests never see each other's blocks."""
+    return f"hm-{uuid.uuid4().hex[:8]}"
 
-    def __init__(self) -> None:
-        self.d: dict[str, tuple[bytes, object]] = {}
 
-    def exists_batch(self, keys):
-        return [k in self.d for k in keys]
-
-    def get(self, key):
-        v = self.d.get(key)
-        return None if v is None else v[0]
-
-    def put(self, key, data, layout=None):
-        err = self.put_batch([key], [data], [layout])[0]
-        if err is not None:
-            raise err
-
-    def put_batch(self, keys, datas, layouts=None):
-        lays = layouts if isinstance(layouts, list) else [layouts] * len(keys)
-        for k, d, lay in zip(keys, datas, lays):
-            b = d.numpy().tobytes() if isinstance(d, torch.Tensor) else bytes(d)
-            if lay is not None:
-                assert len(b) == lay.nbytes, (k, len(b), lay.nbytes)
-            self.d.setdefault(k, (b, lay))
-        return [None] * len(keys)
-
-    def get_into_batch(self, keys, outs, layout=None):
-        lays = layout if isinstance(layout, list) else [layout] * len(keys)
-        res = []
-        for k, o, lay in zip(keys, outs, lays):
-            if k not in self.d:
-                res.append(None)
-                continue
-            b, stored = self.d[k]
-            if lay is not None:
-                try:
-                    check_layout(lay, stored, k)
-                except LayoutMismatch as e:
-                    res.append(e)
-                    continue
-            o.view(-1).view(torch.uint8)[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
-            res.append(len(b))
-        return res
+def keys_under(client, space: str) -> list[str]:
+    return [o.key for o in client.ls(prefix=space + "/")]
 
 
 def cfg(pattern, **kw) -> HybridConfig:
@@ -135,15 +100,15 @@ def test_kda_checkpoints_are_exact_states():
 
 
 @pytest.mark.parametrize("pattern", MIXES, ids=["+".join(m) for m in MIXES])
-def test_restore_many_prefix_lengths(pattern):
+def test_restore_many_prefix_lengths(client, pattern):
     """Engine B restoring from the store == full recompute, for shared prefixes of many
     lengths (most not a multiple of any block size), and the hit is the common boundary."""
     m = HybridModel(cfg(pattern))
-    client = MemoryClient()
+    space = ns()
     _, cache = m.prefill(P)
-    st = HybridStore(client, m, "t").put(P, cache)
+    st = HybridStore(client, m, space).put(P, cache)
     assert st["errors"] == [] and st["objects_put"] > 0
-    reader = HybridStore(client, HybridModel(cfg(pattern)), "t")
+    reader = HybridStore(client, HybridModel(cfg(pattern)), space)
     for s in (0, 7, 16, 31, 64, 100, 129, 150, 199, 200):
         ids = P[:s] + OTHER if s < len(P) else P + OTHER
         ref, _ = m.prefill(ids)
@@ -156,31 +121,11 @@ def test_restore_many_prefix_lengths(pattern):
         assert after.n_tokens == len(ids)
 
 
-def test_common_boundary_120_vs_96():
-    """Attention holds 120 tokens (8-token blocks), MLA 112, the KDA checkpoint is at 96:
-    the hit is 96 and the restored engine matches recompute."""
-    c = cfg(("attn", "kda", "mla"), attn_block=8, mla_block=16, kda_block=32)
-    m = HybridModel(c)
-    client = MemoryClient()
-    stored = TEXT[:125]
-    m_cache = m.prefill(stored)[1]
-    HybridStore(client, m, "t", tails=False).put(stored, m_cache)
-    ids = TEXT[:122] + OTHER
-    hit, tail = HybridStore(client, m, "t").lookup(ids)
-    assert (hit.tokens, tail) == (96, None)
-    assert hit.per_group == {"attn": 120, "kda": 96, "mla": 112}
-    lr = HybridStore(client, m, "t").load(ids)
-    assert lr.tokens == 96
-    ref, _ = m.prefill(ids)
-    got, _ = m.prefill(ids, lr.cache)
-    assert (got - ref).abs().max().item() <= TOL
-
-
-def test_tail_only_as_continuation():
+def test_tail_only_as_continuation(client):
     m = HybridModel()
-    client = MemoryClient()
-    HybridStore(client, m, "t").put(P, m.prefill(P)[1])
-    reader = HybridStore(client, m, "t")
+    space = ns()
+    HybridStore(client, m, space).put(P, m.prefill(P)[1])
+    reader = HybridStore(client, m, space)
     # continuation: restored exactly at len(P) through the tails
     lr = reader.load(P + OTHER)
     assert lr.tokens == len(P) and lr.via_tail
@@ -192,12 +137,15 @@ def test_tail_only_as_continuation():
     assert not lr.via_tail and lr.tokens == 192
     # tails are not blocks: the block lookup of the first 208 tokens stops at 192
     assert reader.lookup(P + OTHER)[0].per_group["attn"] == 192
+    # tail objects sit under tail/, never where a block key would be
+    tails = [k for k in keys_under(client, space) if "/tail/" in k]
+    assert sorted(k.rsplit("@", 1)[1] for k in tails) == ["200"] * 3  # one per group
 
 
-def test_put_time_rejections():
+def test_put_time_rejections(client):
     m = HybridModel()
-    client = MemoryClient()
-    store = HybridStore(client, m, "t")
+    space = ns()
+    store = HybridStore(client, m, space)
     _, cache = m.prefill(P)
     spec = next(g for g in m.cache_groups() if g.name == "kda")
     good = m.state_slot(cache.checkpoints[128], spec, 0, 128)
@@ -215,57 +163,66 @@ def test_put_time_rejections():
     off = m.state_slot(cache.kda, spec, 0, 200)
     with pytest.raises(InvalidRequest, match="boundary"):
         store.put_slot("kda", h, off)
-    assert client.d == {}  # nothing was stored
+    wide = m.state_slot(cache.checkpoints[128], spec, 0, 128)
+    wide.tensors["ssm_state"] = wide.tensors["ssm_state"].double()  # same shape, other bytes
+    with pytest.raises(InvalidRequest, match="float64, layout says float32"):
+        store.put_slot("kda", h, wide)
+    assert keys_under(client, space) == []  # nothing was stored
     assert store.put_slot("kda", h, good) is None
-    assert len(client.d) == 1 and next(iter(client.d)).endswith("@128")
+    (key,) = keys_under(client, space)
+    assert key.endswith("@128")
+    # the stored slot is its sub-tensors back to back, in layout order
+    assert client.get(key) == pack_tensors([good.tensors["conv_state"], good.tensors["ssm_state"]]).numpy().tobytes()
 
 
-def test_misaligned_consumers_get_layout_mismatch():
+def test_misaligned_consumers_get_layout_mismatch(client):
     m = HybridModel()
-    client = MemoryClient()
-    HybridStore(client, m, "t").put(P, m.prefill(P)[1])
+    space = ns()
+    HybridStore(client, m, space).put(P, m.prefill(P)[1])
     ids = P + OTHER
     four = HybridModel(HybridConfig(split_kda_groups=True))  # 4 transfer groups vs 3
     assert four.model_id == m.model_id
     with pytest.raises(LayoutMismatch, match="transfer group 1"):
-        HybridStore(client, four, "t").load(ids)
+        HybridStore(client, four, space).load(ids)
     reordered = HybridModel(HybridConfig(group_order=("mla", "attn", "kda")))
     with pytest.raises(LayoutMismatch, match="transfer group 0: stored name='attn'"):
-        HybridStore(client, reordered, "t").load(ids)
+        HybridStore(client, reordered, space).load(ids)
     # a producer with another projection cannot publish under the same model either
     with pytest.raises(LayoutMismatch):
-        HybridStore(client, reordered, "t").publish_projection()
+        HybridStore(client, reordered, space).publish_projection()
 
 
-def test_heterogeneous_tp():
+def test_heterogeneous_tp(client):
     c = cfg(("attn", "mla"))
     m1, m2 = HybridModel(c), HybridModel(c, tp_size=2)
     ids = P + OTHER
     ref, _ = m1.prefill(ids)
     # TP=1 producer, TP=2 consumer: each rank slices its heads of the attention blocks
-    client = MemoryClient()
-    HybridStore(client, m1, "t").put(P, m1.prefill(P)[1])
-    lr = HybridStore(client, m2, "t", source_tp=1).load(ids)
+    space = ns()
+    HybridStore(client, m1, space).put(P, m1.prefill(P)[1])
+    lr = HybridStore(client, m2, space, source_tp=1).load(ids)
     assert lr.tokens == len(P)
     got, _ = m2.prefill(ids, lr.cache)
     assert (got - ref).abs().max().item() <= TOL
     # TP=2 producer: MLA stored once (REPLICATE), attention once per rank
-    client2 = MemoryClient()
-    HybridStore(client2, m2, "t").put(P, m2.prefill(P)[1])
-    mla_keys = [k for k in client2.d if "/1:" in k and "/tail/" not in k]
-    attn_keys = [k for k in client2.d if "/0:" in k and "/tail/" not in k]
+    space = ns()
+    HybridStore(client, m2, space).put(P, m2.prefill(P)[1])
+    keys = keys_under(client, space)
+    mla_keys = [k for k in keys if "/1:" in k and "/tail/" not in k]
+    attn_keys = [k for k in keys if "/0:" in k and "/tail/" not in k]
     assert len(mla_keys) == len(P) // 32 and not any("/tp" in k for k in mla_keys)
     assert len(attn_keys) == 2 * (len(P) // 16)
+    # both TP=2 ranks and a TP=1 reader (gathering both ranks' heads) restore from it
     for reader, tp in ((m2, None), (m1, 2)):
-        lr = HybridStore(client2, reader, "t", source_tp=tp).load(ids)
+        lr = HybridStore(client, reader, space, source_tp=tp).load(ids)
         got, _ = reader.prefill(ids, lr.cache)
         assert lr.tokens == len(P) and (got - ref).abs().max().item() <= TOL
     # KDA state is split by heads: TP 1 -> 2 is refused, not converted
     m3, m4 = HybridModel(), HybridModel(tp_size=2)
-    client3 = MemoryClient()
-    HybridStore(client3, m3, "t").put(P, m3.prefill(P)[1])
+    space = ns()
+    HybridStore(client, m3, space).put(P, m3.prefill(P)[1])
     with pytest.raises(LayoutMismatch, match="split differently"):
-        HybridStore(client3, m4, "t", source_tp=1).load(ids)
+        HybridStore(client, m4, space, source_tp=1).load(ids)
 
 
 def test_prefill_guards():

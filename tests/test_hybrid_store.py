@@ -2,15 +2,21 @@
 TP split/replicate, common-boundary hits, and `kvpool demo --hybrid` (issue 6)."""
 from __future__ import annotations
 
+import inspect
+import re
 import uuid
 
 import pytest
+import torch
+from rich.console import Console
 
-from cli.demo import run_demo
-from connector.reference.hybrid import HybridConfig, HybridModel, HybridStore
+from cli.demo import render_demo, run_demo
+from connector.hybrid_store import HybridEngineModel, HybridStore, pack_tensors, unpack_tensors
+from connector.reference.hybrid import HybridConfig, HybridModel
 from connector.reference.tokenizer import encode, load_text
 from protocol.errors import InvalidRequest, LayoutMismatch
 from protocol.keys import block_hashes, extra_bytes
+from protocol.layout import LayoutSpec, TensorSpec
 
 TOL = 1e-5
 TEXT = encode(load_text("declaration_of_independence"))
@@ -20,6 +26,37 @@ OTHER = encode("#" + load_text("pride_and_prejudice_ch1")[:50])
 
 def ns() -> str:
     return f"hy-{uuid.uuid4().hex[:8]}"
+
+
+def test_pack_unpack_round_trip():
+    """Stored bytes are the layout's sub-tensors back to back; unpack gives views of them
+    with each spec's shape and dtype, whatever the buffer's own dtype."""
+    lay = LayoutSpec(kind="mamba", tokens_per_block=64,
+                     tensors=(TensorSpec("conv_state", (2, 3, 8), "bfloat16"),
+                              TensorSpec("ssm_state", (2, 4, 4), "float32")), num_kv_heads=4, head_size=4)
+    conv = torch.randn(2, 3, 8).to(torch.bfloat16)
+    ssm = torch.randn(2, 4, 4)
+    packed = pack_tensors([conv, ssm])
+    assert packed.dtype == torch.uint8 and packed.numel() == lay.nbytes == 2 * 3 * 8 * 2 + 2 * 4 * 4 * 4
+    a, b = unpack_tensors(packed, lay)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, conv) and torch.equal(b, ssm)
+    b.zero_()  # views share the buffer
+    assert not packed[conv.numel() * 2:].any()
+    with pytest.raises(InvalidRequest, match="bytes hold no mamba block"):
+        unpack_tensors(packed[:-1], lay)
+
+
+def test_reference_model_implements_engine_interface():
+    members = [n for n in vars(HybridEngineModel) if not n.startswith("_")]
+    assert {"model_id", "tp_size", "cache_groups", "export_range", "state_slot_at", "empty_cache",
+            "import_range", "import_state"} <= set(members)
+    m = HybridModel()
+    for name in members:
+        assert hasattr(m, name), name
+        want = getattr(HybridEngineModel, name)
+        if inspect.isfunction(want):
+            assert list(inspect.signature(getattr(m, name)).parameters) == \
+                list(inspect.signature(want).parameters)[1:], name
 
 
 @pytest.mark.parametrize("pattern", [("attn", "kda", "mla", "kda"), ("attn", "mla"), ("kda",), ("swa", "mla", "kda")],
@@ -137,3 +174,13 @@ def test_demo_hybrid(cluster):
     assert rows["miss"]["hit_tokens"] == 0
     for r in h["requests"]:
         assert r["max_abs_diff"] <= TOL
+    # the report reads in an 80-column terminal: no clipped headers or cells (only the
+    # long question lines are cut, on purpose)
+    con = Console(width=80, record=True)
+    render_demo(rep, console=con)
+    text = con.export_text()
+    lines = text.splitlines()
+    assert all(len(x.rstrip()) <= 80 for x in lines)
+    assert [x for x in lines if "…" in x and not re.match(r"  [bh]\d+: ", x)] == []
+    for header in ("prompt", "tokens", "TTFT ms", "speed-", "|Δlogit|", "continue", "via tails"):
+        assert header in text

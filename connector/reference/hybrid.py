@@ -1,4 +1,4 @@
-"""A small deterministic *hybrid* decoder (Kimi-K3 style) and its kvpool glue (issue 6).
+"""A small deterministic *hybrid* decoder (Kimi-K3 style) for the reference engine (issue 6).
 
 Layer kinds (chosen per layer by ``HybridConfig.pattern``), each with its own cache
 group and block size:
@@ -25,9 +25,11 @@ generator. TP is simulated in one process: each mixer's heads are split into
 ``tp_size`` ranks, each rank's partial output projection is summed in rank order (a
 row-parallel all-reduce), and the cache groups are exported/imported per rank.
 
-:class:`HybridStore` stores a request's groups in kvpool (blocks, state checkpoints,
-partial tails), checks the transfer projection, finds the common-boundary prefix hit and
-loads it back (including heterogeneous TP for SPLIT attention groups).
+The store glue (blocks, state checkpoints, partial tails, the transfer projection, the
+common-boundary prefix hit, heterogeneous TP) is :class:`connector.hybrid_store.HybridStore`;
+this model implements its :class:`~connector.hybrid_store.HybridEngineModel` interface.
+The end of this module is the demo's hybrid engine (:class:`HybridEngine`, run by
+``connector.reference.worker --engine hybrid``) and its report section.
 """
 from __future__ import annotations
 
@@ -36,23 +38,19 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from connector.hybrid_store import HybridStore, StateSlot, pack_tensors, unpack_tensors
 from connector.reference.model import apply_rope, causal_attention, rms_norm, rope_cos_sin
 from connector.reference.tokenizer import demo_requests, encode, user_turn
 from protocol.errors import InvalidRequest, KVPoolError
-from protocol.groups import (CacheGroupSpec, PrefixHit, SlotInfo, TransferProjection, check_projection,
-                             common_prefix, describe, project, slot_key, storage_layout, tail_hash, tail_key,
-                             tail_layout, validate_state_slot)
-from protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key
+from protocol.groups import CacheGroupSpec, TransferProjection, describe, project
 from protocol.layout import LayoutSpec, TensorSpec
 
-__all__ = ["HybridConfig", "HybridCache", "HybridModel", "HybridStore", "HybridEngine", "StateSlot"]
+__all__ = ["HybridConfig", "HybridCache", "HybridModel", "HybridEngine"]
 
 LAYER_KINDS = ("attn", "swa", "mla", "kda")
 
@@ -108,35 +106,6 @@ class HybridCache:
     mla: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kda: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     checkpoints: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-
-
-@dataclass
-class StateSlot:
-    """A KDA/mamba state slot to publish: named sub-tensors, the token count it
-    represents, and whether it is a partial tail or speculative (never published)."""
-
-    tensors: dict[str, torch.Tensor]
-    tokens: int
-    tail: bool = False
-    speculative: bool = False
-
-    def info(self) -> SlotInfo:
-        return SlotInfo(tensors={k: tuple(v.shape) for k, v in self.tensors.items()}, tokens=self.tokens,
-                        tail=self.tail, speculative=self.speculative)
-
-
-def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Flat contiguous float32 concatenation (the stored byte order of a multi-tensor layout)."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unpack(flat: torch.Tensor, layout: LayoutSpec) -> list[torch.Tensor]:
-    out, off = [], 0
-    for t in layout.tensors:
-        n = math.prod(t.shape)
-        out.append(flat[off:off + n].view(t.shape))
-        off += n
-    return out
 
 
 class HybridModel:
@@ -396,34 +365,46 @@ class HybridModel:
         lo, hi = rank * hl * c.head_dim, (rank + 1) * hl * c.head_dim
         return torch.cat([torch.arange(lo, hi) + j * hd for j in range(3)])
 
-    def export_block(self, cache: HybridCache, group: CacheGroupSpec, rank: int, index: int) -> torch.Tensor:
-        """Flat float32 bytes of block ``index`` (paged groups) of ``group`` for ``rank``."""
-        b = group.layout.tokens_per_block
-        return self._export_range(cache, group, rank, index * b, (index + 1) * b)
-
-    def _export_range(self, cache: HybridCache, group: CacheGroupSpec, rank: int, lo: int, hi: int) -> torch.Tensor:
+    def export_range(self, cache: HybridCache, group: CacheGroupSpec, rank: int, lo: int, hi: int) -> torch.Tensor:
+        """Bytes (flat ``uint8``, :func:`~connector.hybrid_store.pack_tensors` order) of tokens
+        ``[lo, hi)`` of paged ``group`` for ``rank``: a block when ``hi - lo`` is the block
+        size, else a partial tail. Attention: ``[layers, 2, heads/tp, hi-lo, head_dim]``
+        float32 (K then V, ``rank``'s heads); MLA: ``kv_c [layers, hi-lo, latent]`` then
+        ``k_pe [layers, hi-lo, rope]``. Raises InvalidRequest for a state group."""
         kind = group.layout.kind
         if kind in ("full_attention", "sliding_window"):
             hs = self._head_slice(rank)
-            t = torch.stack([torch.stack([cache.attn[li][0][hs, lo:hi], cache.attn[li][1][hs, lo:hi]])
-                             for li in group.layers])
-            return t.reshape(-1).contiguous()
+            return pack_tensors([torch.stack([torch.stack([cache.attn[li][0][hs, lo:hi], cache.attn[li][1][hs, lo:hi]])
+                                              for li in group.layers])])
         if kind == "mla":
-            return _pack([torch.stack([cache.mla[li][0][lo:hi] for li in group.layers]),
-                          torch.stack([cache.mla[li][1][lo:hi] for li in group.layers])])
+            return pack_tensors([torch.stack([cache.mla[li][0][lo:hi] for li in group.layers]),
+                                 torch.stack([cache.mla[li][1][lo:hi] for li in group.layers])])
         raise InvalidRequest(f"group {group.name!r} ({kind}) has no token blocks")
 
-    def export_tail(self, cache: HybridCache, group: CacheGroupSpec, rank: int, lo: int, hi: int) -> torch.Tensor:
-        """Flat bytes of tokens ``[lo, hi)`` (a partial tail) of a paged group for ``rank``."""
-        return self._export_range(cache, group, rank, lo, hi)
+    def export_block(self, cache: HybridCache, group: CacheGroupSpec, rank: int, index: int) -> torch.Tensor:
+        """Bytes of block ``index`` of paged ``group`` for ``rank`` (see :meth:`export_range`)."""
+        b = group.layout.tokens_per_block
+        return self.export_range(cache, group, rank, index * b, (index + 1) * b)
 
     def state_slot(self, states: dict[int, tuple[torch.Tensor, torch.Tensor]], group: CacheGroupSpec, rank: int,
                    tokens: int, tail: bool = False) -> StateSlot:
-        """The KDA slot of ``group`` for ``rank`` from per-layer (conv, state) at ``tokens``."""
+        """The KDA slot of ``group`` for ``rank`` from per-layer ``(conv, state)`` taken after
+        ``tokens`` tokens: ``conv_state [layers, conv-1, 3*heads/tp*head_dim]`` and
+        ``ssm_state [layers, heads/tp, head_dim, head_dim]``, float32."""
         ch, hs = self._conv_channels(rank), self._head_slice(rank)
         return StateSlot({"conv_state": torch.stack([states[li][0][:, ch] for li in group.layers]),
                           "ssm_state": torch.stack([states[li][1][hs] for li in group.layers])},
                          tokens=tokens, tail=tail)
+
+    def state_slot_at(self, cache: HybridCache, group: CacheGroupSpec, rank: int, tokens: int) -> StateSlot | None:
+        """The slot after exactly ``tokens`` tokens if ``cache`` holds that state: an aligned
+        checkpoint, or the final state (a tail when off a boundary); else None."""
+        if tokens in cache.checkpoints:
+            return self.state_slot(cache.checkpoints[tokens], group, rank, tokens)
+        if tokens == cache.n_tokens:
+            return self.state_slot(cache.kda, group, rank, tokens,
+                                   tail=tokens % group.layout.tokens_per_block != 0)
+        return None
 
     def empty_cache(self, n_tokens: int) -> HybridCache:
         """Zeroed cache tensors for ``n_tokens`` tokens, to load restored blocks into."""
@@ -439,30 +420,32 @@ class HybridModel:
                              torch.zeros(c.heads, c.head_dim, c.head_dim))
         return r
 
-    def import_range(self, cache: HybridCache, group_layout: LayoutSpec, layers: Sequence[int], flat: torch.Tensor,
+    def import_range(self, cache: HybridCache, layout: LayoutSpec, layers: Sequence[int], data: torch.Tensor,
                      lo: int, hi: int, heads: slice | None = None, src_heads: slice | None = None) -> None:
-        """Write stored bytes (``group_layout``, tokens ``[lo, hi)``) into ``cache``; for
-        attention, source heads ``src_heads`` go to global heads ``heads``."""
-        kind = group_layout.kind
+        """Write stored bytes ``data`` (``layout``: a block or a tail) into tokens
+        ``[lo, hi)`` of ``layers``; for attention, stored heads ``src_heads`` go to global
+        heads ``heads``. Raises InvalidRequest for a state layout (see :meth:`import_state`)."""
+        kind = layout.kind
         n = hi - lo
         if kind in ("full_attention", "sliding_window"):
-            t = flat.view(len(layers), 2, group_layout.num_kv_heads, group_layout.tokens_per_block, -1)
-            src_heads = src_heads or slice(0, group_layout.num_kv_heads)
+            (t,) = unpack_tensors(data, layout)  # [layers, 2, heads, tokens, head_dim]
+            src_heads = src_heads or slice(0, layout.num_kv_heads)
             heads = heads or slice(0, self.config.heads)
             for i, li in enumerate(layers):
                 cache.attn[li][0][heads, lo:hi] = t[i, 0, src_heads, :n]
                 cache.attn[li][1][heads, lo:hi] = t[i, 1, src_heads, :n]
         elif kind == "mla":
-            kvc, kpe = _unpack(flat, group_layout)
+            kvc, kpe = unpack_tensors(data, layout)
             for i, li in enumerate(layers):
                 cache.mla[li][0][lo:hi] = kvc[i, :n]
                 cache.mla[li][1][lo:hi] = kpe[i, :n]
         else:
             raise InvalidRequest(f"{kind} groups restore through import_state")
 
-    def import_state(self, cache: HybridCache, group_layout: LayoutSpec, layers: Sequence[int], flat: torch.Tensor,
+    def import_state(self, cache: HybridCache, layout: LayoutSpec, layers: Sequence[int], data: torch.Tensor,
                      rank: int) -> None:
-        conv, ssm = _unpack(flat, group_layout)
+        """Write a stored KDA slot (``layout``, as stored by ``rank``) into ``cache``."""
+        conv, ssm = unpack_tensors(data, layout)
         ch, hs = self._conv_channels(rank), self._head_slice(rank)
         for i, li in enumerate(layers):
             cache.kda[li][0][:, ch] = conv[i]
@@ -486,308 +469,6 @@ def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sta
         sc = sc.masked_fill(mask, float("-inf"))
         out[:, a:b] = torch.matmul(torch.softmax(sc, dim=-1), v[:, k0:k1])
     return out
-
-
-# ============================================================================ store glue
-
-
-@dataclass
-class LoadResult:
-    """What :meth:`HybridStore.load` restored: ``cache`` (``None`` on a miss), the common
-    length, per-group lengths, whether tails were used, bytes copied and objects read."""
-
-    cache: HybridCache | None
-    tokens: int
-    per_group: dict[str, int]
-    via_tail: bool
-    bytes_loaded: int
-    objects: int
-
-
-class HybridStore:
-    """All transfer groups of one :class:`HybridModel` (every simulated TP rank) in kvpool.
-
-    Keys: blocks ``<ns>/<model>/<group index>:<fp>[/tp<r>]/<hash>``; KDA checkpoints the
-    same with ``@<tokens>``; partial tails under ``.../tail/<prefix hash>@<tokens>``; the
-    projection manifest at ``<ns>/<model>/projection/tp<T>``. Each group hashes the prompt
-    with its own block size. ``source_tp``: the TP size the data was stored with (default:
-    this engine's); SPLIT attention groups are resliced, anything else must match.
-    """
-
-    def __init__(self, client, model: HybridModel, namespace: str = "demo", *, source_tp: int | None = None,
-                 tails: bool = True) -> None:
-        self.client = client
-        self.model = model
-        self.ns = namespace
-        self.mid = model.model_id
-        self.extra = extra_bytes(self.mid)
-        self.tp = model.tp_size
-        self.source_tp = source_tp or self.tp
-        self.tails = tails
-        self.local = [model.projection(r) for r in range(self.tp)]
-        self.groups = [model.cache_groups(r) for r in range(self.tp)]
-        self._source: TransferProjection | None = None
-        self._plans: list[dict] | None = None
-
-    # ---- projection -------------------------------------------------------------------
-    def manifest_key(self, tp_size: int) -> str:
-        return f"{self.ns}/{self.mid}/projection/tp{tp_size}"
-
-    def publish_projection(self) -> None:
-        """Producer: publish this engine's projection; if one is already published for this
-        model and TP size, it must be the same (else LayoutMismatch)."""
-        key = self.manifest_key(self.tp)
-        data = self.local[0].encode()
-        existing = self.client.get(key)
-        if existing is not None:
-            stored = TransferProjection.decode(existing)
-            check_projection(stored, self.local[0], allow_tp_reshard=False)
-            return
-        self.client.put(key, data)
-
-    def open(self) -> bool:
-        """Consumer: read the source projection and check it against every local rank's
-        (LayoutMismatch on disagreement). False when nothing was published (all misses)."""
-        if self._plans is not None:
-            return True
-        raw = self.client.get(self.manifest_key(self.source_tp))
-        if raw is None:
-            return False
-        src = TransferProjection.decode(raw)
-        self._plans = [check_projection(src, self.local[r]) for r in range(self.tp)]
-        self._source = src
-        return True
-
-    # ---- keys -------------------------------------------------------------------------
-    def _hashes(self, ids: Sequence[int], block: int) -> list[bytes]:
-        return block_hashes(ids, block, self.extra)
-
-    def _block_keys(self, g, hashes: Sequence[bytes], rank: int) -> list[str]:
-        r = None if g.layout.replicated else rank
-        return [group_key(self.ns, self.mid, g.index, g.fingerprint, h, r) for h in hashes]
-
-    def _tail_id(self, ids: Sequence[int], t: int) -> bytes:
-        anchor = min(g.tokens_per_block for g in self.local[0].groups)
-        hs = self._hashes(ids[:t], anchor)
-        parent = hs[-1] if hs else ROOT_HASH
-        return tail_hash(parent, ids[len(hs) * anchor:t], self.extra)
-
-    # ---- put --------------------------------------------------------------------------
-    def put_slot(self, group_name: str, block_hash: bytes | None, slot: StateSlot, rank: int = 0,
-                 tail_id: bytes | None = None) -> KVPoolError | None:
-        """Publish one KDA/mamba state slot (a checkpoint keyed by the chain hash of its
-        prefix, or a tail keyed by ``tail_id``); validated first (speculative, missing conv
-        history, misaligned -> InvalidRequest, nothing stored)."""
-        g = self.local[rank].group(group_name)
-        validate_state_slot(g.layout, slot.info(), g.name)
-        lay = storage_layout(g.layout)
-        r = None if lay.replicated else rank
-        if slot.tail:
-            key = tail_key(self.ns, self.mid, g, tail_id, slot.tokens, r)
-        else:
-            key = slot_key(self.ns, self.mid, g, block_hash, slot.tokens, r)
-        data = _pack([slot.tensors[t.name] for t in g.layout.tensors])
-        return self.client.put_batch([key], [data], lay)[0]
-
-    def put(self, ids: Sequence[int], cache: HybridCache) -> dict:
-        """Store every group of a prefilled prompt: full blocks, KDA checkpoints at aligned
-        boundaries, and (``tails``) the partial tail at ``len(ids)``; objects already
-        stored are skipped (one existence check for all). Returns counts, bytes, errors."""
-        self.publish_projection()
-        n = len(ids)
-        cands: dict[str, tuple[Any, LayoutSpec]] = {}  # key -> (make bytes, layout); replicated keys once
-        for rank in range(self.tp):
-            for spec in self.groups[rank]:
-                if not spec.enable_kv_transfer:
-                    continue
-                g = self.local[rank].group(spec.name)
-                lay = storage_layout(g.layout)
-                r = None if lay.replicated else rank
-                b = g.tokens_per_block
-                hashes = self._hashes(ids, b)
-                if g.kind == "mamba":
-                    for i, h in enumerate(hashes):
-                        t = (i + 1) * b
-                        if t in cache.checkpoints:
-                            slot = self.model.state_slot(cache.checkpoints[t], spec, rank, t)
-                            validate_state_slot(g.layout, slot.info(), g.name)
-                            cands.setdefault(slot_key(self.ns, self.mid, g, h, t, r), (slot, lay))
-                else:
-                    for i, k in enumerate(self._block_keys(g, hashes, rank)):
-                        cands.setdefault(k, ((spec, rank, i * b, (i + 1) * b), lay))
-                if self.tails and n % b:
-                    key = tail_key(self.ns, self.mid, g, self._tail_id(ids, n), n, r)
-                    if g.kind == "mamba":
-                        slot = self.model.state_slot(cache.kda, spec, rank, n, tail=True)
-                        validate_state_slot(g.layout, slot.info(), g.name)
-                        cands.setdefault(key, (slot, lay))
-                    else:
-                        lo = n // b * b
-                        cands.setdefault(key, ((spec, rank, lo, n), tail_layout(lay, n - lo)))
-        keys = list(cands)
-        have = self.client.exists_batch(keys) if keys else []
-        todo = [k for k, h in zip(keys, have) if not h]
-        datas, lays = [], []
-        for k in todo:
-            src, lay = cands[k]
-            if isinstance(src, StateSlot):
-                datas.append(_pack([src.tensors[x.name] for x in lay.tensors]))
-            else:
-                spec, rank, lo, hi = src
-                datas.append(self.model.export_tail(cache, spec, rank, lo, hi))
-            lays.append(lay)
-        res = self.client.put_batch(todo, datas, lays) if todo else []
-        errs = [f"{type(e).__name__}: {e}" for e in res if e is not None]
-        return {"objects_put": len(todo) - len(errs), "objects_skipped": len(keys) - len(todo),
-                "bytes_put": sum(d.numel() * 4 for d, e in zip(datas, res) if e is None), "errors": errs}
-
-    # ---- lookup / load ----------------------------------------------------------------
-    def lookup(self, ids: Sequence[int], *, max_tokens: int | None = None, divergent: bool = False
-               ) -> tuple[PrefixHit, int | None]:
-        """(hit, tail length or None). ``hit.tokens`` is the longest length at which every
-        group can be restored (capped at ``max_tokens``, default ``len(ids) - 1``); when a
-        stored partial tail extends that, the second item is its token count. No leases
-        are taken. ``hit.per_group`` holds each group's own length (``divergent``: mamba
-        groups report their longest checkpoint, not only those under the paged groups'
-        length); ``hit.tokens`` is the common one either way."""
-        cap = len(ids) - 1 if max_tokens is None else max_tokens
-        if not self.open():
-            return PrefixHit(tokens=0, per_group={g.name: 0 for g in self.local[0].groups}), None
-        src = self._source
-        keys, spans = [], {}
-        for g in src.groups:
-            hashes = self._hashes(ids, g.tokens_per_block)
-            ranks = self._source_ranks(g.name)
-            start = len(keys)
-            for r in ranks:
-                if g.kind == "mamba":
-                    keys += [slot_key(self.ns, self.mid, g, h, (i + 1) * g.tokens_per_block,
-                                      None if g.layout.replicated else r) for i, h in enumerate(hashes)]
-                else:
-                    keys += self._block_keys(g, hashes, r)
-            spans[g.name] = (start, len(hashes), len(ranks))
-        found = self.client.exists_batch(keys) if keys else []
-        stored = {}
-        for name, (start, nb, nr) in spans.items():
-            stored[name] = [all(found[start + j * nb + i] for j in range(nr)) for i in range(nb)]
-        hit = common_prefix(src, stored, max_tokens=cap, divergent=divergent)
-        tail = self._probe_tail(ids, src, hit, stored, cap) if self.tails else None
-        return hit, tail
-
-    def _source_ranks(self, name: str) -> list[int]:
-        """Stored ranks needed by the local ranks for group ``name``."""
-        ranks = []
-        for plans in self._plans:
-            for piece in plans[name]:
-                r = 0 if piece.src_rank is None else piece.src_rank
-                if r not in ranks:
-                    ranks.append(r)
-        return ranks
-
-    def _probe_tail(self, ids, src: TransferProjection, hit: PrefixHit, stored, cap: int) -> int | None:
-        """Largest ``t`` in ``(hit.tokens, cap]`` for which every group can restore exactly at
-        ``t`` from its full blocks plus a stored tail object."""
-        hi = cap
-        for g in src.groups:
-            if g.kind != "mamba":
-                hi = min(hi, hit.per_group[g.name] + g.tokens_per_block - 1)
-        cands = list(range(hit.tokens + 1, hi + 1))
-        if not cands:
-            return None
-        keys, owners = [], []
-        for t in cands:
-            tid = self._tail_id(ids, t)
-            for g in src.groups:
-                if t % g.tokens_per_block == 0:
-                    continue
-                for r in self._source_ranks(g.name):
-                    keys.append(tail_key(self.ns, self.mid, g, tid, t, None if g.layout.replicated else r))
-                    owners.append(t)
-        if not keys:
-            return None
-        found = self.client.exists_batch(keys)
-        ok = {t: True for t in cands}
-        present_any = set()
-        for t, f in zip(owners, found):
-            ok[t] = ok[t] and f
-            if f:
-                present_any.add(t)
-        for t in sorted(cands, reverse=True):
-            if ok[t] and t in present_any:
-                # groups with t on a boundary need their block/slot at t
-                good = True
-                for g in src.groups:
-                    if t % g.tokens_per_block == 0:
-                        i = t // g.tokens_per_block - 1
-                        s = stored[g.name]
-                        good &= (i < len(s) and s[i]) if g.kind == "mamba" else all(s[:i + 1])
-                if good:
-                    return t
-        return None
-
-    def load(self, ids: Sequence[int], *, max_tokens: int | None = None) -> LoadResult:
-        """Look up and load the longest restorable prefix of ``ids`` into a fresh cache."""
-        hit, tail = self.lookup(ids, max_tokens=max_tokens)
-        L = tail or hit.tokens
-        if L == 0:
-            return LoadResult(None, 0, hit.per_group, False, 0, 0)
-        src = self._source
-        cache = self.model.empty_cache(L)
-        reqs: dict[str, tuple[torch.Tensor, LayoutSpec]] = {}
-        todo = []  # (group, local rank, piece, key, lo, hi, is_state)
-        tid = self._tail_id(ids, L) if tail else None
-        for g in src.groups:
-            lay = storage_layout(g.layout)
-            b = g.tokens_per_block
-            hashes = self._hashes(ids, b)
-            for rank in range(self.tp):
-                for piece in self._plans[rank][g.name]:
-                    sr = None if lay.replicated else (piece.src_rank if piece.src_rank is not None else rank)
-                    rl = lay if sr is None else msgspec.structs.replace(lay, tp_rank=sr)  # as the source rank stored it
-                    if g.kind == "mamba":
-                        if L % b == 0:
-                            key = slot_key(self.ns, self.mid, g, hashes[L // b - 1], L, sr)
-                        else:
-                            key = tail_key(self.ns, self.mid, g, tid, L, sr)
-                        reqs.setdefault(key, (torch.empty(rl.nbytes // 4), rl))
-                        todo.append((g, rank, piece, key, 0, L, True))
-                        continue
-                    nfull = L // b
-                    for i in range(nfull):
-                        key = self._block_keys(g, [hashes[i]], 0 if sr is None else sr)[0]
-                        reqs.setdefault(key, (torch.empty(rl.nbytes // 4), rl))
-                        todo.append((g, rank, piece, key, i * b, (i + 1) * b, False))
-                    if L % b:
-                        if tail:
-                            tl = tail_layout(rl, L - nfull * b)
-                            key = tail_key(self.ns, self.mid, g, tid, L, sr)
-                            reqs.setdefault(key, (torch.empty(tl.nbytes // 4), tl))
-                            todo.append((g, rank, piece, key, nfull * b, L, False))
-                        else:  # the block holding L is stored (hit.tokens <= stored run); use its head
-                            key = self._block_keys(g, [hashes[nfull]], 0 if sr is None else sr)[0]
-                            reqs.setdefault(key, (torch.empty(rl.nbytes // 4), rl))
-                            todo.append((g, rank, piece, key, nfull * b, L, False))
-        keys = list(reqs)
-        res = self.client.get_into_batch(keys, [reqs[k][0] for k in keys], [reqs[k][1] for k in keys])
-        nbytes = 0
-        for k, r in zip(keys, res):
-            if isinstance(r, BaseException):
-                raise r
-            if r is None:
-                raise KVPoolError(f"block {k!r} vanished between lookup and load; retry the request")
-            nbytes += r
-        hl = self.model.config.heads // self.tp
-        for g, rank, piece, key, lo, hi, is_state in todo:
-            flat, lay = reqs[key]
-            if is_state:
-                self.model.import_state(cache, lay, g.layers, flat, rank)
-            elif lay.kind in ("full_attention", "sliding_window"):
-                dst = slice(rank * hl + piece.dst_lo, rank * hl + piece.dst_lo + (piece.head_hi - piece.head_lo))
-                self.model.import_range(cache, lay, g.layers, flat, lo, hi, heads=dst,
-                                        src_heads=slice(piece.head_lo, piece.head_hi))
-            else:
-                self.model.import_range(cache, lay, g.layers, flat, lo, hi)
-        return LoadResult(cache, L, hit.per_group, bool(tail), nbytes, len(keys))
 
 
 # ============================================================================ demo engine
@@ -884,19 +565,22 @@ def hybrid_demo_section(master_addr: str, namespace: str, quick: bool, run_pair,
         rows.append({**r, "kind": kinds.get(r["request_id"], ""), "question": req.label,
                      "speedup": round(no / yes, 2) if yes > 0 else None})
     return {"engine": res_a.get("engine_info", {}), "producer": {"pid": res_a["pid"], "rows": res_a["rows"]},
-            "consumer": {"pid": res_b["pid"], "timing_reps": 2}, "requests": rows, "all_match": all(r["match"] for r in rows),
+            "consumer": {"pid": res_b["pid"], "timing_reps": 2}, "requests": rows,
+            "all_match": all(r["match"] for r in rows),
             "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=0.0)}
 
 
 def render_hybrid_section(h: dict, console, request_table, size) -> None:
-    """Print the hybrid part of the demo report (used by ``cli.demo.render_demo``)."""
+    """Print the hybrid part of the demo report (used by ``cli.demo.render_demo``); every
+    line fits 80 columns for the usual values."""
     from rich.markup import escape
 
     e = h["engine"]
-    console.print(f"\n[bold]hybrid engine[/] {e.get('model_id', '')}: layers {' / '.join(e.get('pattern', []))}, "
-                  f"projection {e.get('projection_fingerprint', '')}")
-    for g in e.get("groups", []):
-        console.print(f"  group {g['index']} {g['name']}: {g['kind']}, layers {g['layers']}, "
+    groups = e.get("groups", [])
+    console.print(f"\n[bold]hybrid engine[/] {e.get('model_id', '')}: layers {' / '.join(e.get('pattern', []))}")
+    console.print(f"transfer projection {e.get('projection_fingerprint', '')}, {len(groups)} groups:")
+    for g in groups:
+        console.print(f"  {g['index']} {g['name']}: {g['kind']}, layers {g['layers']}, "
                       f"{g['tokens_per_block']} tokens/{'slot' if g['kind'] == 'mamba' else 'block'}, "
                       f"{size(g['block_bytes'])}, {g['parallel']}")
     console.print(request_table("hybrid engine B: common-boundary restore vs full recompute", h["requests"], 1e-5))
@@ -904,5 +588,5 @@ def render_hybrid_section(h: dict, console, request_table, size) -> None:
         per = ", ".join(f"{k} {v}" for k, v in r["per_group"].items())
         console.print(f"  [dim]{r['request_id']}:[/] {escape(r.get('question', ''))}", overflow="ellipsis",
                       no_wrap=True)
-        console.print(f"      restored at {r['hit_tokens']} tokens "
-                      f"({'through partial tails; ' if r['via_tail'] else ''}stored per group: {per})")
+        console.print(f"      restored at {r['hit_tokens']}{' (via tails)' if r['via_tail'] else ''}; "
+                      f"stored: {per}")
