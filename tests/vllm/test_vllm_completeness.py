@@ -14,7 +14,7 @@ from harness import REPO
 
 pytestmark = pytest.mark.vllm
 
-base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+import vllm.distributed.kv_transfer.kv_connector.v1.base as base  # noqa: E402 (installed by .ci/setup --test)
 
 
 def _params(fn) -> list[tuple[str, object, object]]:
