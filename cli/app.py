@@ -50,7 +50,8 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(json.dumps({"master": lc.master_addr, "etcd": lc.etcd_endpoint}))
             console.print(f"[green]cluster {cfg.cluster!r} up[/]: etcd {lc.etcd_endpoint}, master {lc.master_addr}, "
-                          f"{len(lc.nodes)} store nodes. Ctrl-C to stop.")
+                          f"{len(lc.nodes)} store nodes. Ctrl-C to stop.", soft_wrap=True)
+            sys.stdout.flush()  # visible at once when piped to a log
             try:
                 while not stop.is_set():
                     stop.wait(0.5)

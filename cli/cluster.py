@@ -49,6 +49,16 @@ def find_etcd() -> str:
                       "etcd.endpoint in the config at a running etcd", key="etcd.endpoint")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launching process dies, so a killed
+    launcher (Ctrl-C'd test run, crashed `kvpool up`) leaves no cluster behind
+    (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
 class Child:
     """A child process whose stdout is scanned for ready lines."""
 
@@ -59,7 +69,8 @@ class Child:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, cwd=str(REPO),
-                                     env=env or os.environ.copy(), start_new_session=True)
+                                     env=env or os.environ.copy(), start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:

@@ -1,0 +1,47 @@
+"""`kvpool up` in the foreground: commands find it without flags; SIGINT tears it down."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import psutil
+
+from tests.conftest import wait_for
+
+
+def test_up_status_and_clean_teardown(tmp_path):
+    cluster = f"up-{uuid.uuid4().hex[:6]}"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"cluster: {cluster}\nstorenodes:\n  - name: a\n    memory: 16MiB\n  - name: b\n    memory: 16MiB\n")
+    p = subprocess.Popen([sys.executable, "-m", "cli", "up", "--config", str(cfg)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        line = p.stdout.readline()  # the one-line ready message (flushed, not wrapped)
+        assert f"cluster '{cluster}' up" in line and "Ctrl-C to stop" in line, line
+        kids = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+        assert len(kids) >= 4  # etcd, master, two store nodes
+        base = [sys.executable, "-m", "cli"]
+        st = subprocess.run(base + ["status", "--json", "--cluster", cluster, "--config", str(cfg)],
+                            capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stderr
+        assert sorted(n["node_id"] for n in json.loads(st.stdout)["nodes"]) == ["a", "b"]
+        src = tmp_path / "x"
+        src.write_bytes(b"hello")
+        r = subprocess.run(base + ["put", "k", str(src), "--config", str(cfg)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run(base + ["get", "k", "--config", str(cfg)], capture_output=True, timeout=60)
+        assert r.stdout == b"hello"
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and "cluster stopped" in out
+    for pid in kids:
+        wait_for(lambda q=pid: not psutil.pid_exists(q) or psutil.Process(q).status() == "zombie", 10,
+                 what=f"child {pid} gone")
+    st = subprocess.run([sys.executable, "-m", "cli", "status", "--config", str(cfg)], capture_output=True,
+                        text=True, timeout=60)
+    assert st.returncode == 2 and "kvpool up" in st.stderr
+    assert not [f for f in os.listdir("/dev/shm") if "kvpool" in f]
