@@ -95,7 +95,7 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
         st = MasterSettings(replicas, parse_duration(lease_ttl, key="lease_ttl"),
                             parse_duration(put_timeout, key="put_timeout"),
                             parse_duration(quarantine, key="quarantine"), high_watermark, low_watermark,
-                            parse_duration(handoff_ttl, key="handoff_ttl"))
+                            parse_duration(handoff_ttl, key="handoff_ttl"), suspect_s=parse_duration(node_ttl, key="node_ttl"))
         run_master(MasterServerSettings(etcd, cluster, host, rpc_port, metrics_port,
                                         parse_duration(membership_poll, key="membership_poll"),
                                         parse_duration(node_ttl, key="node_ttl"), st))

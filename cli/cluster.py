@@ -49,14 +49,13 @@ def find_etcd() -> str:
                       "etcd.endpoint in the config at a running etcd", key="etcd.endpoint")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launching process dies, so a killed
-    launcher (Ctrl-C'd test run, crashed `kvpool up`) leaves no cluster behind
-    (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """Prefix ``argv`` so the child gets SIGTERM when its launcher dies (Linux
+    PR_SET_PDEATHSIG through util-linux ``setpriv``; a Popen ``preexec_fn`` would fork a
+    process that has gRPC threads, which is unsafe). A killed launcher (Ctrl-C'd test run,
+    crashed `kvpool up`) then leaves no cluster behind."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *argv] if setpriv else argv
 
 
 class Child:
@@ -68,9 +67,8 @@ class Child:
         self._log = open(self.log_path, "ab")
         self.lines: list[str] = []
         self._cond = threading.Condition()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, cwd=str(REPO),
-                                     env=env or os.environ.copy(), start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.proc = subprocess.Popen(_die_with_parent(argv), stdout=subprocess.PIPE, stderr=self._log,
+                                     cwd=str(REPO), env=env or os.environ.copy(), start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:

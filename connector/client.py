@@ -27,7 +27,7 @@ from connector.dataclient import DataPlane, ReadOp, WriteOp
 from connector.rpc import MasterRPC
 from protocol import messages as M
 from protocol.errors import (ChecksumMismatch, InvalidRequest, KVPoolError, LayoutMismatch, LeaseExpired,
-                             NodeUnavailable, NotFound, StaleExtent, from_wire)
+                             NodeUnavailable, NotFound, PutInFlight, StaleExtent, from_wire)
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec, check_layout
 from protocol.transport import default_host_id
@@ -61,7 +61,11 @@ def as_buffer(x: Any, writable: bool) -> tuple[memoryview, Callable[[], None] | 
             raise InvalidRequest("array is not C-contiguous; use numpy.ascontiguousarray")
         mv = memoryview(x.reshape(-1).view("u1"))
     else:
-        mv = memoryview(x)
+        try:
+            mv = memoryview(x)
+        except TypeError:
+            raise InvalidRequest(f"expected bytes, bytearray, memoryview, a numpy array or a torch tensor, "
+                                 f"got {type(x).__name__}") from None
     mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
     if writable and mv.readonly:
         raise InvalidRequest("output buffer is read-only; pass a bytearray, numpy array or tensor")
@@ -79,12 +83,13 @@ class KVPoolClient:
 
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
                  transport: str = "auto", host_id: str | None = None, rpc_timeout_s: float = 10.0,
-                 io_timeout_s: float = 30.0, lease_retries: int = 1,
+                 io_timeout_s: float = 30.0, lease_retries: int = 1, in_flight_wait_s: float = 5.0,
                  read_hook: Callable[[str], None] | None = None) -> None:
         self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s)
         self.host_id = host_id or default_host_id()
         self.data = DataPlane(self.host_id, transport, io_timeout_s)
         self.lease_retries = lease_retries
+        self.in_flight_wait_s = in_flight_wait_s
         self.read_hook = read_hook
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpool-io")
 
@@ -109,22 +114,31 @@ class KVPoolClient:
 
     # ---- puts ---------------------------------------------------------------------------
 
-    def put(self, key: str, data: Any, layout: LayoutSpec | None = None, replicas: int | None = None) -> None:
-        """Store ``data`` under ``key``. An existing key is a no-op success. Raises the typed
-        error (InvalidKey, ObjectTooLarge, NoSpace, NodeUnavailable, ...)."""
-        err = self.put_batch([key], [data], [layout], replicas)[0]
-        if err is not None:
-            raise err
+    def put(self, key: str, data: Any, layout: LayoutSpec | None = None, replicas: int | None = None) -> bool:
+        """Store ``data`` under ``key``. Returns True when this call stored the bytes, False
+        when the key already existed (content-addressed no-op). Raises the typed error
+        (InvalidKey, InvalidRequest, ObjectTooLarge, NoSpace, NodeUnavailable, PutInFlight, ...)."""
+        errs, stored = self._put([key], [data], [layout], replicas)
+        if errs[0] is not None:
+            raise errs[0]
+        return stored[0]
 
     def put_batch(self, keys: Sequence[str], datas: Sequence[Any],
                   layouts: Sequence[LayoutSpec | None] | LayoutSpec | None = None,
                   replicas: int | None = None) -> list[KVPoolError | None]:
-        """Store many objects with one master round trip each way; per-key results."""
+        """Store many objects with one master round trip each way; per-key results (None =
+        stored or already present)."""
+        return self._put(keys, datas, layouts, replicas)[0]
+
+    def _put(self, keys, datas, layouts, replicas) -> tuple[list[KVPoolError | None], list[bool]]:
         n = len(keys)
         if len(datas) != n:
             raise InvalidRequest(f"put_batch: {n} keys but {len(datas)} buffers")
+        if replicas is not None and not 1 <= replicas <= 16:
+            raise InvalidRequest(f"replicas must be between 1 and 16, got {replicas}")
         lays = _per_key(layouts, n)
         results: list[KVPoolError | None] = [None] * n
+        stored = [False] * n
         items, bufs, idx = [], [], []
         for i, (k, d, lay) in enumerate(zip(keys, datas, lays)):
             try:
@@ -138,18 +152,31 @@ class KVPoolClient:
                 idx.append(i)
             except KVPoolError as e:
                 results[i] = e
-        if not items:
-            return results
+        if items:
+            retry = self._put_round(items, bufs, idx, replicas, results, stored)
+            if retry:  # writes that hit a dead node are placed once more, elsewhere
+                for j in retry:
+                    results[idx[j]] = None
+                self._put_round([items[j] for j in retry], [bufs[j] for j in retry], [idx[j] for j in retry],
+                                replicas, results, stored)
+        return results, stored
+
+    def _put_round(self, items, bufs, idx, replicas, results, stored) -> list[int]:
+        """put_start → write replicas in parallel → put_end. Returns positions (in ``items``)
+        whose write failed on a dead node (worth one more placement)."""
         grants = self.rpc.call(M.PutStart(items, self.host_id, replicas or 0))
         by_node: dict[str, list[WriteOp]] = defaultdict(list)
         ops_of: dict[int, list[WriteOp]] = {}
+        in_flight: list[int] = []
         for j, g in enumerate(grants):
             i = idx[j]
             if isinstance(g, M.ErrorInfo):
                 results[i] = from_wire(g)
                 continue
+            if g.status == "in_flight":
+                in_flight.append(j)
             if g.status != "write":
-                continue  # "exists" / "in_flight": content-addressed no-op
+                continue  # "exists": content-addressed no-op
             lay = items[j].layout
             ops = [WriteOp(r, bufs[j], g.key, items[j].checksum, lay.encode() if lay else None)
                    for r in g.replicas]
@@ -157,7 +184,7 @@ class KVPoolClient:
             for op in ops:
                 by_node[op.ref.node_id].append(op)
         self._parallel(self.data.write, by_node)
-        commit_keys, commit_ids, revoke_keys, revoke_ids, commit_j = [], [], [], [], []
+        commit_keys, commit_ids, revoke_keys, revoke_ids, commit_j, retry = [], [], [], [], [], []
         for j, ops in ops_of.items():
             g = grants[j]
             bad = next((op.error for op in ops if op.error is not None), None)
@@ -169,17 +196,40 @@ class KVPoolClient:
                 revoke_keys.append(g.key)
                 revoke_ids.append(g.put_id)
                 results[idx[j]] = bad
+                if isinstance(bad, NodeUnavailable):
+                    retry.append(j)
         if revoke_keys:
             self.rpc.call(M.PutRevoke(revoke_keys, revoke_ids))
             dead = {op.ref.node_id: op.ref.incarnation for ops in ops_of.values() for op in ops
                     if isinstance(op.error, NodeUnavailable)}
             for nid, inc in dead.items():
-                self.rpc.call(M.ReportDead(nid, inc))
+                self.rpc.call(M.ReportDead(nid, inc))  # the master stops placing there for a while
         if commit_keys:
             for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids))):
                 if e is not None:
                     results[idx[j]] = from_wire(e)
-        return results
+                else:
+                    stored[idx[j]] = True
+        if in_flight:
+            self._await_in_flight(items, idx, in_flight, results)
+        return retry
+
+    def _await_in_flight(self, items, idx, in_flight: list[int], results) -> None:
+        """Another writer is storing the same key: wait (bounded) until it is committed, so
+        that a successful put means the key is readable."""
+        deadline = time.monotonic() + self.in_flight_wait_s
+        waiting = list(in_flight)
+        while waiting:
+            there = self.rpc.call(M.Exists([items[j].key for j in waiting]))
+            waiting = [j for j, ok in zip(waiting, there) if not ok]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        for j in waiting:
+            results[idx[j]] = PutInFlight(
+                f"another writer is storing {items[j].key!r} and had not committed it within "
+                f"{self.in_flight_wait_s:g}s; retry later (its put is revoked after master.put_timeout)",
+                key=items[j].key)
 
     def _parallel(self, fn, by_node: dict[str, list]) -> None:
         groups = list(by_node.values())
@@ -287,6 +337,9 @@ class KVPoolClient:
                 results[i] = e
                 continue
             order = sorted(info.replicas, key=lambda r: r.host_id != self.host_id)
+            if not order:
+                results[i] = None  # every replica was lost: a clean miss
+                continue
             pending[i] = (info, order)
         leased = [info.key for info, _ in pending.values()]
         retry: list[int] = []
@@ -313,6 +366,9 @@ class KVPoolClient:
                     elif xxhash.xxh3_64_intdigest(views[i][:info.size]) != info.checksum:
                         err = ChecksumMismatch(f"bytes of {info.key!r} read from {op.ref.node_id} fail the xxh3 "
                                                "checksum", key=info.key, node=op.ref.node_id)
+                        # under a live lease the extent cannot have been reused: the replica is
+                        # corrupt. The master drops it, so the key heals (a later put stores it again)
+                        self.rpc.send_nowait(M.ReportCorrupt(info.key, op.ref.node_id, op.ref.gen))
                     else:
                         results[i] = info.size
                         continue

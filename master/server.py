@@ -58,7 +58,6 @@ class MasterServer:
         self.leader_addr = ""
         self.ctx = zmq.Context()
         self.node_socks: dict[str, tuple[str, zmq.Socket]] = {}
-        self.copies: dict[tuple[str, str], M.ExtentRef] = {}
         self.events: queue.Queue = queue.Queue()  # etcd thread -> RPC thread
         self.stop = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -276,7 +275,6 @@ class MasterServer:
 
     def _node_reply(self, poller: zmq.Poller, sock: zmq.Socket) -> None:
         """Completion of a copy (repair) request."""
-        node_id = next((n for n, (_, s) in self.node_socks.items() if s is sock), None)
         while True:
             try:
                 body = sock.recv(zmq.NOBLOCK)
@@ -285,9 +283,7 @@ class MasterServer:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 rep = msgspec.msgpack.decode(body, type=M.Reply)
                 key = msgspec.msgpack.decode(rep.result, type=str)
-                dst = self.copies.pop((node_id, key), None)
-                if dst is not None:
-                    self.state.repair_done(key, dst, rep.error is None)
+                self.state.repair_done(key, rep.error is None)
 
     def _flush(self, poller: zmq.Poller) -> None:
         if not self.state.outbox:
@@ -305,7 +301,6 @@ class MasterServer:
                     sock.send(M.encode(M.NodeCommit(commits)), zmq.NOBLOCK)
                 for m in msgs:
                     if isinstance(m, M.NodeCopy):
-                        self.copies[(node_id, m.key)] = m.dst
                         sock.send(M.encode(m), zmq.NOBLOCK)
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -355,7 +350,9 @@ class MasterServer:
         if isinstance(req, M.Drain):
             return st.drain(req.node_id)
         if isinstance(req, M.ReportDead):
-            return None  # membership follows etcd; a dead node's lease lapses within node_ttl
+            return st.report_dead(req.node_id, req.incarnation, now)
+        if isinstance(req, M.ReportCorrupt):
+            return st.report_corrupt(req.key, req.node_id, req.gen)
         if isinstance(req, M.HandoffPublish):
             rec = st.handoff_publish(req.record, now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)

@@ -13,6 +13,7 @@ victim is O(1) amortised regardless of index size; pinned and held objects leave
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentR
                                NodeCopy, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PutGrant, PutItem)
 
 PENDING, COMMITTED = 0, 1
+MAX_REPLICAS = 16
+MAX_HANDOFF_TTL_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class MasterSettings:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     handoff_ttl_s: float = 60.0
+    suspect_s: float = 3.0
 
 
 @dataclass(eq=False, slots=True)
@@ -52,6 +56,7 @@ class Node:
     soft_lru: OrderedDict = field(default_factory=OrderedDict)
     quarantine: list[tuple[float, int, int]] = field(default_factory=list)
     draining: bool = False
+    suspect_until: float = 0.0
     next_gen: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     @property
@@ -117,6 +122,9 @@ class MasterState:
         self.counters: dict[str, int] = defaultdict(int)
         self._put_ids = itertools.count(1)
         self.leader_addr = ""
+        self.repairs: dict[str, tuple[ExtentRef, float]] = {}
+        self._now = 0.0  # time of the latest event, for bookkeeping that has no `now` argument
+        self.repair_timeout_s = 30.0
 
     # ---- membership ---------------------------------------------------------------------
 
@@ -134,6 +142,7 @@ class MasterState:
     def node_down(self, node_id: str, now: float) -> list[str]:
         """The node's etcd key lapsed or its data plane failed: drop its replicas at once.
         Returns the keys that lost their last replica (now misses)."""
+        self._now = now
         node = self.nodes.pop(node_id, None)
         if node is None:
             return []
@@ -153,6 +162,35 @@ class MasterState:
                 self._drop(obj, reason="node_lost")
                 lost.append(key)
         return lost
+
+    def report_dead(self, node_id: str, incarnation: str, now: float) -> None:
+        """A client could not reach ``node_id``: place nothing there for ``suspect_s`` seconds
+        (its etcd lease decides whether it is really dead)."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.desc.incarnation == incarnation:
+            node.suspect_until = now + self.s.suspect_s
+            self.counters["nodes_reported_dead"] += 1
+
+    def report_corrupt(self, key: str, node_id: str, gen: int) -> None:
+        """A reader found this replica failing its checksum under a live lease: drop it (the
+        object goes when it has no replica left, so a later put can store it again)."""
+        obj = self.objects.get(key)
+        if obj is None:
+            return
+        bad = [r for r in obj.replicas if r.node_id == node_id and r.gen == gen]
+        if not bad:
+            return
+        self.counters["replicas_corrupt"] += 1
+        if len(obj.replicas) == 1:
+            self._drop(obj, reason="corrupt")
+            return
+        self._lru_remove(obj)
+        obj.replicas.remove(bad[0])
+        obj._read_refs = None
+        self.nodes[node_id].keys.discard(key)
+        self._free_extent(bad[0])
+        self._lru_add(obj)
+        self._maybe_repair(obj)
 
     def restore_extent(self, node_id: str, key: str, offset: int, size: int, gen: int, checksum: int,
                        layout: LayoutSpec | None, now: float) -> None:
@@ -180,6 +218,9 @@ class MasterState:
 
     def put_start(self, items: list[PutItem], host_id: str, replicas: int, now: float
                   ) -> list[PutGrant | ErrorInfo]:
+        if not 0 <= replicas <= MAX_REPLICAS:
+            raise E.InvalidRequest(f"replicas must be between 1 and {MAX_REPLICAS} (0 = cluster default "
+                                   f"{self.s.replicas}), got {replicas}")
         out: list[PutGrant | ErrorInfo] = []
         for it in items:
             try:
@@ -207,13 +248,16 @@ class MasterState:
         self.pending[key] = obj
         for r in refs:
             self.nodes[r.node_id].keys.add(key)
-        return PutGrant(key, "write", put_id, refs)
+        return PutGrant(key, "write", put_id, list(refs))
 
     def _place(self, key: str, size: int, host_id: str, replicas: int, now: float) -> list[ExtentRef]:
-        live = [n for n in self.nodes.values() if not n.draining]
+        live = [n for n in self.nodes.values() if not n.draining and n.suspect_until <= now]
+        if not live:  # suspects (a client failed to reach them) only when nothing else is left
+            live = [n for n in self.nodes.values() if not n.draining]
         if not live:
-            raise E.NoSpace(f"no live store node to hold {key!r}; start one with `kvpool storenode` "
-                            "or check `kvpool status`", key=key)
+            draining = sum(n.draining for n in self.nodes.values())
+            raise E.NoSpace(f"no store node can take {key!r}: {len(self.nodes)} live, {draining} draining; "
+                            "start one with `kvpool storenode` or check `kvpool status`", key=key)
         need = align_up(max(size, 1))
         fits = [n for n in live if n.alloc.capacity >= need]
         if not fits:
@@ -482,6 +526,8 @@ class MasterState:
             raise E.InvalidRequest(
                 "evict needs exactly one selector of --key, --prefix, --model, --node, --older-than, --all; "
                 f"got {', '.join(chosen) or 'none'}")
+        if sel.prefix == "":
+            raise E.InvalidRequest("evict --prefix '' would select every object; use --all for that")
         if sel.node is not None and sel.node not in self.nodes:
             raise E.InvalidRequest(f"evict --node {sel.node!r}: no such live node; see `kvpool status`")
         if sel.key is not None:
@@ -522,6 +568,10 @@ class MasterState:
     # ---- pins ---------------------------------------------------------------------------
 
     def pin(self, key: str, ttl_s: float | None, now: float) -> None:
+        """Hard pin (``ttl_s=None``) or soft pin for ``ttl_s`` seconds (finite, > 0)."""
+        self._now = now
+        if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise E.InvalidRequest(f"pin ttl must be a finite number of seconds > 0, got {ttl_s}")
         obj = self._get(key)
         self._lru_remove(obj)
         obj.pin = "hard" if ttl_s is None else "soft"
@@ -546,9 +596,13 @@ class MasterState:
     def handoff_publish(self, rec: HandoffRecord, now: float) -> HandoffRecord:
         """Hold every object of ``rec`` until ack/release/deadline. Idempotent by request id.
         Raises NotFound naming missing keys (nothing is held then)."""
+        self._now = now
         h = self.handoffs.get(rec.request_id)
         if h is not None and h.status == "open":
             return h.record
+        if not (math.isfinite(rec.deadline) and now < rec.deadline <= now + MAX_HANDOFF_TTL_S):
+            raise E.InvalidRequest(f"hand-off {rec.request_id!r}: ttl must be finite, > 0 and at most "
+                                   f"{MAX_HANDOFF_TTL_S:g}s (deadline {rec.deadline} at now {now:.3f})")
         missing = [k for ks in rec.keys.values() for k in ks if k not in self.objects]
         if missing:
             raise E.NotFound(f"hand-off {rec.request_id!r}: {len(missing)} block(s) are not stored "
@@ -613,8 +667,12 @@ class MasterState:
         from etcd)."""
         for obj in [o for o in self.pending.values() if o.writer_deadline <= now]:
             self._revoke_pending(obj, now, quarantine=True)
+        self._now = now
         for node in self.nodes.values():
             self._release_quarantine(node, now)
+        for key in [k for k, (_, t0) in self.repairs.items() if now - t0 > self.repair_timeout_s]:
+            self.counters["repairs_timed_out"] += 1
+            self.repair_done(key, ok=False)
         expired = []
         for h in self.handoffs.values():
             if h.status == "open" and h.record.deadline <= now:
@@ -652,11 +710,17 @@ class MasterState:
         ref = _grant(dst, off, obj.size)
         src = obj.replicas[0]
         obj.repairing = True
+        self.repairs[obj.key] = (ref, self._now)
         self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
                                                  obj.layout.encode() if obj.layout else None))
         self.counters["repairs_started"] += 1
 
-    def repair_done(self, key: str, dst: ExtentRef, ok: bool) -> None:
+    def repair_done(self, key: str, ok: bool) -> None:
+        """A store node finished (or failed) the copy queued for ``key``."""
+        pending = self.repairs.pop(key, None)
+        if pending is None:
+            return
+        dst = pending[0]
         obj = self.objects.get(key)
         node = self.nodes.get(dst.node_id)
         if obj is not None:
@@ -700,6 +764,8 @@ class MasterState:
     # ---- introspection ------------------------------------------------------------------
 
     def list_objects(self, prefix: str, limit: int, now: float) -> list[ObjectMeta]:
+        if limit < 1:
+            raise E.InvalidRequest(f"ls limit must be >= 1, got {limit}")
         out = []
         for o in self.objects.values():
             if o.key.startswith(prefix):

@@ -118,6 +118,12 @@ class PutRevoked(KVPoolError):
     code = "put_revoked"
 
 
+class PutInFlight(KVPoolError):
+    """Another writer is storing the same key and did not commit it in time."""
+
+    code = "put_in_flight"
+
+
 class HandoffNotFound(NotFound):
     """No hand-off record exists for this request id."""
 

@@ -219,6 +219,14 @@ class ReportDead(msgspec.Struct, tag="report_dead"):
     incarnation: str
 
 
+class ReportCorrupt(msgspec.Struct, tag="report_corrupt"):
+    """A reader found a replica failing its checksum under a live lease."""
+
+    key: str
+    node_id: str
+    gen: int
+
+
 class Drain(msgspec.Struct, tag="drain"):
     node_id: str
 
@@ -240,7 +248,7 @@ class HandoffRelease(msgspec.Struct, tag="handoff_release"):
 
 
 Request = Union[PutStart, PutEnd, PutRevoke, Lookup, ReleaseLeases, Exists, Remove, ListObjects, Stats, Pin, Unpin,
-                Evict, ReportDead, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease]
+                Evict, ReportDead, ReportCorrupt, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease]
 
 RESULT_TYPES: dict[type, Any] = {
     PutStart: list[Union[PutGrant, ErrorInfo]],
@@ -256,6 +264,7 @@ RESULT_TYPES: dict[type, Any] = {
     Unpin: None,
     Evict: EvictReport,
     ReportDead: None,
+    ReportCorrupt: None,
     Drain: None,
     HandoffPublish: HandoffRecord,
     HandoffClaim: HandoffRecord,

@@ -54,7 +54,9 @@ class StoreNode:
         self.keys = Keys(s.cluster)
         self.segment = Segment(s.memory_bytes, name=f"kvpool-{self.node_id}")
         self.table = ExtentTable(s.memory_bytes)
-        run_dir = s.run_dir or tempfile.mkdtemp(prefix="kvpool-")
+        self._own_run_dir = s.run_dir is None
+        run_dir = s.run_dir or tempfile.mkdtemp(prefix="kvpool-node-")
+        self.run_dir = run_dir
         self.unix_path = os.path.join(run_dir, f"{self.node_id}.sock")
         self.data = DataServer(self.segment, self.table,
                                [f"tcp://{s.host}:{s.data_port}", f"unix://{self.unix_path}"])
@@ -107,27 +109,35 @@ class StoreNode:
             ctx.term()
             with contextlib.suppress(OSError):
                 os.unlink(self.unix_path)
+            if self._own_run_dir:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.run_dir)
 
     async def _control(self, ctrl) -> None:
         while True:
-            ident, body = await ctrl.recv_multipart()
+            frames = await ctrl.recv_multipart()
+            if len(frames) != 2:
+                continue  # not our framing (identity, body): drop it, keep serving
+            ident, body = frames
             try:
-                req = M.decode_node_request(body)
-            except KVPoolError as e:
-                await ctrl.send_multipart([ident, M.encode(M.Reply(error=e.to_wire()))])
-                continue
-            if isinstance(req, M.NodeCommit):
-                for off, gen in req.extents:
-                    self.table.commit(off, gen)
-            elif isinstance(req, M.NodeFree):
-                for off, gen in req.extents:
-                    self.table.free(off, gen)
-            elif isinstance(req, M.NodeList):
-                rows = self.table.committed()
-                await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(
-                    [self.segment.incarnation, rows]))))])
-            elif isinstance(req, M.NodeCopy):
-                asyncio.create_task(self._copy(ctrl, ident, req))
+                await self._control_one(ctrl, ident, M.decode_node_request(body))
+            except (KVPoolError, ValueError, TypeError, OverflowError) as e:
+                err = e if isinstance(e, KVPoolError) else KVPoolError(f"bad control request: {e}")
+                await ctrl.send_multipart([ident, M.encode(M.Reply(error=err.to_wire()))])
+
+    async def _control_one(self, ctrl, ident: bytes, req) -> None:
+        if isinstance(req, M.NodeCommit):
+            for off, gen in req.extents:
+                self.table.commit(off, gen)
+        elif isinstance(req, M.NodeFree):
+            for off, gen in req.extents:
+                self.table.free(off, gen)
+        elif isinstance(req, M.NodeList):
+            rows = self.table.committed()
+            await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(
+                [self.segment.incarnation, rows]))))])
+        elif isinstance(req, M.NodeCopy):
+            asyncio.create_task(self._copy(ctrl, ident, req))
 
     async def _copy(self, ctrl, ident: bytes, req: M.NodeCopy) -> None:
         """Push one committed extent to another node (re-replication for repair/drain)."""

@@ -177,7 +177,7 @@ def test_handoff_hold_ack_release_expire_and_repair():
     copies = [m for msgs in st.take_outbox().values() for m in msgs if isinstance(m, NodeCopy)]
     assert {c.key for c in copies} == {"b0", "b1"} or {c.key for c in copies} <= {"b0", "b1"}
     for c in copies:
-        st.repair_done(c.key, c.dst, True)
+        st.repair_done(c.key, True)
         assert len(st.objects[c.key].replicas) == 2
     assert st.handoff_claim("r1", 3.0) == rec
     assert st.handoff_finish("r1", "acked") and not st.handoff_finish("r1", "acked")
@@ -225,8 +225,61 @@ def test_drain_moves_pinned_objects_off():
     st.drain("n0")
     copies = [m for m in st.take_outbox()["n0"] if isinstance(m, NodeCopy)]
     assert [c.key for c in copies] == ["pinned"] and copies[0].dst.node_id == "n1"
-    st.repair_done("pinned", copies[0].dst, True)
+    st.repair_done("pinned", True)
     assert [r.node_id for r in st.objects["pinned"].replicas] == ["n1"]
     assert st.put_start([PutItem("new", MiB, 1)], "h0", 0, 1.0)[0].replicas[0].node_id == "n1"
     with pytest.raises(E.InvalidRequest):
         st.drain("zz")
+
+
+def test_bad_replicas_ttls_and_selectors_are_refused():
+    st = make()
+    for bad in (-1, 17):
+        with pytest.raises(E.InvalidRequest, match="replicas"):
+            st.put_start([PutItem("r", 1, 1)], "h0", bad, 0.0)
+    with pytest.raises(E.InvalidRequest, match="ttl"):
+        st.handoff_publish(HandoffRecord("h", {}, {}, "p", deadline=float("inf")), 0.0)
+    with pytest.raises(E.InvalidRequest, match="ttl"):
+        st.handoff_publish(HandoffRecord("h", {}, {}, "p", deadline=-5.0), 0.0)
+    put(st, "a")
+    with pytest.raises(E.InvalidRequest, match="finite"):
+        st.pin("a", float("nan"), 0.0)
+    with pytest.raises(E.InvalidRequest, match="--all"):
+        st.evict(EvictSelector(prefix=""), False, False, 0.0)
+    with pytest.raises(E.InvalidRequest, match="limit"):
+        st.list_objects("", 0, 0.0)
+
+
+def test_suspect_nodes_get_no_new_placements():
+    st = make(nodes=2, suspect_s=3.0)
+    st.report_dead("n0", "inc0", 10.0)
+    assert put(st, "a", now=11.0, host="h0").replicas[0].node_id == "n1"
+    assert put(st, "b", now=14.0, host="h0").replicas[0].node_id == "n0"  # suspicion lapsed
+    st.report_dead("n0", "inc-old", 20.0)  # an older incarnation: ignored
+    assert put(st, "c", now=20.5, host="h0").replicas[0].node_id == "n0"
+
+
+def test_corrupt_replica_is_dropped_and_key_heals():
+    st = make(nodes=2)
+    g = put(st, "two", replicas=2)
+    r0 = g.replicas[0]
+    st.report_corrupt("two", r0.node_id, r0.gen)
+    assert [r.node_id for r in st.objects["two"].replicas] == [g.replicas[1].node_id]
+    g1 = put(st, "one")
+    st.report_corrupt("one", g1.replicas[0].node_id, g1.replicas[0].gen + 1)  # wrong gen: ignored
+    assert "one" in st.objects
+    st.report_corrupt("one", g1.replicas[0].node_id, g1.replicas[0].gen)
+    assert "one" not in st.objects and put(st, "one").status == "write"
+
+
+def test_stuck_repair_times_out_and_frees_its_extent():
+    st = make(nodes=2, replicas=2)
+    put(st, "p", replicas=1, host="h0")
+    st.objects["p"].replicas_wanted = 2
+    st.pin("p", None, 0.0)
+    assert "p" in st.repairs
+    dst = st.repairs["p"][0]
+    used = st.nodes[dst.node_id].alloc.used
+    st.tick(31.0)
+    assert "p" not in st.repairs and st.nodes[dst.node_id].alloc.used == used - MiB
+    assert st.counters["repairs_timed_out"] == 1
