@@ -3,6 +3,8 @@ ls, rm, pin, unpin), admin (status, evict, drain), demo and bench."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import sys
 import threading
@@ -29,6 +31,8 @@ def _run(fn):
         return fn()
     except E.KVPoolError as e:
         fail(e)
+    except (OSError, ValueError) as e:  # files, sizes, sockets: one line, not a traceback
+        fail(E.InvalidRequest(f"{type(e).__name__}: {e}"))
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -41,24 +45,28 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
     def go() -> None:
         cfg = build_config(config, cluster, etcd)
         stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda *_: stop.set())
         with console.status("starting etcd, master and store nodes..."):
             lc = LocalCluster(cfg)
             lc.__enter__()
         try:
             f = state_file(cfg.cluster)
             f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps({"master": lc.master_addr, "etcd": lc.etcd_endpoint}))
+            f.write_text(json.dumps({"master": lc.master_addr, "etcd": lc.etcd_endpoint, "pid": os.getpid()}))
             console.print(f"[green]cluster {cfg.cluster!r} up[/]: etcd {lc.etcd_endpoint}, master {lc.master_addr}, "
                           f"{len(lc.nodes)} store nodes. Ctrl-C to stop.", soft_wrap=True)
             sys.stdout.flush()  # visible at once when piped to a log
             try:
+                reported: set[str] = set()
                 while not stop.is_set():
                     stop.wait(0.5)
-                    dead = [n for n, c in lc.nodes.items() if not c.alive()]
-                    if dead:
-                        console.print(f"[yellow]store node(s) exited: {', '.join(dead)}[/]")
-                        stop.set()
+                    for c in [*lc.nodes.values(), *lc.masters] + ([lc.etcd] if lc.etcd else []):
+                        if not c.alive() and c.name not in reported:
+                            reported.add(c.name)
+                            console.print(f"[yellow]{c.name} exited (code {c.proc.returncode}); the rest keeps "
+                                          f"running. Its log: {c.log_path}[/]", soft_wrap=True)
+                            sys.stdout.flush()
             except KeyboardInterrupt:
                 pass
             f.unlink(missing_ok=True)
@@ -118,6 +126,10 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
     from storenode.server import NodeSettings, main as run_node
 
     def go() -> None:
+        if parse_size(memory, key="memory") < (1 << 20):
+            raise E.ConfigError(f"--memory {memory}: a segment needs at least 1MiB", key="memory")
+        if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise E.ConfigError(f"--name {name!r}: use letters, digits, '_', '.', '-'", key="name")
         if device != "cpu":
             raise E.ConfigError(f"--device {device}: only cpu segments are supported in this build", key="device")
         run_node(NodeSettings(etcd, cluster, name, parse_size(memory, key="memory"), host, data_port, host_id,
@@ -137,8 +149,12 @@ def put(key: str, file: Path, config: ConfigOpt = None, master: MasterOpt = None
             raise E.InvalidRequest(f"{file} is not a readable file")
         data = file.read_bytes()
         with connect(config, master, etcd, cluster) as c:
-            c.put(key, data, replicas=replicas)
-        console.print(f"stored {key} ({format_bytes(len(data))})")
+            stored = c.put(key, data, replicas=replicas)
+        if stored:
+            console.print(f"stored {key} ({format_bytes(len(data))})")
+        else:
+            console.print(f"{key} was already stored; kept the existing bytes (keys are content addresses: "
+                          "`kvpool rm` it first to replace it)")
 
     _run(go)
 
@@ -324,6 +340,8 @@ def demo(json_: JsonOpt = False, quick: Annotated[bool, typer.Option(help="A few
 
     def go() -> None:
         cfg = build_config(config)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.default_int_handler)  # tear the cluster down on the way out
         with console.status("starting local cluster (etcd, master, 2 store nodes)...", spinner="dots"):
             lc = LocalCluster(cfg)
             lc.__enter__()

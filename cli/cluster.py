@@ -206,10 +206,10 @@ class LocalCluster:
     def start_master(self, wait_leader: bool = True) -> Child:
         m = self.cfg.master
         args = ["master", *self._common(), "--host", m.host, "--replicas", str(m.replicas),
-                "--lease-ttl", m.lease_ttl, "--put-timeout", m.put_timeout, "--quarantine", m.quarantine,
-                "--node-ttl", m.node_ttl, "--high-watermark", str(m.high_watermark),
-                "--low-watermark", str(m.low_watermark), "--handoff-ttl", m.handoff_ttl,
-                "--membership-poll", m.membership_poll]
+                "--lease-ttl", str(m.lease_ttl), "--put-timeout", str(m.put_timeout),
+                "--quarantine", str(m.quarantine), "--node-ttl", str(m.node_ttl),
+                "--high-watermark", str(m.high_watermark), "--low-watermark", str(m.low_watermark),
+                "--handoff-ttl", str(m.handoff_ttl), "--membership-poll", str(m.membership_poll)]
         if m.metrics_port is not None:
             args += ["--metrics-port", str(m.metrics_port)]
         child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir)
@@ -225,7 +225,7 @@ class LocalCluster:
         if old is not None and old.alive():
             raise KVPoolError(f"store node {name} is already running")
         args = ["storenode", *self._common(), "--name", name, "--memory", str(parse_size(memory)),
-                "--node-ttl", self.cfg.master.node_ttl, "--run-dir", self.run_dir]
+                "--node-ttl", str(self.cfg.master.node_ttl), "--run-dir", self.run_dir]
         if host_id:
             args += ["--host-id", host_id]
         child = Child(name, kvpool_argv(*args), self.run_dir)

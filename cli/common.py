@@ -11,9 +11,11 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from protocol import errors as E
 from protocol.config import ClusterConfig, load_config
+from protocol.units import parse_duration
 
 console = Console()
 err_console = Console(stderr=True)
@@ -54,7 +56,11 @@ def connect(config: Path | None, master: str | None, etcd: str | None, cluster: 
             raise E.ConfigError(f"no running cluster {cfg.cluster!r} found: start one with `kvpool up`, or pass "
                                 "--master tcp://host:port or --etcd http://host:port", key="master")
         info = json.loads(f.read_text())
-        master = info["master"]
+        # follow the leader through etcd (survives a master failover); the recorded master
+        # address is the fallback
+        return KVPoolClient(None if info.get("etcd") else info["master"], etcd=info.get("etcd"),
+                            cluster=cfg.cluster, transport=cfg.client.transport, host_id=cfg.client.host_id,
+                            rpc_timeout_s=parse_duration(cfg.client.rpc_timeout))
     return KVPoolClient.from_config(cfg, master)
 
 
@@ -62,5 +68,5 @@ def fail(e: Exception) -> None:
     if os.environ.get("KVPOOL_DEBUG"):
         raise e
     code = next((c for cls, c in EXIT_CODES.items() if isinstance(e, cls)), 1)
-    err_console.print(f"[bold red]error[/]: {e}")
+    err_console.print(f"[bold red]error[/]: {escape(str(e))}", soft_wrap=True, highlight=False)
     sys.exit(code)

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 
 from protocol import messages as M
-from protocol.errors import ConfigError, EtcdUnavailable, NotLeader, Timeout, from_wire
+from protocol.errors import ConfigError, NotLeader, Timeout, from_wire
 from protocol.etcd import Keys, read_key_sync
 
 
@@ -44,10 +44,7 @@ class MasterRPC:
         if self.fixed_master:
             self._addr = self.fixed_master
             return
-        try:
-            val = read_key_sync(self.etcd, Keys(self.cluster).leader, timeout_s=min(self.timeout_s, 5.0))
-        except EtcdUnavailable:
-            val = None
+        val = read_key_sync(self.etcd, Keys(self.cluster).leader, timeout_s=min(self.timeout_s, 5.0))
         self._addr = val.decode() if val else None
 
     def _sock(self) -> zmq.Socket:
@@ -102,9 +99,16 @@ class MasterRPC:
                 if not self.fixed_master:
                     self._addr = None
             if time.monotonic() >= deadline:
-                raise Timeout(f"no reply from the kvpool master ({self._addr or 'leader unknown'}) within "
-                              f"{timeout_s or self.timeout_s:g}s; check `kvpool status` and that a master runs",
-                              op=type(req).__name__)
+                waited = timeout_s or self.timeout_s
+                if self.fixed_master:
+                    msg = (f"no reply from the kvpool master at {self.fixed_master} within {waited:g}s; is it "
+                           "running? `kvpool up` starts a local cluster")
+                elif self._addr is None:
+                    msg = (f"no master is elected for cluster {self.cluster!r} in etcd at {self.etcd} (waited "
+                           f"{waited:g}s); start one with `kvpool master --etcd {self.etcd}` or `kvpool up`")
+                else:
+                    msg = f"no reply from the elected master {self._addr} within {waited:g}s; is it running?"
+                raise Timeout(msg, op=type(req).__name__)
             time.sleep(0.05)
 
     def send_nowait(self, req: Any) -> None:

@@ -7,6 +7,7 @@ are passed into constructors; nothing reads global settings.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import yaml
 from protocol.errors import ConfigError
 from protocol.units import parse_duration, parse_size
 
+MIN_SEGMENT = 1 << 20
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "local.yaml"
 
@@ -32,19 +34,19 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rpc_port: int = 0
     metrics_port: int | None = None
     replicas: int = 1
-    lease_ttl: str = "5s"
-    put_timeout: str = "30s"
-    quarantine: str = "5s"
-    node_ttl: str = "3s"
+    lease_ttl: str | float = "5s"
+    put_timeout: str | float = "30s"
+    quarantine: str | float = "5s"
+    node_ttl: str | float = "3s"
     high_watermark: float = 0.90
     low_watermark: float = 0.80
-    handoff_ttl: str = "60s"
-    membership_poll: str = "250ms"
+    handoff_ttl: str | float = "60s"
+    membership_poll: str | float = "250ms"
 
 
 class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str | None = None
-    memory: str = "1GiB"
+    memory: str | int = "1GiB"
     host: str = "127.0.0.1"
     data_port: int = 0
     host_id: str | None = None
@@ -53,8 +55,8 @@ class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transport: str = "auto"
-    rpc_timeout: str = "10s"
-    io_timeout: str = "30s"
+    rpc_timeout: str | float = "10s"
+    io_timeout: str | float = "30s"
     host_id: str | None = None
 
 
@@ -76,8 +78,19 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"{m.low_watermark}/{m.high_watermark}", key="master.high_watermark")
         if m.replicas < 1:
             raise ConfigError(f"master.replicas: must be >= 1, got {m.replicas}", key="master.replicas")
+        for key in ("rpc_timeout", "io_timeout"):
+            if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
+                raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
+        names = [n.name for n in self.storenodes if n.name]
+        if len(names) != len(set(names)):
+            raise ConfigError(f"storenodes: names must be unique, got {names}", key="storenodes")
         for i, n in enumerate(self.storenodes):
-            parse_size(n.memory, key=f"storenodes[{i}].memory")
+            if parse_size(n.memory, key=f"storenodes[{i}].memory") < MIN_SEGMENT:
+                raise ConfigError(f"storenodes[{i}].memory: at least 1MiB, got {n.memory!r}",
+                                  key=f"storenodes[{i}].memory")
+            if n.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", n.name):
+                raise ConfigError(f"storenodes[{i}].name: {n.name!r}; use letters, digits, '_', '.', '-'",
+                                  key=f"storenodes[{i}].name")
             if not (n.device == "cpu" or n.device.startswith("cuda")):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
@@ -87,14 +100,20 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, Any]]:
+def _env_overrides(environ: dict[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """``KVPOOL_SECTION__KEY=value`` → ({section: {key: value}}, {"section.key": variable name})."""
     out: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {}
     for name, value in environ.items():
         if not name.startswith("KVPOOL_") or "__" not in name:
             continue
         section, key = name[len("KVPOOL_"):].lower().split("__", 1)
-        out.setdefault(section, {})[key] = yaml.safe_load(value)
-    return out
+        try:
+            out.setdefault(section, {})[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{name}={value!r} is not a valid value (YAML scalar expected)", key=name) from None
+        names[f"{section}.{key}"] = name
+    return out, names
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +136,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     p = Path(path) if path is not None else DEFAULT_CONFIG
     try:
         data = yaml.safe_load(p.read_text()) or {}
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as e:
+        raise ConfigError(f"config file {p} cannot be read ({type(e).__name__}); pass a UTF-8 YAML file",
+                          key="config") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {p} not found; pass --config with an existing YAML file",
                           key="config") from None
@@ -124,10 +146,19 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         raise ConfigError(f"config file {p} is not valid YAML: {e}", key="config") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping at top level", key="config")
-    data = _merge(data, _env_overrides(dict(os.environ if environ is None else environ)))
-    data = _merge(data, overrides or {})
+    env, env_names = _env_overrides(dict(os.environ if environ is None else environ))
+    data = _merge(_merge(data, env), overrides or {})
     try:
         cfg = msgspec.convert(data, ClusterConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid config {p}: {e}", key="config") from None
-    return cfg.validate()
+        m = re.search(r"\$\.(\w+)\.(\w+)", str(e))
+        where = env_names.get(f"{m.group(1)}.{m.group(2)}") if m else None
+        raise ConfigError(f"invalid config: {e} (set by {where})" if where else f"invalid config {p}: {e}",
+                          key=where or "config") from None
+    try:
+        return cfg.validate()
+    except ConfigError as e:
+        where = env_names.get(str(e.fields.get("key", "")))
+        if where:
+            raise ConfigError(f"{e} (set by {where})", key=where) from None
+        raise

@@ -126,3 +126,23 @@ def test_replicated_layout_keys_do_not_depend_on_tp():
     assert mla(1, 0).fingerprint() == mla(2, 1).fingerprint() == mla(8, 5).fingerprint()
     check_layout(mla(2, 1), mla(1, 0), "k")  # one stored copy serves every TP size and rank
     assert kv_layout(tp_size=2).fingerprint() != kv_layout(tp_size=1).fingerprint()  # SPLIT: heads differ
+
+
+def test_config_errors_name_their_source(tmp_path):
+    with pytest.raises(E.ConfigError, match="KVPOOL_MASTER__REPLICAS"):
+        load_config(None, environ={"KVPOOL_MASTER__REPLICAS": "abc"})
+    with pytest.raises(E.ConfigError, match="KVPOOL_MASTER__REPLICAS"):
+        load_config(None, environ={"KVPOOL_MASTER__REPLICAS": "[1"})
+    assert load_config(None, environ={"KVPOOL_MASTER__LEASE_TTL": "5"}).master.lease_ttl == 5
+    with pytest.raises(E.ConfigError, match="cannot be read"):
+        load_config(tmp_path)
+    bad = tmp_path / "b.yaml"
+    bad.write_text("storenodes:\n  - name: a\n    memory: 1\n")
+    with pytest.raises(E.ConfigError, match="at least 1MiB"):
+        load_config(bad, environ={})
+    bad.write_text("storenodes:\n  - name: a/b\n")
+    with pytest.raises(E.ConfigError, match="name"):
+        load_config(bad, environ={})
+    bad.write_text("storenodes:\n  - name: a\n  - name: a\n")
+    with pytest.raises(E.ConfigError, match="unique"):
+        load_config(bad, environ={})
