@@ -67,6 +67,17 @@ class Etcd:
             with contextlib.suppress(Exception):
                 await self.client.close()
 
+    async def reconnect(self) -> None:
+        """Replace the gRPC channel: after an etcd restart a fresh channel connects at once,
+        where the old one may sit in exponential reconnect backoff longer than a lease TTL."""
+        old = self.client
+        self.client = aetcd.Client(host=self.host, port=self.port, timeout=self.timeout_s)
+        with contextlib.suppress(Exception):
+            await self.client.connect()
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.close()
+
     async def get(self, key: str) -> bytes | None:
         r = await self.client.get(key.encode())
         return None if r is None else r.value
@@ -107,11 +118,12 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
         while True:
             await asyncio.sleep(max(ttl_s / 3, 0.2))
             try:
-                r = await lease.refresh()
+                r = await etcd.client.refresh_lease(lease.id)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                continue  # unreachable: retry
+                await etcd.reconnect()  # unreachable: retry on a fresh channel
+                continue
             if r.TTL <= 0:  # protobuf default 0: etcd no longer knows the lease
                 lost.set()
                 return
@@ -124,7 +136,7 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
         with contextlib.suppress(BaseException):
             await task
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(lease.revoke(), 2.0)
+            await asyncio.wait_for(etcd.client.revoke_lease(lease.id), 2.0)
 
 
 def read_key_sync(endpoint: str, key: str, timeout_s: float = 5.0) -> bytes | None:
