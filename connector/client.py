@@ -368,11 +368,14 @@ class KVPoolClient:
                                                "checksum", key=info.key, node=op.ref.node_id)
                         # under a live lease the extent cannot have been reused: the replica is
                         # corrupt. The master drops it, so the key heals (a later put stores it again)
-                        self.rpc.send_nowait(M.ReportCorrupt(info.key, op.ref.node_id, op.ref.gen))
+                        self.rpc.send_nowait(M.ReportCorrupt(info.key, op.ref.node_id, op.ref.gen, op.ref.incarnation))
                     else:
                         results[i] = info.size
                         continue
                 errors[i] = err
+                if type(err) is StaleExtent and time.monotonic() < t_sent + info.lease_ttl_s * LEASE_MARGIN:
+                    # under a live lease the extent must exist: the node never recorded the write
+                    self.rpc.send_nowait(M.ReportCorrupt(info.key, op.ref.node_id, op.ref.gen, op.ref.incarnation))
                 if isinstance(err, LeaseExpired):
                     retry.append(i)
                 elif len(order) > 1:

@@ -352,7 +352,7 @@ class MasterServer:
         if isinstance(req, M.ReportDead):
             return st.report_dead(req.node_id, req.incarnation, now)
         if isinstance(req, M.ReportCorrupt):
-            return st.report_corrupt(req.key, req.node_id, req.gen)
+            return st.report_corrupt(req.key, req.node_id, req.gen, req.incarnation)
         if isinstance(req, M.HandoffPublish):
             rec = st.handoff_publish(req.record, now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)

@@ -171,13 +171,14 @@ class MasterState:
             node.suspect_until = now + self.s.suspect_s
             self.counters["nodes_reported_dead"] += 1
 
-    def report_corrupt(self, key: str, node_id: str, gen: int) -> None:
+    def report_corrupt(self, key: str, node_id: str, gen: int, incarnation: str = "") -> None:
         """A reader found this replica failing its checksum under a live lease: drop it (the
         object goes when it has no replica left, so a later put can store it again)."""
         obj = self.objects.get(key)
         if obj is None:
             return
-        bad = [r for r in obj.replicas if r.node_id == node_id and r.gen == gen]
+        bad = [r for r in obj.replicas if r.node_id == node_id and r.gen == gen
+               and (not incarnation or r.incarnation == incarnation)]
         if not bad:
             return
         self.counters["replicas_corrupt"] += 1

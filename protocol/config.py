@@ -134,14 +134,20 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     unknown keys or values of the wrong type.
     """
     p = Path(path) if path is not None else DEFAULT_CONFIG
+    if path is None and not p.exists():
+        p = Path("<built-in defaults>")  # installed without the repo's configs/: same values
     try:
+        if p.name == "<built-in defaults>":
+            raise FileNotFoundError
         data = yaml.safe_load(p.read_text()) or {}
     except (IsADirectoryError, UnicodeDecodeError, PermissionError) as e:
         raise ConfigError(f"config file {p} cannot be read ({type(e).__name__}); pass a UTF-8 YAML file",
                           key="config") from None
     except FileNotFoundError:
-        raise ConfigError(f"config file {p} not found; pass --config with an existing YAML file",
-                          key="config") from None
+        if path is not None:
+            raise ConfigError(f"config file {p} not found; pass --config with an existing YAML file",
+                              key="config") from None
+        data = {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {p} is not valid YAML: {e}", key="config") from None
     if not isinstance(data, dict):

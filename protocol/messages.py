@@ -225,6 +225,7 @@ class ReportCorrupt(msgspec.Struct, tag="report_corrupt"):
     key: str
     node_id: str
     gen: int
+    incarnation: str = ""
 
 
 class Drain(msgspec.Struct, tag="drain"):

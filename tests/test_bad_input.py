@@ -124,3 +124,26 @@ def test_data_reply_decoder_rejects_garbage():
     with pytest.raises(E.NodeUnavailable):
         recv_reply(Fake(struct.pack("<I", 10) + b"abc"))  # truncated
     assert recv_reply(Fake(frame(DataReply(True, size=3)))).size == 3
+
+
+def test_committed_but_never_written_key_heals(client):
+    # a buggy client commits without writing the bytes
+    g = client.rpc.call(M.PutStart([M.PutItem("poison/a", 4096, 12345)], client.host_id, 1))[0]
+    assert client.rpc.call(M.PutEnd(["poison/a"], [g.put_id])) == [None]
+    try:  # never the wrong bytes: an error, or a clean miss once the retry sees the healed index
+        assert client.get("poison/a") is None
+    except (E.StaleExtent, E.ChecksumMismatch):
+        pass
+    # the reader reported the bad replica; the master dropped it, so the key can be stored again
+    from tests.conftest import wait_for
+    wait_for(lambda: client.exists_batch(["poison/a"]) == [False], 5, what="bad replica dropped")
+    assert client.put("poison/a", b"z" * 4096) is True
+    assert client.get("poison/a") == b"z" * 4096
+
+
+def test_put_rejects_bad_data_types_per_key(client):
+    res = client.put_batch(["types/ok", "types/str", "types/none"], [b"fine", "text", None])
+    assert res[0] is None and isinstance(res[1], E.InvalidRequest) and isinstance(res[2], E.InvalidRequest)
+    assert client.get("types/ok") == b"fine"
+    with pytest.raises(E.InvalidRequest, match="replicas"):
+        client.put("types/r", b"x", replicas=-1)
