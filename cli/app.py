@@ -317,13 +317,19 @@ def evict(key: Annotated[Optional[str], typer.Option()] = None,
 
 
 @app.command()
-def drain(node: str, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+def drain(node: str, undo: Annotated[bool, typer.Option("--undo", help="Place on NODE again")] = False,
+          config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
           cluster: ClusterOpt = None) -> None:
-    """Stop placing on NODE and move its held/pinned objects off it."""
+    """Stop placing on NODE and move its held/pinned objects to other nodes (--undo resumes)."""
     def go() -> None:
         with connect(config, master, etcd, cluster) as c:
-            c.drain(node)
-        console.print(f"draining {node}; watch `kvpool status` until it holds no pinned/held objects")
+            c.drain(node, undo)
+        if undo:
+            console.print(f"{node} takes new objects again")
+        else:
+            console.print(f"draining {node}: no new objects go there; its pinned/held objects are copied to "
+                          "other nodes while they have room (`kvpool status` shows repair progress). "
+                          f"`kvpool drain {node} --undo` resumes placement")
 
     _run(go)
 

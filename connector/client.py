@@ -432,8 +432,9 @@ class KVPoolClient:
     def evict(self, selector: M.EvictSelector, dry_run: bool = False, force: bool = False) -> M.EvictReport:
         return self.rpc.call(M.Evict(selector, dry_run, force))
 
-    def drain(self, node_id: str) -> None:
-        self.rpc.call(M.Drain(node_id))
+    def drain(self, node_id: str, undo: bool = False) -> None:
+        """Stop placing on ``node_id`` and move its pinned/held objects off (``undo``: resume)."""
+        self.rpc.call(M.Drain(node_id, undo))
 
     # ---- P/D hand-off ---------------------------------------------------------------------
 

@@ -348,7 +348,7 @@ class MasterServer:
         if isinstance(req, M.Evict):
             return st.evict(req.selector, req.dry_run, req.force, now)
         if isinstance(req, M.Drain):
-            return st.drain(req.node_id)
+            return st.drain(req.node_id, req.undo)
         if isinstance(req, M.ReportDead):
             return st.report_dead(req.node_id, req.incarnation, now)
         if isinstance(req, M.ReportCorrupt):

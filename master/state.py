@@ -751,12 +751,15 @@ class MasterState:
             if (obj.holds or obj.pin) and not obj.repairing:
                 self._maybe_repair(obj)
 
-    def drain(self, node_id: str) -> None:
-        """Stop placing on ``node_id``; move held/pinned objects off it (via repair)."""
+    def drain(self, node_id: str, undo: bool = False) -> None:
+        """Stop placing on ``node_id`` and move held/pinned objects off it (via repair), or
+        with ``undo`` place on it again."""
         node = self.nodes.get(node_id)
         if node is None:
             raise E.InvalidRequest(f"drain: no live node {node_id!r}; see `kvpool status`")
-        node.draining = True
+        node.draining = not undo
+        if undo:
+            return
         for key in list(node.keys):
             obj = self.objects.get(key)
             if obj is not None:

@@ -230,6 +230,7 @@ class ReportCorrupt(msgspec.Struct, tag="report_corrupt"):
 
 class Drain(msgspec.Struct, tag="drain"):
     node_id: str
+    undo: bool = False
 
 
 class HandoffPublish(msgspec.Struct, tag="handoff_publish"):
