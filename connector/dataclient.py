@@ -3,27 +3,60 @@
 Paths, chosen per replica (``transport="auto"``):
 
 * **same host, shared memory** (``shm``): the node's segment memfd is received once over
-  its Unix socket (SCM_RIGHTS) and mapped; a get is one copy (segment → caller buffer),
-  a put is one copy (caller buffer → segment) plus a small ``written`` notice.
-* **network** (``tcp``): one pipelined stream per node per thread; reads ``recv_into`` the
-  caller's buffer directly (one copy kernel → buffer), writes ``sendall`` from it.
+  its Unix socket (SCM_RIGHTS) and mapped. A get is **one copy** (segment → caller
+  buffer); with ``ReadOp(digest=True)`` it goes in 256 KiB chunks, each hashed (xxh3_64,
+  streaming) right after it lands, while still in cache, so the checksum costs no second
+  pass over memory. A put is **one copy** (caller buffer → segment) plus a small
+  ``written`` notice; a batch's notices go out in one send before the copies, so the
+  node's round trip overlaps them. Copies of 1 MiB and more release the GIL (numpy), so
+  the per-node threads of a batch and the two replicas of a put copy in parallel; copies
+  hit by 4K aliasing are bounced (see :meth:`DataPlane._copy_out`).
+* **same host, Unix socket** (``transport="unix"``, or when the segment cannot be mapped)
+  and **network** (``tcp``): one pipelined stream per node per thread. Reads: every
+  request frame of the batch in one send, replies parsed through a 256 KiB buffer, and
+  each payload ``recv_into`` the caller's buffer directly: **one copy** (kernel → buffer;
+  payload bytes that arrived with a reply header, at most 256 KiB, take one extra copy from
+  the reply buffer). A buffer that does not start on a cache line (numpy arrays and
+  bytearrays start 16 bytes into a page) receives through a 256 KiB L2-resident bounce
+  buffer instead: two copies, measured faster than the kernel's slow misaligned one
+  (4 MiB over TCP: 3.3 ms instead of 5.1 ms). Writes: headers and payloads go out with
+  ``sendmsg`` scatter/gather straight from the caller's buffer: **one copy** (buffer →
+  kernel).
 
-Every byte range is bounds-checked against the master's grant (the ExtentRef). Errors:
-:class:`~protocol.errors.NodeUnavailable` (node dead/unreachable),
-:class:`~protocol.errors.StaleExtent` (extent freed or node restarted).
+No per-byte Python work on any path. Every byte range is bounds-checked against the
+master's grant (the ExtentRef). Errors: :class:`~protocol.errors.NodeUnavailable` (node
+dead/unreachable), :class:`~protocol.errors.StaleExtent` (extent freed or node restarted).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 
+import msgspec
+import numpy as np
+import xxhash
+
 from protocol import transport
-from protocol.dataplane import DataReply, DataRequest, frame, recv_exact, recv_reply
-from protocol.errors import KVPoolError, NodeUnavailable, from_wire
+from protocol.dataplane import MAX_HEADER, DataReply, DataRequest, frame, recv_reply
+from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, from_wire
 from protocol.messages import ExtentRef
+
+_LEN = struct.Struct("<I")
+_READ_BUF = 256 << 10
+_CHUNK = 256 << 10      # shm copy+hash granularity: fits L2, so the hash reads hot bytes
+_BIG = 64 << 10         # payloads at least this big are read without greedy buffering
+_IOV_MAX = 512
+_PAGE = 4096
+_ALIAS = 64             # destinations 1..63 bytes ahead of the source, modulo a page, ...
+_BOUNCE_MAX = 512 << 10  # ... and copies smaller than this take glibc's slow rep-movsb path
+_GIL_FREE = 1 << 20      # copies at least this big run without the GIL (numpy)
+_BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
+_rep_dec = msgspec.msgpack.Decoder(DataReply)
 
 
 class WriteOp:
@@ -35,15 +68,125 @@ class WriteOp:
 
 
 class ReadOp:
-    __slots__ = ("ref", "out", "error")
+    """Read ``ref`` into ``out``. With ``digest=True`` the data plane also sets
+    :attr:`digest` to the xxh3_64 of the bytes as they landed in ``out`` (computed chunk by
+    chunk during the copy), so the caller need not hash them again."""
 
-    def __init__(self, ref: ExtentRef, out: memoryview):
+    __slots__ = ("ref", "out", "error", "digest")
+
+    def __init__(self, ref: ExtentRef, out: memoryview, digest: bool = False):
         self.ref, self.out = ref, out
         self.error: KVPoolError | None = None
+        self.digest: int | bool | None = True if digest else None
+
+
+def sendv(sock, bufs: list) -> None:
+    """Send every buffer in order: ``sendmsg`` scatter/gather, resuming after partial sends.
+    Falls back to ``sendall`` per buffer for stream objects without ``sendmsg``."""
+    send = getattr(sock, "sendmsg", None)
+    if send is None:
+        for b in bufs:
+            sock.sendall(b)
+        return
+    bufs = [b for b in bufs if len(b)]
+    i = 0
+    while i < len(bufs):
+        part = bufs[i:i + _IOV_MAX]
+        n = send(part)
+        for b in part:
+            if n >= len(b):
+                n -= len(b)
+                i += 1
+            else:
+                bufs[i] = memoryview(b)[n:]
+                break
+
+
+class _Stream:
+    """One connection plus its buffered reply reader."""
+
+    __slots__ = ("sock", "buf", "view", "lo", "hi", "bounce")
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.bounce: memoryview | None = None
+        self.buf = bytearray(_READ_BUF)
+        self.view = memoryview(self.buf)
+        self.lo = self.hi = 0
+
+    def _fill(self, need: int, greedy: bool) -> None:
+        if self.hi - self.lo >= need:
+            return
+        if self.lo + need > len(self.buf):
+            n = self.hi - self.lo
+            self.buf[:n] = self.view[self.lo:self.hi]
+            self.lo, self.hi = 0, n
+        while self.hi - self.lo < need:
+            want = len(self.buf) - self.hi if greedy else need - (self.hi - self.lo)
+            got = self.sock.recv_into(self.view[self.hi:self.hi + want], want)
+            if got == 0:
+                raise NodeUnavailable("data connection closed mid-frame")
+            self.hi += got
+
+    def reply(self, greedy: bool = True) -> DataReply:
+        self._fill(4, greedy)
+        (n,) = _LEN.unpack_from(self.buf, self.lo)
+        if n > MAX_HEADER:
+            raise InvalidRequest(f"data frame header of {n} bytes exceeds {MAX_HEADER}")
+        self._fill(4 + n, greedy)
+        body = self.view[self.lo + 4:self.lo + 4 + n]
+        self.lo += 4 + n
+        try:
+            return _rep_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise InvalidRequest(f"malformed data reply: {e}") from None
+
+    def read_into(self, dst: memoryview, h) -> None:
+        """Fill ``dst`` (buffered bytes first, then ``recv_into`` directly); hash each piece
+        into ``h`` as it lands when ``h`` is not None."""
+        n = len(dst)
+        take = min(n, self.hi - self.lo)
+        if take:
+            dst[:take] = self.view[self.lo:self.lo + take]
+            self.lo += take
+            if h is not None:
+                h.update(dst[:take])
+        pos = take
+        recv = self.sock.recv_into
+        if n - pos >= _BOUNCE_RECV and _misaligned(dst):
+            bounce = self._bounce()
+            while pos < n:
+                got = recv(bounce, min(len(bounce), n - pos))
+                if got == 0:
+                    raise NodeUnavailable("data connection closed mid-frame")
+                dst[pos:pos + got] = bounce[:got]
+                if h is not None:
+                    h.update(dst[pos:pos + got])
+                pos += got
+            return
+        while pos < n:
+            got = recv(dst[pos:], n - pos)
+            if got == 0:
+                raise NodeUnavailable("data connection closed mid-frame")
+            if h is not None:
+                h.update(dst[pos:pos + got])
+            pos += got
+
+    def _bounce(self) -> memoryview:
+        """This stream's receive bounce buffer: 256 KiB at page offset 2048."""
+        if self.bounce is None:
+            raw = memoryview(bytearray(_CHUNK + 2 * _PAGE))
+            k = (_PAGE // 2 - _address(raw)) % _PAGE
+            self.bounce = raw[k:k + _CHUNK]
+        return self.bounce
 
 
 class DataPlane:
-    """Thread-safe: connections are per thread; shared-memory maps are shared."""
+    """Thread-safe: connections are per thread; shared-memory maps are shared.
+
+    ``transport_mode``: ``auto``/``shm`` (shared memory on the same host, else TCP),
+    ``unix`` (the node's Unix socket on the same host, else TCP), ``tcp`` (always TCP).
+    """
 
     def __init__(self, host_id: str, transport_mode: str = "auto", io_timeout_s: float = 30.0) -> None:
         self.host_id = host_id
@@ -51,34 +194,35 @@ class DataPlane:
         self.io_timeout_s = io_timeout_s
         self._local = threading.local()
         self._maps: dict[str, memoryview | None] = {}
+        self._bases: dict[str, int] = {}
         self._map_lock = threading.Lock()
-        self._all_conns: list[socket.socket] = []
+        self._all_conns: list = []
         self._mmaps: list[mmap.mmap] = []
 
     # ---- connections ----------------------------------------------------------------------
 
-    def _conns(self) -> dict[str, socket.socket]:
+    def _conns(self) -> dict[str, _Stream]:
         c = getattr(self._local, "conns", None)
         if c is None:
             c = self._local.conns = {}
         return c
 
-    def _conn(self, addr: str) -> socket.socket:
+    def _conn(self, addr: str) -> _Stream:
         conns = self._conns()
         s = conns.get(addr)
         if s is None:
-            s = transport.connect(addr, self.io_timeout_s)
-            s.settimeout(self.io_timeout_s)
-            conns[addr] = s
+            sock = transport.connect(addr, self.io_timeout_s)
+            sock.settimeout(self.io_timeout_s)
+            s = conns[addr] = _Stream(sock)
             with self._map_lock:
-                self._all_conns.append(s)
+                self._all_conns.append(sock)
         return s
 
     def _drop(self, addr: str) -> None:
         s = self._conns().pop(addr, None)
         if s is not None:
             try:
-                s.close()
+                s.sock.close()
             except OSError:
                 pass
 
@@ -126,57 +270,80 @@ class DataPlane:
     # ---- writes -------------------------------------------------------------------------
 
     def write(self, ops: Sequence[WriteOp]) -> None:
-        """Write every op (all to one node); sets ``op.error`` per failed op."""
-        shm = [op for op in ops if self.uses_shm(op.ref)]
-        net = [op for op in ops if not self.uses_shm(op.ref)]
-        for op in shm:
-            seg = self._segment(op.ref)
-            r = op.ref
-            if r.offset + r.size > len(seg) or len(op.data) != r.size:
-                op.error = KVPoolError(f"grant for {op.key!r} does not fit the mapped segment")
-                continue
-            seg[r.offset:r.offset + r.size] = op.data
-        self._stream(shm, notice=True)
-        self._stream(net, notice=False)
+        """Write every op (all to one node); sets ``op.error`` per failed op.
 
-    def _stream(self, ops: Sequence[WriteOp], notice: bool) -> None:
+        Same host: the ``written`` notices go out first, then the bytes are copied into the
+        segment while the node records them, then the replies are read, so the notice round
+        trip overlaps the copy (the node only records the row; nothing reads it before the
+        master commits it after ``put_end``, which follows this call)."""
+        shm, net = [], []
+        for op in ops:
+            (shm if self.uses_shm(op.ref) else net).append(op)
+        for op in shm:
+            r = op.ref
+            if r.offset < 0 or r.offset + r.size > len(self._segment(r)) or len(op.data) != r.size:
+                op.error = KVPoolError(f"grant for {op.key!r} does not fit the mapped segment")
+        pending = self._send_writes(shm, notice=True)
+        for op in shm:
+            if op.error is None:
+                r = op.ref
+                self._copy_in(r, self._segment(r)[r.offset:r.offset + r.size], op.data)
+        self._finish_writes(pending)
+        self._finish_writes(self._send_writes(net, notice=False))
+
+    def _send_writes(self, ops: Sequence[WriteOp], notice: bool):
+        """Send the ``write`` (header + payload) or ``written`` frames of ``ops`` in one
+        scatter/gather stream; returns what :meth:`_finish_writes` needs."""
+        ops = [op for op in ops if op.error is None]
         if not ops:
-            return
+            return None
         addr = ops[0].ref.shm_path if notice else self._stream_addr(ops[0].ref)
         try:
             s = self._conn(addr)
+            bufs: list = []
             for op in ops:
-                if op.error is not None:
-                    continue
                 r = op.ref
-                s.sendall(frame(DataRequest("written" if notice else "write", r.incarnation, r.offset, r.size,
-                                            r.gen, op.key, op.checksum, op.layout, r.token)))
+                if not notice and len(op.data) != r.size:
+                    raise InvalidRequest(f"buffer for {op.key!r} has {len(op.data)} bytes; the grant is {r.size}")
+                bufs.append(frame(DataRequest("written" if notice else "write", r.incarnation, r.offset, r.size,
+                                              r.gen, op.key, op.checksum, op.layout, r.token)))
                 if not notice and r.size:
-                    s.sendall(op.data)
+                    bufs.append(op.data)
+            sendv(s.sock, bufs)
+            return addr, s, ops
+        except (OSError, KVPoolError) as e:
+            self._write_failed(addr, ops, e)
+            return None
+
+    def _finish_writes(self, pending) -> None:
+        if pending is None:
+            return
+        addr, s, ops = pending
+        try:
             for op in ops:
-                if op.error is not None:
-                    continue
-                rep = recv_reply(s)
-                if not rep.ok:
+                rep = s.reply()
+                if not rep.ok and op.error is None:
                     op.error = from_wire(rep.error)
         except (OSError, KVPoolError) as e:
-            self._drop(addr)
-            err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
-                f"store node {ops[0].ref.node_id} failed during write: {e}", node=ops[0].ref.node_id)
-            for op in ops:
-                if op.error is None:
-                    op.error = err
+            self._write_failed(addr, ops, e)
+
+    def _write_failed(self, addr: str, ops: Sequence[WriteOp], e: Exception) -> None:
+        self._drop(addr)
+        err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
+            f"store node {ops[0].ref.node_id} failed during write: {e}", node=ops[0].ref.node_id)
+        for op in ops:
+            if op.error is None:
+                op.error = err
 
     # ---- reads --------------------------------------------------------------------------
 
     def read(self, ops: Sequence[ReadOp]) -> None:
-        """Read every op (all from one node) into its ``out``; sets ``op.error`` on failure."""
+        """Read every op (all from one node) into its ``out``; sets ``op.error`` on failure
+        (and ``op.digest`` when it was asked for)."""
         net = []
         for op in ops:
             if self.uses_shm(op.ref):
-                seg = self._segment(op.ref)
-                r = op.ref
-                op.out[:r.size] = seg[r.offset:r.offset + r.size]
+                self._copy_out(op)
             else:
                 net.append(op)
         if not net:
@@ -185,12 +352,19 @@ class DataPlane:
         try:
             s = self._conn(addr)
             for op in net:
-                r = op.ref
-                s.sendall(frame(DataRequest("read", r.incarnation, r.offset, r.size, r.gen)))
+                if len(op.out) < op.ref.size:
+                    raise InvalidRequest(f"output buffer of {len(op.out)} bytes is smaller than the "
+                                         f"{op.ref.size}-byte extent")
+            sendv(s.sock, [b"".join([frame(DataRequest("read", op.ref.incarnation, op.ref.offset, op.ref.size,
+                                                        op.ref.gen)) for op in net])])
             for op in net:
-                rep: DataReply = recv_reply(s)
+                size = op.ref.size
+                rep: DataReply = s.reply(greedy=size < _BIG)
                 if rep.ok:
-                    recv_exact(s, op.out[:op.ref.size])
+                    h = xxhash.xxh3_64() if op.digest else None
+                    s.read_into(op.out[:size], h)
+                    if h is not None:
+                        op.digest = h.intdigest()
                 else:
                     op.error = from_wire(rep.error)
         except (OSError, KVPoolError) as e:
@@ -200,6 +374,94 @@ class DataPlane:
             for op in net:
                 if op.error is None:
                     op.error = err
+
+    def _copy_out(self, op: ReadOp) -> None:
+        """Shared-memory read: segment → ``op.out``, one copy. With a digest wanted, the copy
+        goes in 256 KiB chunks, each hashed right after it lands (still in L2): measured
+        +28% over copy-then-hash for 4 MiB, +10% for 64 MiB.
+
+        One exception, measured on AMD EPYC with this glibc: when the destination lies 1–63
+        bytes past the source modulo 4 KiB (a numpy array or bytearray sits at page offset
+        16, extents are page-aligned), ``memcpy`` of 4–512 KiB runs ~20× slower (4K
+        aliasing in ``rep movsb``). Such copies go through a small per-thread bounce buffer
+        placed half a page from both, which stays in L2: two fast copies instead of one
+        slow one. Bigger copies do not suffer it and stay one ``memcpy``."""
+        seg = self._segment(op.ref)
+        r = op.ref
+        if r.offset < 0 or r.offset + r.size > len(seg):
+            op.error = KVPoolError(f"extent [{r.offset}, +{r.size}) does not fit the mapped segment")
+            return
+        if len(op.out) < r.size:
+            op.error = InvalidRequest(f"output buffer of {len(op.out)} bytes is smaller than the "
+                                      f"{r.size}-byte extent")
+            return
+        out, size = op.out, r.size
+        src = seg[r.offset:r.offset + size]
+        bounce = None
+        if size > 2048:
+            try:
+                bounce = self._bounce_for(self._extent_address(r), _address(out))
+            except (TypeError, ValueError):
+                bounce = None
+        if size >= _BOUNCE_MAX and bounce is not None:
+            bounce = None  # big copies do not suffer the aliasing: one memcpy (+ one hash pass)
+            if op.digest:
+                _memcpy(out[:size], src)
+                op.digest = xxhash.xxh3_64_intdigest(out[:size])
+                return
+        if not op.digest and bounce is None:
+            _memcpy(out[:size], src)
+            return
+        h = xxhash.xxh3_64() if op.digest else None
+        step = _CHUNK if bounce is None else len(bounce)
+        for a in range(0, size, step):
+            b = min(a + step, size)
+            if bounce is not None and b - a > 2048:
+                bounce[:b - a] = src[a:b]
+                out[a:b] = bounce[:b - a]
+            else:
+                out[a:b] = src[a:b]
+            if h is not None:
+                h.update(out[a:b])
+        if h is not None:
+            op.digest = h.intdigest()
+
+    def _extent_address(self, ref: ExtentRef) -> int:
+        base = self._bases.get(ref.incarnation)
+        if base is None:
+            base = self._bases[ref.incarnation] = _address(self._segment(ref)[:1])
+        return base + ref.offset
+
+    def _copy_in(self, ref: ExtentRef, dst: memoryview, data: memoryview) -> None:
+        """Shared-memory write: caller buffer → extent, one copy (bounced in the 4K-aliasing
+        case described in :meth:`_copy_out`)."""
+        size = len(dst)
+        bounce = None
+        if 2048 < size < _BOUNCE_MAX:
+            try:
+                bounce = self._bounce_for(_address(data), self._extent_address(ref))
+            except (TypeError, ValueError):  # a read-only buffer (bytes): copy directly
+                bounce = None
+        if bounce is None:
+            _memcpy(dst, data)
+            return
+        step = len(bounce)
+        for a in range(0, size, step):
+            b = min(a + step, size)
+            bounce[:b - a] = data[a:b]
+            dst[a:b] = bounce[:b - a]
+
+    def _bounce_for(self, src: int, dst: int) -> memoryview | None:
+        """A bounce buffer half a page from ``src`` when ``dst`` sits 1–63 bytes past
+        ``src`` modulo a page (the slow case), else None."""
+        if not 0 < (dst - src) % _PAGE < _ALIAS:
+            return None
+        b = getattr(self._local, "bounce", None)
+        if b is None:
+            view = memoryview(bytearray(_CHUNK + 2 * _PAGE))
+            b = self._local.bounce = (view, _address(view))
+        k = (src + _PAGE // 2 - b[1]) % _PAGE
+        return b[0][k:k + _CHUNK]
 
     def close(self) -> None:
         with self._map_lock:
@@ -213,12 +475,36 @@ class DataPlane:
                 if v is not None:
                     v.release()
             self._maps.clear()
+            self._bases.clear()
             for mm in self._mmaps:
                 try:
                     mm.close()
                 except BufferError:
                     pass
             self._mmaps.clear()
+
+
+def _memcpy(dst: memoryview, src) -> None:
+    """``dst[:] = src``; large copies through numpy, which releases the GIL, so the
+    per-node threads of a batch (and both replicas of a put) copy in parallel."""
+    if len(dst) >= _GIL_FREE:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        dst[:] = src
+
+
+def _misaligned(mv: memoryview) -> bool:
+    """True when ``mv`` does not start on a cache line (numpy arrays and bytearrays start
+    16 bytes into a page): the kernel's copy into such a buffer runs ~1.5× slower."""
+    try:
+        return _address(mv) % 64 != 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _address(mv: memoryview) -> int:
+    """Start address of a writable, contiguous buffer."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
 
 
 class _Buffered:
