@@ -368,18 +368,26 @@ def demo(json_: JsonOpt = False, quick: Annotated[bool, typer.Option(help="A few
 @app.command()
 def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated")] = "64KiB,1MiB,4MiB",
           clients: Annotated[str, typer.Option(help="Concurrent client processes, comma separated")] = "1",
+          batches: Annotated[str, typer.Option(help="Objects per batch call, comma separated")] = "1",
+          replicas: Annotated[str, typer.Option(help="Replica counts, comma separated")] = "1",
           total: Annotated[str, typer.Option(help="Bytes moved per cell")] = "256MiB",
-          transport: Annotated[str, typer.Option(help="auto (shm on same host) or tcp")] = "auto",
+          transport: Annotated[str, typer.Option(
+              help="Data paths, comma separated: auto (shared memory on the same host), tcp, unix")] = "auto",
           metadata: Annotated[bool, typer.Option(help="Also measure master metadata ops/s")] = False,
+          baseline: Annotated[Optional[str], typer.Option(help="Peer to run the same workload against: redis")] = None,
+          repeat: Annotated[int, typer.Option(help="Repeats per cell (best kept)")] = 1,
           json_: JsonOpt = False, config: ConfigOpt = None) -> None:
     """Throughput and latency of put/get beside the memcpy and raw-socket ceilings."""
     from cli.bench import render_bench, run_bench
 
     def go() -> None:
+        if baseline not in (None, "redis"):
+            raise E.ConfigError(f"--baseline {baseline!r}; accepted: redis", key="baseline")
         cfg = build_config(config)
         rep = run_bench(cfg, [parse_size(s.strip()) for s in sizes.split(",")],
                         [int(c) for c in clients.split(",")], parse_size(total), transport, metadata,
-                        progress=not json_)
+                        progress=not json_, batches=[int(b) for b in batches.split(",")],
+                        replicas=[int(r) for r in replicas.split(",")], baseline=baseline, repeat=repeat)
         if json_:
             print(json.dumps(rep, indent=2))
         else:

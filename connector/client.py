@@ -348,7 +348,7 @@ class KVPoolClient:
             by_node: dict[str, list[ReadOp]] = defaultdict(list)
             op_of: dict[int, ReadOp] = {}
             for i, (info, order) in pending.items():
-                op = ReadOp(order[0], views[i])
+                op = ReadOp(order[0], views[i], digest=True)
                 op_of[i] = op
                 by_node[op.ref.node_id].append(op)
             self._parallel(self.data.read, by_node)
@@ -363,7 +363,8 @@ class KVPoolClient:
                         err = LeaseExpired(f"read of {info.key!r} finished after its {info.lease_ttl_s:g}s lease "
                                            "lapsed; the bytes were discarded. Retry, or raise master.lease_ttl "
                                            "for slow readers", key=info.key)
-                    elif xxhash.xxh3_64_intdigest(views[i][:info.size]) != info.checksum:
+                    elif (op.digest if type(op.digest) is int  # hashed as the bytes landed, still in cache
+                          else xxhash.xxh3_64_intdigest(views[i][:info.size])) != info.checksum:
                         err = ChecksumMismatch(f"bytes of {info.key!r} read from {op.ref.node_id} fail the xxh3 "
                                                "checksum", key=info.key, node=op.ref.node_id)
                         # under a live lease the extent cannot have been reused: the replica is

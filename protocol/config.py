@@ -94,8 +94,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not (n.device == "cpu" or n.device.startswith("cuda")):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
-        if self.client.transport not in ("auto", "tcp", "shm"):
-            raise ConfigError(f"client.transport: {self.client.transport!r}; accepted: auto, tcp, shm",
+        if self.client.transport not in ("auto", "tcp", "unix", "shm"):
+            raise ConfigError(f"client.transport: {self.client.transport!r}; accepted: auto, tcp, unix, shm",
                               key="client.transport")
         return self
 

@@ -49,9 +49,8 @@ def test_quick_bench_report(cluster):
         assert not [o for o in cl.ls("bench/")]
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_redis_baseline(cluster):
-    pytest.importorskip("redis")
+    assert shutil.which("redis-server"), "redis-server is installed by `.ci/setup --test`"
     rep = _quick(cluster, transport="auto", baseline="redis")
     _check_rows(rep["results"], {(s, p, op) for s, p in (("kvpool", "shm"), ("redis", "tcp"))
                                  for op in ("put", "get")})

@@ -102,7 +102,7 @@ def test_units_and_config(tmp_path):
     with pytest.raises(E.ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
     bad.write_text("client:\n  transport: carrier-pigeon\n")
-    with pytest.raises(E.ConfigError, match="accepted: auto, tcp, shm"):
+    with pytest.raises(E.ConfigError, match="accepted: auto, tcp, unix, shm"):
         load_config(bad, environ={})
 
 
