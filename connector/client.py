@@ -204,6 +204,7 @@ class KVPoolClient:
                     if isinstance(op.error, NodeUnavailable)}
             for nid, inc in dead.items():
                 self.rpc.call(M.ReportDead(nid, inc))  # the master stops placing there for a while
+                self.data.forget_node(nid)
         if commit_keys:
             for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids))):
                 if e is not None:

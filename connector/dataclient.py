@@ -197,7 +197,8 @@ class DataPlane:
         self._bases: dict[str, int] = {}
         self._map_lock = threading.Lock()
         self._all_conns: list = []
-        self._mmaps: list[mmap.mmap] = []
+        self._mmaps: dict[str, mmap.mmap] = {}
+        self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
 
     # ---- connections ----------------------------------------------------------------------
 
@@ -243,6 +244,10 @@ class DataPlane:
             if ref.incarnation in self._maps:
                 return self._maps[ref.incarnation]
             seg = None
+            old = self._node_inc.get(ref.node_id)
+            if old is not None and old != ref.incarnation:
+                self._unmap(old)  # the node restarted: drop the dead incarnation's mapping
+            self._node_inc[ref.node_id] = ref.incarnation
             try:
                 s = transport.connect(ref.shm_path, self.io_timeout_s)
                 try:
@@ -255,7 +260,7 @@ class DataPlane:
                                 mm = mmap.mmap(fds[0], rep.capacity,
                                                mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                                mmap.PROT_READ | mmap.PROT_WRITE)
-                                self._mmaps.append(mm)
+                                self._mmaps[ref.incarnation] = mm
                                 seg = memoryview(mm)
                         finally:
                             for fd in fds:
@@ -471,17 +476,30 @@ class DataPlane:
                 except OSError:
                     pass
             self._all_conns.clear()
-            for v in self._maps.values():
-                if v is not None:
-                    v.release()
-            self._maps.clear()
-            self._bases.clear()
-            for mm in self._mmaps:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
-            self._mmaps.clear()
+            for inc in list(self._maps):
+                self._unmap(inc)
+            self._node_inc.clear()
+
+    def forget_node(self, node_id: str) -> None:
+        """Unmap ``node_id``'s segment (it died): a long-lived client must not keep a dead
+        node's whole segment resident."""
+        with self._map_lock:
+            inc = self._node_inc.pop(node_id, None)
+            if inc is not None:
+                self._unmap(inc)
+
+    def _unmap(self, incarnation: str) -> None:
+        """Caller holds ``_map_lock``."""
+        view = self._maps.pop(incarnation, None)
+        self._bases.pop(incarnation, None)
+        mm = self._mmaps.pop(incarnation, None)
+        try:
+            if view is not None:
+                view.release()
+            if mm is not None:
+                mm.close()
+        except BufferError:
+            pass  # a slice is still in use by another thread; the OS unmaps it with the object
 
 
 def _memcpy(dst: memoryview, src) -> None:

@@ -183,3 +183,23 @@ def test_etcd_outage_keeps_data_plane_working(make_cluster):
         assert rec.request_id == "etcd-req2"
         lc.start_node("node-2", "32MiB")
         lc.wait_nodes(3)
+
+
+def test_client_unmaps_a_restarted_nodes_old_segment(make_cluster):
+    lc = make_cluster(nodes=1, memory="32MiB", node_ttl="1s")
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return sum("memfd:kvpool-node-0" in line for line in f)
+
+    with lc.client(transport="auto") as c:
+        c.put("map/a", b"a" * 4096)
+        assert c.get("map/a") == b"a" * 4096
+        assert mapped() == 1
+        old = c.stats().nodes[0].incarnation
+        lc.kill_node("node-0")
+        lc.start_node("node-0", "32MiB")
+        wait_for(lambda: [n.incarnation for n in c.stats().nodes] not in ([], [old]), 10, what="new incarnation")
+        c.put("map/b", b"b" * 4096)
+        assert c.get("map/b") == b"b" * 4096
+        assert mapped() == 1  # the dead incarnation's segment is no longer mapped
