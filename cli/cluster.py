@@ -22,7 +22,7 @@ from pathlib import Path
 
 from protocol.config import ClusterConfig
 from protocol.errors import ConfigError, KVPoolError, Timeout
-from protocol.units import parse_duration, parse_size
+from protocol.units import parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -42,7 +42,7 @@ import numpy as np
 import xxhash
 
 from protocol import transport
-from protocol.dataplane import MAX_HEADER, DataReply, DataRequest, frame, recv_reply
+from protocol.dataplane import MAX_HEADER, DataReply, DataRequest, frame, recv_reply, sendv
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, from_wire
 from protocol.messages import ExtentRef
 
@@ -50,7 +50,6 @@ _LEN = struct.Struct("<I")
 _READ_BUF = 256 << 10
 _CHUNK = 256 << 10      # shm copy+hash granularity: fits L2, so the hash reads hot bytes
 _BIG = 64 << 10         # payloads at least this big are read without greedy buffering
-_IOV_MAX = 512
 _PAGE = 4096
 _ALIAS = 64             # destinations 1..63 bytes ahead of the source, modulo a page, ...
 _BOUNCE_MAX = 512 << 10  # ... and copies smaller than this take glibc's slow rep-movsb path
@@ -78,28 +77,6 @@ class ReadOp:
         self.ref, self.out = ref, out
         self.error: KVPoolError | None = None
         self.digest: int | bool | None = True if digest else None
-
-
-def sendv(sock, bufs: list) -> None:
-    """Send every buffer in order: ``sendmsg`` scatter/gather, resuming after partial sends.
-    Falls back to ``sendall`` per buffer for stream objects without ``sendmsg``."""
-    send = getattr(sock, "sendmsg", None)
-    if send is None:
-        for b in bufs:
-            sock.sendall(b)
-        return
-    bufs = [b for b in bufs if len(b)]
-    i = 0
-    while i < len(bufs):
-        part = bufs[i:i + _IOV_MAX]
-        n = send(part)
-        for b in part:
-            if n >= len(b):
-                n -= len(b)
-                i += 1
-            else:
-                bufs[i] = memoryview(b)[n:]
-                break
 
 
 class _Stream:

@@ -87,3 +87,28 @@ def recv_reply(sock) -> DataReply:
         return _rep_dec.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise InvalidRequest(f"malformed data reply: {e}") from None
+
+
+_IOV_MAX = 512  # stay below the kernel's UIO_MAXIOV (1024) per sendmsg call
+
+
+def sendv(sock, bufs: list) -> None:
+    """Send every buffer in order: ``sendmsg`` scatter/gather, resuming after partial sends.
+    Falls back to ``sendall`` per buffer for stream objects without ``sendmsg``."""
+    send = getattr(sock, "sendmsg", None)
+    if send is None:
+        for b in bufs:
+            sock.sendall(b)
+        return
+    i = 0
+    bufs = [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in bufs if len(b)]
+    while i < len(bufs):
+        part = bufs[i:i + _IOV_MAX]
+        n = send(part)
+        for b in part:
+            if n >= len(b):
+                n -= len(b)
+                i += 1
+            else:
+                bufs[i] = memoryview(b)[n:]
+                break

@@ -29,7 +29,7 @@ import threading
 import msgspec
 
 from protocol import transport
-from protocol.dataplane import MAX_HEADER, DataReply, DataRequest, frame
+from protocol.dataplane import MAX_HEADER, DataReply, DataRequest, frame, sendv
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
 from protocol.grants import check_token
 from storenode.extents import ExtentTable
@@ -38,31 +38,8 @@ from storenode.segment import Segment
 _LEN = struct.Struct("<I")
 _READ_BUF = 256 << 10
 _FLUSH_BYTES = 1 << 20
-_IOV_MAX = 512
 _req_dec = msgspec.msgpack.Decoder(DataRequest)
 _OK = frame(DataReply(True))
-
-
-def sendv(sock, bufs: list) -> None:
-    """Send every buffer in order: ``sendmsg`` scatter/gather, resuming after partial sends.
-    Falls back to ``sendall`` per buffer for stream objects without ``sendmsg``."""
-    send = getattr(sock, "sendmsg", None)
-    if send is None:
-        for b in bufs:
-            sock.sendall(b)
-        return
-    i = 0
-    bufs = [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in bufs if len(b)]
-    while i < len(bufs):
-        part = bufs[i:i + _IOV_MAX]
-        n = send(part)
-        for b in part:
-            if n >= len(b):
-                n -= len(b)
-                i += 1
-            else:
-                bufs[i] = memoryview(b)[n:]
-                break
 
 
 class FrameReader:

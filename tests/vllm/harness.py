@@ -13,23 +13,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "KVPOOL_ENGINE "
 MODEL_ID = "tiny-llama"
-
-
-def wait_for(cond, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def kv_config(role: str, master: str, namespace: str, policy: str | None = None, **extra) -> dict:

@@ -12,7 +12,8 @@ import pytest
 from protocol.errors import HandoffNotFound
 from protocol.keys import block_hashes, extra_bytes
 
-from harness import MODEL_ID, Engine, close_all, kv_config, wait_for
+from harness import MODEL_ID, Engine, close_all, kv_config
+from tests.conftest import wait_for
 from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
