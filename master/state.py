@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 import msgspec
 
 from master.allocator import RangeAllocator, align_up
+from master.handoffs import Handoff, HandoffMixin
+from master.repair import RepairMixin, grant as _grant
 from protocol import errors as E
 from protocol.errors import ErrorInfo
-from protocol.grants import grant_token
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec
-from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentRef, HandoffRecord, NodeCommit, NodeDesc,
-                               NodeCopy, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PutGrant, PutItem)
+from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentRef, NodeCommit, NodeDesc,
+                               NodeFree, NodeStats, ObjectInfo, ObjectMeta, PutGrant, PutItem)
 
 PENDING, COMMITTED = 0, 1
 MAX_REPLICAS = 16
-MAX_HANDOFF_TTL_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,7 @@ class Obj:
         return "soft" if self.pin == "soft" else ""
 
 
-@dataclass
-class Handoff:
-    record: HandoffRecord
-    status: str = "open"  # open | acked | released | expired
-
-
-class MasterState:
+class MasterState(HandoffMixin, RepairMixin):
     """All master decisions. Not thread-safe: the server calls it from one event loop."""
 
     def __init__(self, settings: MasterSettings, cluster: str = "default") -> None:
@@ -592,74 +586,6 @@ class MasterState:
             raise E.NotFound(f"key {key!r} is not stored; see `kvpool ls`", key=key)
         return obj
 
-    # ---- hand-off -----------------------------------------------------------------------
-
-    def handoff_publish(self, rec: HandoffRecord, now: float) -> HandoffRecord:
-        """Hold every object of ``rec`` until ack/release/deadline. Idempotent by request id.
-        Raises NotFound naming missing keys (nothing is held then)."""
-        self._now = now
-        h = self.handoffs.get(rec.request_id)
-        if h is not None and h.status == "open":
-            return h.record
-        if not (math.isfinite(rec.deadline) and now < rec.deadline <= now + MAX_HANDOFF_TTL_S):
-            raise E.InvalidRequest(f"hand-off {rec.request_id!r}: ttl must be finite, > 0 and at most "
-                                   f"{MAX_HANDOFF_TTL_S:g}s (deadline {rec.deadline} at now {now:.3f})")
-        missing = [k for ks in rec.keys.values() for k in ks if k not in self.objects]
-        if missing:
-            raise E.NotFound(f"hand-off {rec.request_id!r}: {len(missing)} block(s) are not stored "
-                             f"(first: {missing[0]!r}); put them before publishing",
-                             request_id=rec.request_id, missing=missing[:16])
-        self.handoffs[rec.request_id] = Handoff(rec)
-        for ks in rec.keys.values():
-            for k in ks:
-                obj = self.objects[k]
-                self._lru_remove(obj)
-                obj.holds.add(rec.request_id)
-                self._maybe_repair(obj)
-        self.counters["handoffs_published"] += 1
-        return rec
-
-    def handoff_claim(self, request_id: str, now: float) -> HandoffRecord:
-        h = self.handoffs.get(request_id)
-        if h is None:
-            raise E.HandoffNotFound(f"no hand-off record for request {request_id!r}; was it published "
-                                    "to this cluster?", request_id=request_id)
-        if h.status == "expired" or (h.status == "open" and h.record.deadline <= now):
-            raise E.HandoffExpired(f"hand-off {request_id!r} passed its deadline; its blocks are plain "
-                                   "cache entries now and may be evicted", request_id=request_id)
-        if h.status != "open":
-            raise E.HandoffNotFound(f"hand-off {request_id!r} was already {h.status}", request_id=request_id)
-        return h.record
-
-    def handoff_finish(self, request_id: str, status: str) -> bool:
-        """Ack or release (idempotent). Returns True when a live record was closed now."""
-        h = self.handoffs.get(request_id)
-        if h is None or h.status != "open":
-            return False
-        self._release_handoff(h, status)
-        return True
-
-    def _release_handoff(self, h: Handoff, status: str) -> None:
-        h.status = status
-        rid = h.record.request_id
-        for ks in h.record.keys.values():
-            for k in ks:
-                obj = self.objects.get(k)
-                if obj is not None and rid in obj.holds:
-                    obj.holds.discard(rid)
-                    self._lru_add(obj)
-        self.counters[f"handoffs_{status}"] += 1
-
-    def restore_handoff(self, rec: HandoffRecord) -> None:
-        """Rebuild after failover from the durable etcd record."""
-        self.handoffs[rec.request_id] = Handoff(rec)
-        for ks in rec.keys.values():
-            for k in ks:
-                obj = self.objects.get(k)
-                if obj is not None:
-                    self._lru_remove(obj)
-                    obj.holds.add(rec.request_id)
-
     # ---- periodic work ------------------------------------------------------------------
 
     def tick(self, now: float) -> list[str]:
@@ -685,85 +611,6 @@ class MasterState:
             del self.handoffs[rid]
         self.enforce_watermarks(now)
         return expired
-
-    # ---- repair -------------------------------------------------------------------------
-
-    def _live_replicas(self, obj: Obj) -> list[ExtentRef]:
-        """Replicas on nodes that are not draining."""
-        return [r for r in obj.replicas if r.node_id in self.nodes and not self.nodes[r.node_id].draining]
-
-    def _maybe_repair(self, obj: Obj) -> None:
-        """Queue re-replication of a held/pinned object below its replica count (replicas on
-        draining nodes do not count)."""
-        if obj.repairing or not obj.replicas or not (obj.holds or obj.pin):
-            return
-        if len(self._live_replicas(obj)) >= obj.replicas_wanted:
-            return
-        used = {r.node_id for r in obj.replicas}
-        cands = [n for n in self.nodes.values() if n.node_id not in used and not n.draining
-                 and n.alloc.largest_free() >= align_up(max(obj.size, 1))]
-        if not cands:
-            return
-        dst = max(cands, key=lambda n: n.alloc.capacity - n.alloc.used)
-        off = dst.alloc.alloc(obj.size)
-        if off is None:
-            return
-        ref = _grant(dst, off, obj.size)
-        src = obj.replicas[0]
-        obj.repairing = True
-        self.repairs[obj.key] = (ref, self._now)
-        self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
-                                                 obj.layout.encode() if obj.layout else None))
-        self.counters["repairs_started"] += 1
-
-    def repair_done(self, key: str, ok: bool) -> None:
-        """A store node finished (or failed) the copy queued for ``key``."""
-        pending = self.repairs.pop(key, None)
-        if pending is None:
-            return
-        dst = pending[0]
-        obj = self.objects.get(key)
-        node = self.nodes.get(dst.node_id)
-        if obj is not None:
-            obj.repairing = False
-        if not ok or obj is None or node is None or node.desc.incarnation != dst.incarnation:
-            if node is not None and node.desc.incarnation == dst.incarnation:
-                node.alloc.free(dst.offset, dst.size)
-                self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
-            return
-        self._lru_remove(obj)
-        obj.replicas.append(dst)
-        obj._read_refs = None
-        node.keys.add(key)
-        self.outbox[dst.node_id].append(NodeCommit([(dst.offset, dst.gen)]))
-        if len(self._live_replicas(obj)) >= obj.replicas_wanted:
-            # moved off draining nodes: drop those copies
-            for r in [r for r in obj.replicas if self.nodes[r.node_id].draining]:
-                obj.replicas.remove(r)
-                self.nodes[r.node_id].keys.discard(key)
-                self._free_extent(r)
-        self._lru_add(obj)
-        self.counters["repairs_done"] += 1
-        self._maybe_repair(obj)
-
-    def repair_all(self) -> None:
-        for obj in self.objects.values():
-            if (obj.holds or obj.pin) and not obj.repairing:
-                self._maybe_repair(obj)
-
-    def drain(self, node_id: str, undo: bool = False) -> None:
-        """Stop placing on ``node_id`` and move held/pinned objects off it (via repair), or
-        with ``undo`` place on it again."""
-        node = self.nodes.get(node_id)
-        if node is None:
-            raise E.InvalidRequest(f"drain: no live node {node_id!r}; see `kvpool status`")
-        node.draining = not undo
-        if undo:
-            return
-        for key in list(node.keys):
-            obj = self.objects.get(key)
-            if obj is not None:
-                self._maybe_repair(obj)
 
     # ---- introspection ------------------------------------------------------------------
 
@@ -801,12 +648,3 @@ class MasterState:
     def take_outbox(self) -> dict[str, list]:
         out, self.outbox = self.outbox, defaultdict(list)
         return out
-
-
-
-def _grant(node: Node, offset: int, size: int) -> ExtentRef:
-    """A write grant for ``[offset, +size)`` on ``node`` with a fresh generation and token."""
-    d = node.desc
-    gen = next(node.next_gen)
-    return ExtentRef(d.node_id, d.incarnation, d.data_addr, d.shm_path, d.host_id, offset, size, gen,
-                     grant_token(d.grant_key, d.incarnation, offset, size, gen))

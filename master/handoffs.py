@@ -1,0 +1,90 @@
+"""Hand-off holds of the master state (DESIGN.md §7): records, holds, ack/release/expiry.
+
+A mixin of :class:`master.state.MasterState`; it uses the state's object index and LRU
+helpers and does no I/O.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protocol import errors as E
+from protocol.messages import HandoffRecord
+
+MAX_HANDOFF_TTL_S = 24 * 3600.0
+
+
+@dataclass
+class Handoff:
+    record: HandoffRecord
+    status: str = "open"  # open | acked | released | expired
+
+
+class HandoffMixin:
+    """Publish, claim, ack/release and deadline expiry of hand-off records."""
+
+    def handoff_publish(self, rec: HandoffRecord, now: float) -> HandoffRecord:
+        """Hold every object of ``rec`` until ack/release/deadline. Idempotent by request id.
+        Raises NotFound naming missing keys (nothing is held then)."""
+        self._now = now
+        h = self.handoffs.get(rec.request_id)
+        if h is not None and h.status == "open":
+            return h.record
+        if not (math.isfinite(rec.deadline) and now < rec.deadline <= now + MAX_HANDOFF_TTL_S):
+            raise E.InvalidRequest(f"hand-off {rec.request_id!r}: ttl must be finite, > 0 and at most "
+                                   f"{MAX_HANDOFF_TTL_S:g}s (deadline {rec.deadline} at now {now:.3f})")
+        missing = [k for ks in rec.keys.values() for k in ks if k not in self.objects]
+        if missing:
+            raise E.NotFound(f"hand-off {rec.request_id!r}: {len(missing)} block(s) are not stored "
+                             f"(first: {missing[0]!r}); put them before publishing",
+                             request_id=rec.request_id, missing=missing[:16])
+        self.handoffs[rec.request_id] = Handoff(rec)
+        for ks in rec.keys.values():
+            for k in ks:
+                obj = self.objects[k]
+                self._lru_remove(obj)
+                obj.holds.add(rec.request_id)
+                self._maybe_repair(obj)
+        self.counters["handoffs_published"] += 1
+        return rec
+
+    def handoff_claim(self, request_id: str, now: float) -> HandoffRecord:
+        h = self.handoffs.get(request_id)
+        if h is None:
+            raise E.HandoffNotFound(f"no hand-off record for request {request_id!r}; was it published "
+                                    "to this cluster?", request_id=request_id)
+        if h.status == "expired" or (h.status == "open" and h.record.deadline <= now):
+            raise E.HandoffExpired(f"hand-off {request_id!r} passed its deadline; its blocks are plain "
+                                   "cache entries now and may be evicted", request_id=request_id)
+        if h.status != "open":
+            raise E.HandoffNotFound(f"hand-off {request_id!r} was already {h.status}", request_id=request_id)
+        return h.record
+
+    def handoff_finish(self, request_id: str, status: str) -> bool:
+        """Ack or release (idempotent). Returns True when a live record was closed now."""
+        h = self.handoffs.get(request_id)
+        if h is None or h.status != "open":
+            return False
+        self._release_handoff(h, status)
+        return True
+
+    def _release_handoff(self, h: Handoff, status: str) -> None:
+        h.status = status
+        rid = h.record.request_id
+        for ks in h.record.keys.values():
+            for k in ks:
+                obj = self.objects.get(k)
+                if obj is not None and rid in obj.holds:
+                    obj.holds.discard(rid)
+                    self._lru_add(obj)
+        self.counters[f"handoffs_{status}"] += 1
+
+    def restore_handoff(self, rec: HandoffRecord) -> None:
+        """Rebuild after failover from the durable etcd record."""
+        self.handoffs[rec.request_id] = Handoff(rec)
+        for ks in rec.keys.values():
+            for k in ks:
+                obj = self.objects.get(k)
+                if obj is not None:
+                    self._lru_remove(obj)
+                    obj.holds.add(rec.request_id)
