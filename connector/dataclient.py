@@ -33,7 +33,6 @@ import ctypes
 import mmap
 import os
 import socket
-import struct
 import threading
 from collections.abc import Sequence
 
@@ -42,12 +41,10 @@ import numpy as np
 import xxhash
 
 from protocol import transport
-from protocol.dataplane import MAX_HEADER, DataReply, DataRequest, frame, recv_reply, sendv
+from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, recv_reply, sendv
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, from_wire
 from protocol.messages import ExtentRef
 
-_LEN = struct.Struct("<I")
-_READ_BUF = 256 << 10
 _CHUNK = 256 << 10      # shm copy+hash granularity: fits L2, so the hash reads hot bytes
 _BIG = 64 << 10         # payloads at least this big are read without greedy buffering
 _PAGE = 4096
@@ -79,42 +76,18 @@ class ReadOp:
         self.digest: int | bool | None = True if digest else None
 
 
-class _Stream:
+class _Stream(FrameReader):
     """One connection plus its buffered reply reader."""
 
-    __slots__ = ("sock", "buf", "view", "lo", "hi", "bounce")
+    __slots__ = ("bounce",)
 
     def __init__(self, sock) -> None:
-        self.sock = sock
+        super().__init__(sock)
         self.bounce: memoryview | None = None
-        self.buf = bytearray(_READ_BUF)
-        self.view = memoryview(self.buf)
-        self.lo = self.hi = 0
-
-    def _fill(self, need: int, greedy: bool) -> None:
-        if self.hi - self.lo >= need:
-            return
-        if self.lo + need > len(self.buf):
-            n = self.hi - self.lo
-            self.buf[:n] = self.view[self.lo:self.hi]
-            self.lo, self.hi = 0, n
-        while self.hi - self.lo < need:
-            want = len(self.buf) - self.hi if greedy else need - (self.hi - self.lo)
-            got = self.sock.recv_into(self.view[self.hi:self.hi + want], want)
-            if got == 0:
-                raise NodeUnavailable("data connection closed mid-frame")
-            self.hi += got
 
     def reply(self, greedy: bool = True) -> DataReply:
-        self._fill(4, greedy)
-        (n,) = _LEN.unpack_from(self.buf, self.lo)
-        if n > MAX_HEADER:
-            raise InvalidRequest(f"data frame header of {n} bytes exceeds {MAX_HEADER}")
-        self._fill(4 + n, greedy)
-        body = self.view[self.lo + 4:self.lo + 4 + n]
-        self.lo += 4 + n
         try:
-            return _rep_dec.decode(body)
+            return _rep_dec.decode(self.frame(greedy))
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise InvalidRequest(f"malformed data reply: {e}") from None
 

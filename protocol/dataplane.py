@@ -21,6 +21,7 @@ from protocol.errors import ErrorInfo, InvalidRequest, NodeUnavailable
 
 _LEN = struct.Struct("<I")
 MAX_HEADER = 1 << 16
+READ_BUF = 256 << 10
 
 
 class DataRequest(msgspec.Struct, array_like=True):
@@ -112,3 +113,81 @@ def sendv(sock, bufs: list) -> None:
             else:
                 bufs[i] = memoryview(b)[n:]
                 break
+
+
+class FrameReader:
+    """Buffered reader of ``u32 length || body`` frames and raw payloads from a stream."""
+
+    __slots__ = ("sock", "buf", "view", "lo", "hi")
+
+    def __init__(self, sock, size: int = READ_BUF) -> None:
+        self.sock = sock
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.lo = self.hi = 0
+
+    def buffered(self) -> int:
+        return self.hi - self.lo
+
+    def has_frame(self) -> bool:
+        """A whole frame is already buffered (so reading it will not block)."""
+        n = self.hi - self.lo
+        if n < 4:
+            return False
+        (size,) = _LEN.unpack_from(self.buf, self.lo)
+        return n >= 4 + size
+
+    def _fill(self, need: int, greedy: bool = True) -> None:
+        """Make at least ``need`` bytes available from ``lo`` (need ≤ buffer size). Greedy
+        reads take whatever the socket has (many pipelined frames at once); otherwise no more
+        than ``need``, so a large payload after the frame can go straight to its buffer."""
+        if self.hi - self.lo >= need:
+            return
+        if self.lo + need > len(self.buf):
+            n = self.hi - self.lo
+            self.buf[:n] = self.view[self.lo:self.hi]
+            self.lo, self.hi = 0, n
+        while self.hi - self.lo < need:
+            want = len(self.buf) - self.hi if greedy else need - (self.hi - self.lo)
+            got = self.sock.recv_into(self.view[self.hi:self.hi + want], want)
+            if got == 0:
+                raise NodeUnavailable("data connection closed mid-frame")
+            self.hi += got
+
+    def frame(self, greedy: bool = True) -> memoryview:
+        """The next frame's body (valid until the next call). InvalidRequest when its
+        declared length exceeds MAX_HEADER."""
+        self._fill(4, greedy)
+        (n,) = _LEN.unpack_from(self.buf, self.lo)
+        if n > MAX_HEADER:
+            raise InvalidRequest(f"data frame header of {n} bytes exceeds {MAX_HEADER}")
+        self._fill(4 + n, greedy)
+        body = self.view[self.lo + 4:self.lo + 4 + n]
+        self.lo += 4 + n
+        return body
+
+    def read_into(self, dst: memoryview) -> None:
+        """Fill ``dst``: buffered bytes first, then ``recv_into`` it directly."""
+        n = len(dst)
+        take = min(n, self.hi - self.lo)
+        if take:
+            dst[:take] = self.view[self.lo:self.lo + take]
+            self.lo += take
+        pos = take
+        while pos < n:
+            got = self.sock.recv_into(dst[pos:], n - pos)
+            if got == 0:
+                raise NodeUnavailable("data connection closed mid-frame")
+            pos += got
+
+    def skip(self, n: int) -> None:
+        """Discard ``n`` payload bytes (a refused write's payload)."""
+        take = min(n, self.hi - self.lo)
+        self.lo += take
+        n -= take
+        while n:
+            self.lo = self.hi = 0
+            got = self.sock.recv_into(self.view, min(n, len(self.buf)))
+            if got == 0:
+                raise NodeUnavailable("data connection closed mid-frame")
+            n -= got

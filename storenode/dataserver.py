@@ -7,7 +7,7 @@ error reply and the connection is closed (its stream position can no longer be t
 
 Syscalls per request are what bound small objects, so each connection:
 
-* reads through a 256 KiB buffer (:class:`FrameReader`): one ``recv_into`` brings in many
+* reads through a 256 KiB buffer (:class:`protocol.dataplane.FrameReader`): one ``recv_into`` brings in many
   pipelined request frames; a write's payload is taken from the buffer as far as it is
   there, and the rest is ``recv_into`` the segment directly (no staging copy);
 * gathers replies and sends them with one ``sendmsg`` (header + payload memoryviews,
@@ -23,96 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 import threading
 
 import msgspec
 
 from protocol import transport
-from protocol.dataplane import MAX_HEADER, DataReply, DataRequest, frame, sendv
+from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
 from protocol.grants import check_token
 from storenode.extents import ExtentTable
 from storenode.segment import Segment
 
-_LEN = struct.Struct("<I")
-_READ_BUF = 256 << 10
 _FLUSH_BYTES = 1 << 20
 _req_dec = msgspec.msgpack.Decoder(DataRequest)
 _OK = frame(DataReply(True))
-
-
-class FrameReader:
-    """Buffered reader of ``u32 length || body`` frames and raw payloads from a stream."""
-
-    def __init__(self, sock, size: int = _READ_BUF) -> None:
-        self.sock = sock
-        self.buf = bytearray(size)
-        self.view = memoryview(self.buf)
-        self.lo = self.hi = 0
-
-    def buffered(self) -> int:
-        return self.hi - self.lo
-
-    def has_frame(self) -> bool:
-        """A whole frame is already buffered (so reading it will not block)."""
-        n = self.hi - self.lo
-        if n < 4:
-            return False
-        (size,) = _LEN.unpack_from(self.buf, self.lo)
-        return n >= 4 + size
-
-    def _fill(self, need: int) -> None:
-        """Make at least ``need`` bytes available from ``lo`` (need ≤ buffer size)."""
-        if self.hi - self.lo >= need:
-            return
-        if self.lo + need > len(self.buf):
-            n = self.hi - self.lo
-            self.buf[:n] = self.view[self.lo:self.hi]
-            self.lo, self.hi = 0, n
-        while self.hi - self.lo < need:
-            got = self.sock.recv_into(self.view[self.hi:], len(self.buf) - self.hi)
-            if got == 0:
-                raise NodeUnavailable("data connection closed mid-frame")
-            self.hi += got
-
-    def frame(self) -> memoryview:
-        """The next frame's body (valid until the next call). InvalidRequest when its
-        declared length exceeds MAX_HEADER."""
-        self._fill(4)
-        (n,) = _LEN.unpack_from(self.buf, self.lo)
-        if n > MAX_HEADER:
-            raise InvalidRequest(f"data frame header of {n} bytes exceeds {MAX_HEADER}")
-        self._fill(4 + n)
-        body = self.view[self.lo + 4:self.lo + 4 + n]
-        self.lo += 4 + n
-        return body
-
-    def read_into(self, dst: memoryview) -> None:
-        """Fill ``dst``: buffered bytes first, then ``recv_into`` it directly."""
-        n = len(dst)
-        take = min(n, self.hi - self.lo)
-        if take:
-            dst[:take] = self.view[self.lo:self.lo + take]
-            self.lo += take
-        pos = take
-        while pos < n:
-            got = self.sock.recv_into(dst[pos:], n - pos)
-            if got == 0:
-                raise NodeUnavailable("data connection closed mid-frame")
-            pos += got
-
-    def skip(self, n: int) -> None:
-        """Discard ``n`` payload bytes (a refused write's payload)."""
-        take = min(n, self.hi - self.lo)
-        self.lo += take
-        n -= take
-        while n:
-            self.lo = self.hi = 0
-            got = self.sock.recv_into(self.view, min(n, len(self.buf)))
-            if got == 0:
-                raise NodeUnavailable("data connection closed mid-frame")
-            n -= got
 
 
 class DataServer:
