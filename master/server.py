@@ -2,11 +2,12 @@
 
 Two threads:
 
-* the **RPC thread** owns every zmq socket and the state object: it decodes ROUTER
-  requests, calls the state, replies, applies membership changes handed over by the etcd
-  thread, runs the periodic ``tick`` and sends the state's outbox (commit/free/copy
-  notices) to store nodes. A plain blocking zmq loop: about half the per-request cost of
-  ``zmq.asyncio`` measured on this machine.
+* the **RPC thread** owns every socket and the state object: one poll loop over the
+  client connections (plain TCP, non-blocking, framed by :mod:`protocol.rpcwire`) and the
+  zmq DEALER sockets to store nodes. It decodes requests, calls the state, replies,
+  applies membership changes handed over by the etcd thread, runs the periodic ``tick``
+  and sends the state's outbox (commit/free/copy notices) to store nodes. Replies to the
+  requests that arrived together go out in one ``send`` per connection.
 * the **etcd thread** (asyncio, aetcd) campaigns for leadership (create-if-absent on
   the ``leader`` key under a kept-alive lease), polls ``nodes/`` for membership and
   performs the durable hand-off record writes the RPC thread asks for.
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,8 +35,21 @@ import zmq
 from master.metrics import Metrics
 from master.state import MasterSettings, MasterState
 from protocol import messages as M
-from protocol.errors import EtcdUnavailable, KVPoolError, NotLeader
+from protocol import rpcwire, transport
+from protocol.errors import EtcdUnavailable, InvalidRequest, KVPoolError, NotLeader
 from protocol.etcd import Etcd, Keys, kept_alive
+
+
+class _Client:
+    """One client connection: its frame parser and the reply bytes not sent yet."""
+
+    __slots__ = ("sock", "parser", "out", "closing")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.parser = rpcwire.FrameParser()
+        self.out = bytearray()
+        self.closing = False
 
 
 @dataclass(frozen=True)
@@ -64,14 +80,12 @@ class MasterServer:
         self.fatal: KVPoolError | None = None
         self.etcd_ok = True
         self.etcd: Etcd | None = None
-        self.rpc = self.ctx.socket(zmq.ROUTER)
-        self.rpc.setsockopt(zmq.LINGER, 0)
-        if s.rpc_port:
-            self.rpc.bind(f"tcp://{s.host}:{s.rpc_port}")
-            port = s.rpc_port
-        else:
-            port = self.rpc.bind_to_random_port(f"tcp://{s.host}")
-        self.rpc_addr = f"tcp://{s.host}:{port}"
+        self.listener = transport.listen(f"tcp://{s.host}:{s.rpc_port}")
+        self.listener.setblocking(False)
+        self.rpc_addr = "tcp://%s:%d" % self.listener.getsockname()[:2]
+        self.listener_fd = self.listener.fileno()
+        self.clients: dict[int, _Client] = {}  # by fd
+        self._rbuf = memoryview(bytearray(1 << 20))  # the RPC thread's receive buffer
 
     # ---- process ------------------------------------------------------------------------
 
@@ -89,7 +103,9 @@ class MasterServer:
             etcd_thread.join(10)
             for _, sock in self.node_socks.values():
                 sock.close(0)
-            self.rpc.close(0)
+            for c in list(self.clients.values()):
+                c.sock.close()
+            self.listener.close()
             self.ctx.term()
         if self.fatal is not None:
             raise self.fatal
@@ -170,18 +186,15 @@ class MasterServer:
 
     def _rpc_loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.rpc, zmq.POLLIN)
+        poller.register(self.listener, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self.stop.is_set():
-            ready = dict(poller.poll(50))
-            for sock in ready:
-                if sock is self.rpc:
-                    for _ in range(256):  # drain what is queued, then look at other work
-                        try:
-                            frames = self.rpc.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle(frames)
+            for sock, ev in poller.poll(50):
+                if isinstance(sock, int):  # zmq's poller names plain sockets by fd
+                    if sock == self.listener_fd:
+                        self._accept(poller)
+                    elif (c := self.clients.get(sock)) is not None:
+                        self._serve(poller, c, ev)
                 else:
                     self._node_reply(poller, sock)
             self._apply_events(poller)
@@ -192,6 +205,61 @@ class MasterServer:
                     key = self.keys.handoff(rid)
                     self._etcd_call(lambda e, k=key: e.delete(k), wait=False)
             self._flush(poller)
+
+    def _accept(self, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of fds, aborted handshake: keep serving the others
+                if e.errno not in (errno.ECONNABORTED, errno.EPROTO):
+                    print(f"master: accept failed: {e}", file=sys.stderr, flush=True)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.clients[sock.fileno()] = _Client(sock)
+            poller.register(sock, zmq.POLLIN)
+
+    def _close_client(self, poller: zmq.Poller, c: _Client) -> None:
+        self.clients.pop(c.sock.fileno(), None)
+        with contextlib.suppress(KeyError):
+            poller.unregister(c.sock)
+        with contextlib.suppress(OSError):
+            c.sock.close()
+
+    def _serve(self, poller: zmq.Poller, c: _Client, ev: int) -> None:
+        """Read what the connection has, answer every whole request, send the replies."""
+        if ev & zmq.POLLIN and not c.closing:
+            try:
+                got = c.sock.recv_into(self._rbuf)
+            except (BlockingIOError, InterruptedError):
+                got = -1
+            except OSError:
+                return self._close_client(poller, c)
+            if got == 0:
+                return self._close_client(poller, c)
+            if got > 0:
+                try:
+                    frames = c.parser.feed(self._rbuf[:got])
+                except InvalidRequest as e:  # a corrupt length: answer, then hang up
+                    frames, c.closing = [], True
+                    c.out += rpcwire.pack(int(e.fields.get("rid", 0)), M.encode(M.Reply(error=e.to_wire())))
+                for rid, body in frames:
+                    reply = self._handle(body)
+                    if rid != rpcwire.ONE_WAY:
+                        c.out += rpcwire.pack(rid, reply)
+        if c.out:
+            try:
+                sent = c.sock.send(c.out)
+                del c.out[:sent]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                return self._close_client(poller, c)
+        if c.closing and not c.out:
+            return self._close_client(poller, c)
+        poller.modify(c.sock, zmq.POLLIN | (zmq.POLLOUT if c.out else 0))
 
     def _apply_events(self, poller: zmq.Poller) -> None:
         while True:
@@ -303,10 +371,8 @@ class MasterServer:
                     if isinstance(m, M.NodeCopy):
                         sock.send(M.encode(m), zmq.NOBLOCK)
 
-    def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) != 3:
-            return  # not our framing (identity, request id, body): drop
-        ident, rid, body = frames
+    def _handle(self, body: bytes) -> bytes:
+        """One request → its encoded Reply (a typed error for anything malformed)."""
         t0 = time.perf_counter()
         op = "invalid"
         try:
@@ -318,8 +384,9 @@ class MasterServer:
             reply = M.Reply(msgspec.Raw(M.encode(self._dispatch(req))))
         except KVPoolError as e:
             reply = M.Reply(error=e.to_wire())
-        self.rpc.send_multipart([ident, rid, M.encode(reply)])
+        out = M.encode(reply)
         self.metrics.observe(op, time.perf_counter() - t0)
+        return out
 
     def _dispatch(self, req):
         st, now = self.state, time.time()

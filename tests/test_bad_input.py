@@ -5,11 +5,11 @@ import struct
 
 import msgspec
 import pytest
-import zmq
 
 from connector.dataclient import DataPlane, WriteOp
 from protocol import errors as E
 from protocol import messages as M
+from protocol import rpcwire
 from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
 
 
@@ -32,22 +32,27 @@ def test_object_larger_than_any_node(client):
 
 
 def test_malformed_rpc_frames_get_errors_and_master_survives(cluster, client):
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(cluster.master_addr)
-    try:
-        for body in (b"", b"\xc1\xc1\xc1", msgspec.msgpack.encode({"type": "lookup"}),
-                     msgspec.msgpack.encode({"type": "nope", "keys": []}),
-                     msgspec.msgpack.encode({"type": "lookup", "keys": [1, 2]})):
-            s.send_multipart([b"r1", body])
-            assert s.poll(5000)
-            rid, reply = s.recv_multipart()
+    host, port = cluster.master_addr[len("tcp://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        frames = rpcwire.BlockingFrames(s)
+        for i, body in enumerate((b"", b"\xc1\xc1\xc1", msgspec.msgpack.encode({"type": "lookup"}),
+                                  msgspec.msgpack.encode({"type": "nope", "keys": []}),
+                                  msgspec.msgpack.encode({"type": "lookup", "keys": [1, 2]})), start=7):
+            s.sendall(rpcwire.pack(i, body))
+            rid, reply = frames.read()
             rep = msgspec.msgpack.decode(reply, type=M.Reply)
-            assert rid == b"r1" and rep.error is not None and rep.error.code == "invalid_request"
-        s.send_multipart([b"a", b"b", b"c", b"d"])  # wrong frame count: dropped, no crash
-    finally:
-        s.close(0)
+            assert rid == i and rep.error is not None and rep.error.code == "invalid_request"
+        # a one-way garbage frame gets no reply; the next request's reply comes next
+        s.sendall(rpcwire.pack(rpcwire.ONE_WAY, b"\xc1") + rpcwire.pack(99, M.encode(M.Exists(["x"]))))
+        rid, reply = frames.read()
+        assert rid == 99 and msgspec.msgpack.decode(reply, type=M.Reply).error is None
+    # an impossible length: one error reply, then the master hangs up on that stream only
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(rpcwire.HEAD.pack(1 << 31, 5))
+        rid, reply = rpcwire.BlockingFrames(s).read()
+        rep = msgspec.msgpack.decode(reply, type=M.Reply)
+        assert rid == 5 and rep.error.code == "invalid_request" and "outside" in rep.error.message
+        assert s.recv(10) == b""
     client.put("after/garbage", b"ok")
     assert client.get("after/garbage") == b"ok"
     assert all(c.alive() for c in cluster.masters)

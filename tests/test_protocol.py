@@ -5,6 +5,7 @@ import pytest
 
 from protocol import errors as E
 from protocol import messages as M
+from protocol import rpcwire
 from protocol.config import load_config
 from protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key, validate_key
 from protocol.layout import LayoutSpec, TensorSpec, check_layout
@@ -146,3 +147,21 @@ def test_config_errors_name_their_source(tmp_path):
     bad.write_text("storenodes:\n  - name: a\n  - name: a\n")
     with pytest.raises(E.ConfigError, match="unique"):
         load_config(bad, environ={})
+
+
+def test_rpc_frame_parser_reassembles_split_and_coalesced_frames():
+    frames = [(1, M.encode(M.Exists(["a"]))), (0, b""), (2**64 - 1, b"x" * 70000)]
+    wire = b"".join(rpcwire.pack(rid, body) for rid, body in frames)
+    for step in (1, 5, 12, 4096, len(wire)):  # byte by byte, mid-header, many per chunk
+        p = rpcwire.FrameParser()
+        got = []
+        for i in range(0, len(wire), step):
+            got += p.feed(wire[i:i + step])
+        assert got == frames and not p.buf
+
+
+def test_rpc_frame_parser_refuses_impossible_lengths():
+    for size in (0, 7, rpcwire.MAX_FRAME + 1):
+        with pytest.raises(E.InvalidRequest, match="outside") as ei:
+            rpcwire.FrameParser().feed(rpcwire.HEAD.pack(size, 42))
+        assert ei.value.fields["rid"] == 42
