@@ -33,6 +33,7 @@ from protocol.layout import LayoutSpec, check_layout
 from protocol.transport import default_host_id
 
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
+_INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
 
 
 def as_buffer(x: Any, writable: bool) -> tuple[memoryview, Callable[[], None] | None]:
@@ -233,13 +234,22 @@ class KVPoolClient:
                 key=items[j].key)
 
     def _parallel(self, fn, by_node: dict[str, list]) -> None:
-        groups = list(by_node.values())
-        if len(groups) <= 1:
-            for g in groups:
-                fn(g)
-            return
-        for f in [self._pool.submit(fn, g) for g in groups]:
-            f.result()
+        """Run ``fn`` on each node's ops: one pool thread per node for network streams and
+        big shared-memory copies (they release the GIL, so nodes move bytes in parallel);
+        shared-memory groups of objects under :data:`_INLINE_BYTES` run right here, since
+        such copies hold the GIL and a thread hand-off would cost more than it overlaps."""
+        pooled = []
+        for ops in by_node.values():
+            ref = ops[0].ref
+            if self.data.uses_shm(ref) and max(op.ref.size for op in ops) < _INLINE_BYTES:
+                fn(ops)
+            else:
+                pooled.append(ops)
+        if len(pooled) == 1:
+            fn(pooled[0])
+        elif pooled:
+            for f in [self._pool.submit(fn, g) for g in pooled]:
+                f.result()
 
     # ---- gets ---------------------------------------------------------------------------
 
