@@ -121,7 +121,8 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
               host_id: Annotated[Optional[str], typer.Option(help="Override host identity")] = None,
               node_ttl: Annotated[str, typer.Option()] = "3s",
               run_dir: Annotated[Optional[str], typer.Option()] = None,
-              device: Annotated[str, typer.Option(help="cpu (cuda:N segments are not built yet)")] = "cpu") -> None:
+              device: Annotated[str, typer.Option(help="cpu (cuda:N segments are not built yet)")] = "cpu",
+              ucx: Annotated[bool, typer.Option(help="Also serve data on ucx:// (needs kvpool[ucx])")] = False) -> None:
     """Run one store node with a shared-memory segment of --memory bytes."""
     from storenode.server import NodeSettings, main as run_node
 
@@ -133,7 +134,7 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
         if device != "cpu":
             raise E.ConfigError(f"--device {device}: only cpu segments are supported in this build", key="device")
         run_node(NodeSettings(etcd, cluster, name, parse_size(memory, key="memory"), host, data_port, host_id,
-                              parse_duration(node_ttl, key="node_ttl"), run_dir, device))
+                              parse_duration(node_ttl, key="node_ttl"), run_dir, device, ucx))
 
     _run(go)
 

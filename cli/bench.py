@@ -36,11 +36,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POOL_BYTES = 64 << 20  # rotate sources/destinations over this much memory (> L3)
 META_BATCH = 64
-CEILING_OF = {"shm": "memcpy", "tcp": "tcp", "unix": "unix"}
-PATH_OF = {"auto": "shm", "shm": "shm", "tcp": "tcp", "unix": "unix", "redis": "tcp"}
+CEILING_OF = {"shm": "memcpy", "tcp": "tcp", "unix": "unix", "ucx": "ucx"}
+PATH_OF = {"auto": "shm", "shm": "shm", "tcp": "tcp", "unix": "unix", "ucx": "ucx", "redis": "tcp"}
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
@@ -356,14 +358,18 @@ def _aligned(n: int):
 
 
 def _worker_main() -> None:
+    # replies go to the parent on the original stdout; anything else a library prints
+    # there (UCX logs to fd 1) goes to stderr instead of corrupting the JSON lines
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     w = _Worker()
     for line in sys.stdin.buffer:
         try:
             reply = w.handle(json.loads(line))
         except Exception as e:  # noqa: BLE001 - reported to the parent as one JSON line
             reply = {"error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
     for c in w.clients.values():
         with contextlib.suppress(Exception):
             c.close()
@@ -454,9 +460,11 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
 
     paths = [t.strip() for t in transport.split(",") if t.strip()]
     for t in paths:
-        if t not in ("auto", "shm", "tcp", "unix"):
-            raise ConfigError(f"bench --transport: {t!r}; accepted: auto, tcp, unix (comma separated)",
+        if t not in ("auto", "shm", "tcp", "unix", "ucx"):
+            raise ConfigError(f"bench --transport: {t!r}; accepted: auto, tcp, unix, ucx (comma separated)",
                               key="transport")
+    if "ucx" in paths and not _has_ucx():
+        raise ConfigError("bench --transport ucx needs the ucx extra: pip install 'kvpool[ucx]'", key="transport")
     if baseline not in (None, "", "redis"):
         raise ConfigError(f"bench --baseline: {baseline!r}; accepted: redis", key="baseline")
     if not sizes or not clients or min(sizes) <= 0 or min(clients) <= 0 or min(batches) <= 0 \
@@ -496,6 +504,9 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
             if master is None:
                 from cli.cluster import LocalCluster
 
+                if "ucx" in paths:  # store nodes also serve ucx:// so that clients can pick it
+                    cfg = msgspec.structs.replace(cfg, storenodes=[msgspec.structs.replace(n, ucx=True)
+                                                                   for n in cfg.storenodes])
                 lc = LocalCluster(cfg)
                 lc.__enter__()
                 master = lc.master_addr
@@ -565,7 +576,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
             ceil["unix_gbps"] = max(ceil["unix_gbps"], socket_gbps("unix", chunk, cbytes))
             prog.update(task, advance=1)
             for row in report["results"]:
-                c = ceil[f"{row['ceiling']}_gbps"]
+                c = ceil.get(f"{row['ceiling']}_gbps", 0.0)
                 row["ratio"] = row["gbps"] / c if c else 0.0
     finally:
         for p in workers:

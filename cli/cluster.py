@@ -156,7 +156,7 @@ class LocalCluster:
             self.start_etcd()
         self.start_master()
         for i, n in enumerate(self.cfg.storenodes):
-            self.start_node(n.name or f"node-{i}", n.memory, n.host_id)
+            self.start_node(n.name or f"node-{i}", n.memory, n.host_id, n.ucx)
         self.wait_nodes(len(self.cfg.storenodes))
 
     def start_etcd(self) -> None:
@@ -220,7 +220,8 @@ class LocalCluster:
             self.master_addr = line.split()[-1]
         return child
 
-    def start_node(self, name: str, memory: str | int = "1GiB", host_id: str | None = None) -> Child:
+    def start_node(self, name: str, memory: str | int = "1GiB", host_id: str | None = None,
+                   ucx: bool = False) -> Child:
         old = self.nodes.get(name)
         if old is not None and old.alive():
             raise KVPoolError(f"store node {name} is already running")
@@ -228,6 +229,8 @@ class LocalCluster:
                 "--node-ttl", str(self.cfg.master.node_ttl), "--run-dir", self.run_dir]
         if host_id:
             args += ["--host-id", host_id]
+        if ucx:
+            args.append("--ucx")
         child = Child(name, kvpool_argv(*args), self.run_dir)
         self.nodes[name] = child
         child.wait_line("KVPOOL_READY storenode", self.ready_timeout_s)

@@ -77,7 +77,8 @@ class KVPoolClient:
     """A connection to one kvpool cluster. Thread-safe.
 
     ``master``: the master's RPC address (``tcp://host:port``), or ``etcd`` + ``cluster``
-    to follow the elected leader. ``transport``: ``auto`` | ``tcp`` | ``shm``.
+    to follow the elected leader. ``transport``: ``auto`` | ``shm`` | ``unix`` | ``tcp`` | ``ucx``
+    (see :class:`~connector.dataclient.DataPlane`).
     ``read_hook(key)`` runs after bytes land and before validation (fault injection in
     tests: a slow reader).
     """

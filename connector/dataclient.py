@@ -42,7 +42,7 @@ import xxhash
 
 from protocol import transport
 from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, recv_reply, sendv
-from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, from_wire
+from protocol.errors import ConfigError, InvalidRequest, KVPoolError, NodeUnavailable, from_wire
 from protocol.messages import ExtentRef
 
 _CHUNK = 256 << 10      # shm copy+hash granularity: fits L2, so the hash reads hot bytes
@@ -135,10 +135,16 @@ class DataPlane:
     """Thread-safe: connections are per thread; shared-memory maps are shared.
 
     ``transport_mode``: ``auto``/``shm`` (shared memory on the same host, else TCP),
-    ``unix`` (the node's Unix socket on the same host, else TCP), ``tcp`` (always TCP).
+    ``unix`` (the node's Unix socket on the same host, else TCP), ``tcp`` (always TCP),
+    ``ucx`` (the node's ``ucx://`` address when it serves one — store nodes started with
+    ``--ucx`` — else as ``unix``). Raises ConfigError for any other mode.
     """
 
+    MODES = ("auto", "shm", "unix", "tcp", "ucx")
+
     def __init__(self, host_id: str, transport_mode: str = "auto", io_timeout_s: float = 30.0) -> None:
+        if transport_mode not in self.MODES:
+            raise ConfigError(f"transport {transport_mode!r}; accepted: {', '.join(self.MODES)}", key="transport")
         self.host_id = host_id
         self.mode = transport_mode
         self.io_timeout_s = io_timeout_s
@@ -181,6 +187,8 @@ class DataPlane:
         return self.mode in ("auto", "shm") and ref.host_id == self.host_id and self._segment(ref) is not None
 
     def _stream_addr(self, ref: ExtentRef) -> str:
+        if self.mode == "ucx" and ref.ucx_addr:
+            return ref.ucx_addr
         if self.mode != "tcp" and ref.host_id == self.host_id and ref.shm_path:
             return ref.shm_path  # same host without shm: the node's Unix socket
         return ref.data_addr

@@ -95,9 +95,9 @@ class ConnectorSettings:
             return v
 
         transport = str(extra.get("transport", "auto"))
-        if transport not in ("auto", "tcp", "shm"):
+        if transport not in ("auto", "tcp", "shm", "unix", "ucx"):
             raise ConfigError(f"kv_connector_extra_config.transport: {transport!r}; accepted: auto, tcp, "
-                              "shm", key="transport")
+                              "shm, unix, ucx", key="transport")
         return ConnectorSettings(
             master=master, etcd=etcd, cluster=str(extra.get("cluster", "default")),
             namespace=str(extra.get("namespace", "vllm")).strip("/") or "vllm", model_id=model,

@@ -21,7 +21,7 @@ def grant(node: Node, offset: int, size: int) -> ExtentRef:
     d = node.desc
     gen = next(node.next_gen)
     return ExtentRef(d.node_id, d.incarnation, d.data_addr, d.shm_path, d.host_id, offset, size, gen,
-                     grant_token(d.grant_key, d.incarnation, offset, size, gen))
+                     grant_token(d.grant_key, d.incarnation, offset, size, gen), d.ucx_addr)
 
 
 class RepairMixin:

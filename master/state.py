@@ -193,7 +193,7 @@ class MasterState(HandoffMixin, RepairMixin):
         node = self.nodes[node_id]
         node.alloc.reserve(offset, size)
         ref = ExtentRef(node_id, node.desc.incarnation, node.desc.data_addr, node.desc.shm_path,
-                        node.desc.host_id, offset, size, gen)
+                        node.desc.host_id, offset, size, gen, ucx_addr=node.desc.ucx_addr)
         node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
         obj = self.objects.get(key)
         if obj is None:

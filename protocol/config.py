@@ -51,6 +51,7 @@ class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     data_port: int = 0
     host_id: str | None = None
     device: str = "cpu"
+    ucx: bool = False  # also serve the data plane on ucx:// (needs the [ucx] extra)
 
 
 class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -94,8 +95,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not (n.device == "cpu" or n.device.startswith("cuda")):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
-        if self.client.transport not in ("auto", "tcp", "unix", "shm"):
-            raise ConfigError(f"client.transport: {self.client.transport!r}; accepted: auto, tcp, unix, shm",
+        if self.client.transport not in ("auto", "tcp", "unix", "shm", "ucx"):
+            raise ConfigError(f"client.transport: {self.client.transport!r}; accepted: auto, tcp, unix, shm, ucx",
                               key="client.transport")
         return self
 

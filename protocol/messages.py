@@ -30,6 +30,7 @@ class ExtentRef(msgspec.Struct, frozen=True, array_like=True):
     size: int
     gen: int
     token: bytes = b""
+    ucx_addr: str = ""  # the node's ucx:// data address when it serves one ("" otherwise)
 
 
 class NodeDesc(msgspec.Struct, frozen=True):
@@ -46,6 +47,7 @@ class NodeDesc(msgspec.Struct, frozen=True):
     capacity: int
     device: str = "cpu"
     grant_key: bytes = b""
+    ucx_addr: str = ""  # ucx:// data address (``--ucx``), "" when the node serves none
 
 
 class PutItem(msgspec.Struct, frozen=True, array_like=True):

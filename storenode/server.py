@@ -45,6 +45,7 @@ class NodeSettings:
     node_ttl_s: float = 3.0
     run_dir: str | None = None
     device: str = "cpu"
+    ucx: bool = False
 
 
 class StoreNode:
@@ -58,15 +59,17 @@ class StoreNode:
         run_dir = s.run_dir or tempfile.mkdtemp(prefix="kvpool-node-")
         self.run_dir = run_dir
         self.unix_path = os.path.join(run_dir, f"{self.node_id}.sock")
-        self.data = DataServer(self.segment, self.table,
-                               [f"tcp://{s.host}:{s.data_port}", f"unix://{self.unix_path}"])
+        addrs = [f"tcp://{s.host}:{s.data_port}", f"unix://{self.unix_path}"]
+        if s.ucx:  # raises ConfigError naming the extra when ucxx is not installed
+            addrs.append(f"ucx://{s.host}:0")
+        self.data = DataServer(self.segment, self.table, addrs)
         self.host_id = s.host_id or transport.default_host_id()
         self._stop = asyncio.Event()
 
     def descriptor(self, ctrl_addr: str) -> M.NodeDesc:
         return M.NodeDesc(self.node_id, self.segment.incarnation, self.data.addrs[0], ctrl_addr,
                           self.data.addrs[1], self.host_id, self.segment.capacity, self.s.device,
-                          self.segment.grant_key)
+                          self.segment.grant_key, self.data.addrs[2] if self.s.ucx else "")
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -224,3 +224,34 @@ def test_shared_memory_copies_any_alignment(dst_offset, size):
         dp._bases.clear()
         seg.release()
         seg_map.close()
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(not _has_ucx(), reason="needs the [ucx] extra (ucxx)")
+def test_cluster_end_to_end_over_ucx(make_cluster):
+    """A store node started with --ucx publishes a ucx:// address; a client with
+    transport="ucx" puts and gets through it (the master hands the address out with every
+    replica), and falls back to the node's other paths for nodes that serve no ucx."""
+    import numpy as np
+
+    lc = make_cluster(nodes=1, memory="64MiB")
+    lc.start_node("ucx-node", "64MiB", ucx=True)
+    lc.wait_nodes(2)
+    rng = np.random.default_rng(7)
+    with lc.client(transport="ucx") as c:
+        c.drain("node-0")  # place only on the ucx node
+        objs = {f"ucx/{n}": rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 65536, 4 << 20)}
+        for k, v in objs.items():
+            assert c.put(k, v) is True
+        for k, v in objs.items():
+            ref = c.lookup([k])[0].replicas[0]
+            assert ref.node_id == "ucx-node" and ref.ucx_addr.startswith("ucx://")
+            assert c.get(k) == v.tobytes()
+        assert any(a.startswith("ucx://") for a in c.data._conns())
+        c.drain("node-0", undo=True)
+        c.drain("ucx-node")
+        assert c.put("plain/1", b"no ucx here") is True  # node-0 serves no ucx: unix socket instead
+        assert c.lookup(["plain/1"])[0].replicas[0].ucx_addr == ""
+        assert c.get("plain/1") == b"no ucx here"
+    with pytest.raises(E.ConfigError, match="accepted: auto, shm, unix, tcp, ucx"):
+        lc.client(transport="rdma")
