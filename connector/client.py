@@ -149,7 +149,7 @@ class KVPoolClient:
                 if lay is not None and lay.nbytes != len(mv):
                     raise LayoutMismatch(f"object {k!r} has {len(mv)} bytes but layout {lay.kind} describes "
                                          f"{lay.nbytes}", key=k)
-                items.append(M.PutItem(k, len(mv), xxhash.xxh3_64_intdigest(mv), lay))
+                items.append(M.PutItem(k, len(mv), 0, lay))  # checksum: computed while writing, sent at put_end
                 bufs.append(mv)
                 idx.append(i)
             except KVPoolError as e:
@@ -180,19 +180,22 @@ class KVPoolClient:
             if g.status != "write":
                 continue  # "exists": content-addressed no-op
             lay = items[j].layout
-            ops = [WriteOp(r, bufs[j], g.key, items[j].checksum, lay.encode() if lay else None)
-                   for r in g.replicas]
+            # same host only: the first copy hashes as it goes; else hash once, up front
+            checksum = None if all(self.data.uses_shm(r) for r in g.replicas) else xxhash.xxh3_64_intdigest(bufs[j])
+            ops = [WriteOp(r, bufs[j], g.key, checksum if k == 0 else (checksum or 0), lay.encode() if lay else None)
+                   for k, r in enumerate(g.replicas)]
             ops_of[j] = ops
             for op in ops:
                 by_node[op.ref.node_id].append(op)
         self._parallel(self.data.write, by_node)
-        commit_keys, commit_ids, revoke_keys, revoke_ids, commit_j, retry = [], [], [], [], [], []
+        commit_keys, commit_ids, commit_sums, revoke_keys, revoke_ids, commit_j, retry = [], [], [], [], [], [], []
         for j, ops in ops_of.items():
             g = grants[j]
             bad = next((op.error for op in ops if op.error is not None), None)
             if bad is None:
                 commit_keys.append(g.key)
                 commit_ids.append(g.put_id)
+                commit_sums.append(ops[0].checksum)
                 commit_j.append(j)
             else:
                 revoke_keys.append(g.key)
@@ -208,7 +211,7 @@ class KVPoolClient:
                 self.rpc.call(M.ReportDead(nid, inc))  # the master stops placing there for a while
                 self.data.forget_node(nid)
         if commit_keys:
-            for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids))):
+            for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids, commit_sums))):
                 if e is not None:
                     results[idx[j]] = from_wire(e)
                 else:

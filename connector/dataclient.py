@@ -56,9 +56,13 @@ _rep_dec = msgspec.msgpack.Decoder(DataReply)
 
 
 class WriteOp:
+    """Write ``data`` into the granted extent ``ref``. ``checksum=None`` (same-host writes
+    only) asks the data plane to hash the bytes while it copies them and set
+    :attr:`checksum` (xxh3_64); the node learns it from the master's commit."""
+
     __slots__ = ("ref", "data", "key", "checksum", "layout", "error")
 
-    def __init__(self, ref: ExtentRef, data: memoryview, key: str, checksum: int, layout: bytes | None):
+    def __init__(self, ref: ExtentRef, data: memoryview, key: str, checksum: int | None, layout: bytes | None):
         self.ref, self.data, self.key, self.checksum, self.layout = ref, data, key, checksum, layout
         self.error: KVPoolError | None = None
 
@@ -238,7 +242,10 @@ class DataPlane:
         Same host: the ``written`` notices go out first, then the bytes are copied into the
         segment while the node records them, then the replies are read, so the notice round
         trip overlaps the copy (the node only records the row; nothing reads it before the
-        master commits it after ``put_end``, which follows this call)."""
+        master commits it after ``put_end``, which follows this call). Ops with
+        ``checksum=None`` are hashed chunk by chunk as they are copied (the bytes are still
+        in cache), so the checksum costs no separate pass over memory. Network writes need
+        their checksum up front (it travels in the write header)."""
         shm, net = [], []
         for op in ops:
             (shm if self.uses_shm(op.ref) else net).append(op)
@@ -250,8 +257,13 @@ class DataPlane:
         for op in shm:
             if op.error is None:
                 r = op.ref
-                self._copy_in(r, self._segment(r)[r.offset:r.offset + r.size], op.data)
+                digest = self._copy_in(r, self._segment(r)[r.offset:r.offset + r.size], op.data, op.checksum is None)
+                if op.checksum is None:
+                    op.checksum = digest
         self._finish_writes(pending)
+        for op in net:
+            if op.checksum is None:
+                op.checksum = xxhash.xxh3_64_intdigest(op.data)
         self._finish_writes(self._send_writes(net, notice=False))
 
     def _send_writes(self, ops: Sequence[WriteOp], notice: bool):
@@ -269,7 +281,7 @@ class DataPlane:
                 if not notice and len(op.data) != r.size:
                     raise InvalidRequest(f"buffer for {op.key!r} has {len(op.data)} bytes; the grant is {r.size}")
                 bufs.append(frame(DataRequest("written" if notice else "write", r.incarnation, r.offset, r.size,
-                                              r.gen, op.key, op.checksum, op.layout, r.token)))
+                                              r.gen, op.key, op.checksum or 0, op.layout, r.token)))
                 if not notice and r.size:
                     bufs.append(op.data)
             sendv(s.sock, bufs)
@@ -400,9 +412,10 @@ class DataPlane:
             base = self._bases[ref.incarnation] = _address(self._segment(ref)[:1])
         return base + ref.offset
 
-    def _copy_in(self, ref: ExtentRef, dst: memoryview, data: memoryview) -> None:
+    def _copy_in(self, ref: ExtentRef, dst: memoryview, data: memoryview, digest: bool) -> int | None:
         """Shared-memory write: caller buffer → extent, one copy (bounced in the 4K-aliasing
-        case described in :meth:`_copy_out`)."""
+        case described in :meth:`_copy_out`). With ``digest``, returns the xxh3_64 of the
+        bytes, hashed per 256 KiB chunk right after it is copied (source still in L2)."""
         size = len(dst)
         bounce = None
         if 2048 < size < _BOUNCE_MAX:
@@ -410,14 +423,21 @@ class DataPlane:
                 bounce = self._bounce_for(_address(data), self._extent_address(ref))
             except (TypeError, ValueError):  # a read-only buffer (bytes): copy directly
                 bounce = None
-        if bounce is None:
+        if bounce is None and (not digest or size <= _CHUNK):
             _memcpy(dst, data)
-            return
-        step = len(bounce)
+            return xxhash.xxh3_64_intdigest(data) if digest else None
+        h = xxhash.xxh3_64() if digest else None
+        step = _CHUNK if bounce is None else len(bounce)
         for a in range(0, size, step):
             b = min(a + step, size)
-            bounce[:b - a] = data[a:b]
-            dst[a:b] = bounce[:b - a]
+            if bounce is None:
+                dst[a:b] = data[a:b]
+            else:
+                bounce[:b - a] = data[a:b]
+                dst[a:b] = bounce[:b - a]
+            if h is not None:
+                h.update(data[a:b])
+        return h.intdigest() if h is not None else None
 
     def _bounce_for(self, src: int, dst: int) -> memoryview | None:
         """A bounce buffer half a page from ``src`` when ``dst`` sits 1–63 bytes past

@@ -74,7 +74,7 @@ class RepairMixin:
         obj.replicas.append(dst)
         obj._read_refs = None
         node.keys.add(key)
-        self.outbox[dst.node_id].append(NodeCommit([(dst.offset, dst.gen)]))
+        self.outbox[dst.node_id].append(NodeCommit([(dst.offset, dst.gen, obj.checksum)]))
         if len(self._live_replicas(obj)) >= obj.replicas_wanted:
             # moved off draining nodes: drop those copies
             for r in [r for r in obj.replicas if self.nodes[r.node_id].draining]:

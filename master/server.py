@@ -393,7 +393,7 @@ class MasterServer:
         if isinstance(req, M.PutStart):
             return st.put_start(req.items, req.host_id, req.replicas, now)
         if isinstance(req, M.PutEnd):
-            return st.put_end(req.keys, req.put_ids, now)
+            return st.put_end(req.keys, req.put_ids, now, req.checksums)
         if isinstance(req, M.Lookup):
             return st.lookup(req.keys, req.lease, now)
         if isinstance(req, M.ReleaseLeases):

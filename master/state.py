@@ -303,9 +303,13 @@ class MasterState(HandoffMixin, RepairMixin):
             off = node.alloc.alloc(size)
         return off
 
-    def put_end(self, keys: list[str], put_ids: list[int], now: float) -> list[ErrorInfo | None]:
+    def put_end(self, keys: list[str], put_ids: list[int], now: float,
+                checksums: list[int] | None = None) -> list[ErrorInfo | None]:
+        """Commit pending puts; ``checksums`` (if given, one per key) replace put_start's."""
+        if checksums and len(checksums) != len(keys):
+            raise E.InvalidRequest(f"put_end: {len(keys)} keys but {len(checksums)} checksums")
         out: list[ErrorInfo | None] = []
-        for key, pid in zip(keys, put_ids):
+        for i, (key, pid) in enumerate(zip(keys, put_ids)):
             obj = self.pending.get(key)
             if obj is None or obj.put_id != pid:
                 if key in self.objects and self.objects[key].put_id == pid:
@@ -316,11 +320,13 @@ class MasterState(HandoffMixin, RepairMixin):
                     "or a store node died); write it again", key=key).to_wire())
                 continue
             del self.pending[key]
+            if checksums:
+                obj.checksum = checksums[i]
             obj.state = COMMITTED
             obj.last_access = now
             self.objects[key] = obj
             for r in obj.replicas:
-                self.outbox[r.node_id].append(NodeCommit([(r.offset, r.gen)]))
+                self.outbox[r.node_id].append(NodeCommit([(r.offset, r.gen, obj.checksum)]))
             self._lru_add(obj)
             out.append(None)
         self.enforce_watermarks(now)

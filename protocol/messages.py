@@ -163,8 +163,12 @@ class PutStart(msgspec.Struct, tag="put_start"):
 
 
 class PutEnd(msgspec.Struct, tag="put_end"):
+    """Commit written puts. ``checksums`` (xxh3_64, one per key) replace those given at
+    put_start: a same-host writer hashes while it copies, so it knows them only now."""
+
     keys: list[str]
     put_ids: list[int]
+    checksums: list[int] = []
 
 
 class PutRevoke(msgspec.Struct, tag="put_revoke"):
@@ -297,7 +301,7 @@ class ExtentEntry(msgspec.Struct, frozen=True, array_like=True):
 
 
 class NodeCommit(msgspec.Struct, tag="commit"):
-    extents: list[tuple[int, int]]  # (offset, gen)
+    extents: list[tuple[int, int, int]]  # (offset, gen, xxh3_64 checksum of the bytes)
 
 
 class NodeFree(msgspec.Struct, tag="free"):

@@ -39,11 +39,13 @@ class ExtentTable:
                               "look the key up again", offset=offset, gen=gen)
         return row
 
-    def commit(self, offset: int, gen: int) -> None:
+    def commit(self, offset: int, gen: int, checksum: int) -> None:
+        """Mark the row committed with the master's checksum (a same-host writer's notice
+        came before it had hashed the bytes)."""
         with self._lock:
             row = self._rows.get(offset)
             if row is not None and row.gen == gen:
-                self._rows[offset] = ExtentEntry(row.key, row.offset, row.size, row.gen, row.checksum,
+                self._rows[offset] = ExtentEntry(row.key, row.offset, row.size, row.gen, checksum,
                                                  row.layout, True)
 
     def free(self, offset: int, gen: int) -> None:

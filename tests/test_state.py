@@ -283,3 +283,15 @@ def test_stuck_repair_times_out_and_frees_its_extent():
     st.tick(31.0)
     assert "p" not in st.repairs and st.nodes[dst.node_id].alloc.used == used - MiB
     assert st.counters["repairs_timed_out"] == 1
+
+
+def test_put_end_checksums_replace_put_start_and_reach_the_commit_notice():
+    st = make()
+    g = st.put_start([PutItem("c", MiB, 0)], "h0", 2, 0.0)[0]
+    st.take_outbox()
+    with pytest.raises(E.InvalidRequest, match="1 keys but 2 checksums"):
+        st.put_end(["c"], [g.put_id], 0.0, [1, 2])
+    assert st.put_end(["c"], [g.put_id], 0.0, [0xABCDEF]) == [None]
+    assert st.lookup(["c"], False, 0.0)[0].checksum == 0xABCDEF
+    commits = [e for msgs in st.take_outbox().values() for m in msgs if isinstance(m, NodeCommit) for e in m.extents]
+    assert sorted(commits) == sorted((r.offset, r.gen, 0xABCDEF) for r in g.replicas)

@@ -194,8 +194,9 @@ def test_missing_extra_is_a_clear_config_error(monkeypatch):
 @pytest.mark.parametrize("dst_offset", [0, 16, 48, 2048])
 @pytest.mark.parametrize("size", [100, 4097, 64 << 10, 300 << 10, 1 << 20])
 def test_shared_memory_copies_any_alignment(dst_offset, size):
-    """The same-host copy paths (direct, bounced around 4K aliasing, chunked with a fused
-    digest) land exactly the extent's bytes and the right xxh3, whatever the alignment."""
+    """The same-host copy paths, both ways (direct, bounced around 4K aliasing, chunked with
+    a fused digest) land exactly the extent's bytes and the right xxh3, whatever the
+    alignment."""
     import mmap
 
     seg_map = mmap.mmap(-1, 4 << 20)
@@ -217,8 +218,11 @@ def test_shared_memory_copies_any_alignment(dst_offset, size):
         src_host = bytearray(size + 8192)
         src = memoryview(src_host)[dst_offset:dst_offset + size]
         src[:] = payload[::-1]
-        dp._copy_in(ref, seg[offset:offset + size], src)
-        assert bytes(seg[offset:offset + size]) == payload[::-1]
+        for digest in (False, True):
+            seg[offset:offset + size] = bytes(size)
+            got = dp._copy_in(ref, seg[offset:offset + size], src, digest)
+            assert bytes(seg[offset:offset + size]) == payload[::-1]
+            assert got == (xxhash.xxh3_64_intdigest(payload[::-1]) if digest else None)
     finally:
         dp._maps.clear()
         dp._bases.clear()
