@@ -40,7 +40,7 @@ import msgspec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POOL_BYTES = 64 << 20  # rotate sources/destinations over this much memory (> L3)
-META_BATCH = 64
+META_BATCHES = (1, 64, 256)  # keys per metadata call
 CEILING_OF = {"shm": "memcpy", "tcp": "tcp", "unix": "unix", "ucx": "ucx"}
 PATH_OF = {"auto": "shm", "shm": "shm", "tcp": "tcp", "unix": "unix", "ucx": "ucx", "redis": "tcp"}
 
@@ -336,8 +336,8 @@ class _Worker:
 
 
 def _has_ucx() -> bool:
-    try:
-        import ucxx  # noqa: F401
+    try:  # through our module: it sets the UCX_* environment before ucxx loads UCX
+        import protocol.ucx_transport  # noqa: F401
     except Exception:  # noqa: BLE001 - any failure means the extra is not usable
         return False
     return True
@@ -473,7 +473,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
     systems = [("kvpool", p) for p in paths] + ([("redis", "redis")] if baseline == "redis" else [])
     cells = [(sysname, t, s, c, b, r) for sysname, t in systems for s in sizes for c in clients for b in batches
              for r in (replicas if sysname == "kvpool" else (1,))]
-    n_steps = 4 + len(cells) + (len(clients) * 2 if metadata else 0)
+    n_steps = 4 + len(cells) + (len(clients) * len(META_BATCHES) if metadata else 0)
     chunk = max(min(max(sizes), 16 << 20), 1 << 20)
 
     lc = None
@@ -552,7 +552,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                 prog.update(task, advance=1)
             if metadata:
                 for nc in clients:
-                    for b in (1, META_BATCH):
+                    for b in META_BATCHES:
                         prog.update(task, description=f"metadata ×{nc} batch {b}")
                         n = max(b, meta_keys // nc // b * b) if b > 1 else max(1, meta_keys // 8 // nc)
                         mbest: dict[str, dict] = {}

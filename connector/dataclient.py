@@ -6,11 +6,12 @@ Paths, chosen per replica (``transport="auto"``):
   its Unix socket (SCM_RIGHTS) and mapped. A get is **one copy** (segment → caller
   buffer); with ``ReadOp(digest=True)`` it goes in 256 KiB chunks, each hashed (xxh3_64,
   streaming) right after it lands, while still in cache, so the checksum costs no second
-  pass over memory. A put is **one copy** (caller buffer → segment) plus a small
-  ``written`` notice; a batch's notices go out in one send before the copies, so the
-  node's round trip overlaps them. Copies of 1 MiB and more release the GIL (numpy), so
-  the per-node threads of a batch and the two replicas of a put copy in parallel; copies
-  hit by 4K aliasing are bounced (see :meth:`DataPlane._copy_out`).
+  pass over memory. A put is **one copy** (caller buffer → segment), hashed the same way
+  as it goes (the checksum reaches the master with ``put_end``), plus a small ``written``
+  notice; a batch's notices go out in one send before the copies, so the node's round
+  trip overlaps them. Big copies without a hash release the GIL (numpy), so the second
+  replica of a put and the per-node threads of a batch copy in parallel; copies hit by 4K
+  aliasing are bounced (see :meth:`DataPlane._copy_out`).
 * **same host, Unix socket** (``transport="unix"``, or when the segment cannot be mapped)
   and **network** (``tcp``): one pipelined stream per node per thread. Reads: every
   request frame of the batch in one send, replies parsed through a 256 KiB buffer, and
@@ -21,7 +22,10 @@ Paths, chosen per replica (``transport="auto"``):
   buffer instead: two copies, measured faster than the kernel's slow misaligned one
   (4 MiB over TCP: 3.3 ms instead of 5.1 ms). Writes: headers and payloads go out with
   ``sendmsg`` scatter/gather straight from the caller's buffer: **one copy** (buffer →
-  kernel).
+  kernel), after one hashing pass (the checksum travels in the write header).
+* **UCX** (``transport="ucx"``, nodes started with ``--ucx``): the same frames over a
+  ``ucx://`` stream (:mod:`protocol.ucx_transport`); UCX moves the payload (shared memory
+  or TCP) straight into the caller's buffer when it fits.
 
 No per-byte Python work on any path. Every byte range is bounds-checked against the
 master's grant (the ExtentRef). Errors: :class:`~protocol.errors.NodeUnavailable` (node

@@ -37,7 +37,7 @@ def test_quick_bench_report(cluster):
     _check_rows(rep["results"], {("kvpool", p, op) for p in ("shm", "tcp", "unix") for op in ("put", "get")})
     assert len(rep["results"]) == 3 * 2 * 2 * 2  # paths × clients × batches × ops (best of 2 runs)
     assert {(m["op"], m["clients"], m["batch"]) for m in rep["metadata"]} == {
-        (op, c, b) for op in ("put_start+put_end", "lookup", "remove") for c in (1, 2) for b in (1, 64)}
+        (op, c, b) for op in ("put_start+put_end", "lookup", "remove") for c in (1, 2) for b in (1, 64, 256)}
     assert all(m["keys_per_s"] > 0 and m["calls_per_s"] > 0 for m in rep["metadata"])
     out = io.StringIO()
     render_bench(rep, Console(file=out, width=160))
