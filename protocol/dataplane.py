@@ -34,6 +34,7 @@ class DataRequest(msgspec.Struct, array_like=True):
     checksum: int = 0
     layout: bytes | None = None
     token: bytes = b""
+    pad: bytes = b""  # filler set by :func:`frame` (frame alignment)
 
 
 class DataReply(msgspec.Struct, array_like=True):
@@ -41,6 +42,7 @@ class DataReply(msgspec.Struct, array_like=True):
     error: ErrorInfo | None = None
     size: int = 0
     capacity: int = 0
+    pad: bytes = b""  # filler set by :func:`frame` (frame alignment)
 
 
 _req_dec = msgspec.msgpack.Decoder(DataRequest)
@@ -48,8 +50,22 @@ _rep_dec = msgspec.msgpack.Decoder(DataReply)
 _enc = msgspec.msgpack.Encoder()
 
 
-def frame(msg: msgspec.Struct) -> bytes:
+FRAME_ALIGN = 64
+
+
+def frame(msg: DataRequest | DataReply) -> bytes:
+    """``u32 length || msgpack`` padded (the message's ``pad`` field) to a multiple of
+    :data:`FRAME_ALIGN` bytes. Why: the kernel copies a socket payload into or out of page
+    fragments at (about) the stream offset, and ``rep movsb`` between addresses 1–63 bytes
+    apart modulo 4 KiB runs far slower (4K aliasing; see ``DataPlane._copy_out``). With
+    every frame a multiple of 64 bytes, payloads of 64-byte multiples (KV blocks are) keep
+    page-aligned buffers and the kernel's fragments 64-byte aligned to each other.
+    Measured on loopback TCP: a 4 MiB reply after a 13-byte header 1.7–2.4 ms, after a
+    64-byte one 1.4–1.6 ms."""
     body = _enc.encode(msg)
+    short = -(4 + len(body)) % FRAME_ALIGN
+    if short:  # an empty ``pad`` is 2 bytes (bin8 header); pad bytes up to 255 keep that header
+        body = _enc.encode(msgspec.structs.replace(msg, pad=bytes(short)))
     return _LEN.pack(len(body)) + body
 
 
