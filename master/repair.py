@@ -10,10 +10,16 @@ from typing import TYPE_CHECKING
 from master.allocator import align_up
 from protocol import errors as E
 from protocol.grants import grant_token
-from protocol.messages import ExtentRef, NodeCommit, NodeCopy, NodeFree
+from protocol.messages import ExtentEntry, ExtentRef, NodeCommit, NodeCopy, NodeFree
 
 if TYPE_CHECKING:
     from master.state import Node, Obj
+
+
+def commit_row(obj: Obj, ref: ExtentRef) -> ExtentEntry:
+    """The node's extent-table row for replica ``ref`` of committed ``obj``."""
+    return ExtentEntry(obj.key, ref.offset, ref.size, ref.gen, obj.checksum,
+                       obj.layout.encode() if obj.layout is not None else None, True)
 
 
 def grant(node: Node, offset: int, size: int) -> ExtentRef:
@@ -74,7 +80,7 @@ class RepairMixin:
         obj.replicas.append(dst)
         obj._read_refs = None
         node.keys.add(key)
-        self.outbox[dst.node_id].append(NodeCommit([(dst.offset, dst.gen, obj.checksum)]))
+        self.outbox[dst.node_id].append(NodeCommit([commit_row(obj, dst)]))
         if len(self._live_replicas(obj)) >= obj.replicas_wanted:
             # moved off draining nodes: drop those copies
             for r in [r for r in obj.replicas if self.nodes[r.node_id].draining]:

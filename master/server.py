@@ -360,16 +360,9 @@ class MasterServer:
             sock = self._sock(node_id, poller)
             if sock is None:
                 continue
-            commits = [e for m in msgs if isinstance(m, M.NodeCommit) for e in m.extents]
-            frees = [e for m in msgs if isinstance(m, M.NodeFree) for e in m.extents]
             with contextlib.suppress(zmq.ZMQError):
-                if frees:
-                    sock.send(M.encode(M.NodeFree(frees)), zmq.NOBLOCK)
-                if commits:
-                    sock.send(M.encode(M.NodeCommit(commits)), zmq.NOBLOCK)
-                for m in msgs:
-                    if isinstance(m, M.NodeCopy):
-                        sock.send(M.encode(m), zmq.NOBLOCK)
+                for m in _coalesce(msgs):  # in order: a commit then a free of one extent stay so
+                    sock.send(M.encode(m), zmq.NOBLOCK)
 
     def _handle(self, body: bytes) -> bytes:
         """One request → its encoded Reply (a typed error for anything malformed)."""
@@ -434,6 +427,20 @@ class MasterServer:
                 self._etcd_call(lambda e: e.delete(key), wait=False)
             return None
         raise KVPoolError(f"unhandled request {type(req).__name__}")
+
+
+def _coalesce(msgs: list) -> list:
+    """Merge runs of consecutive commit (or free) notices into one message, keeping order."""
+    out: list = []
+    for m in msgs:
+        prev = out[-1] if out else None
+        if isinstance(m, M.NodeCommit) and isinstance(prev, M.NodeCommit):
+            out[-1] = M.NodeCommit(prev.rows + m.rows)
+        elif isinstance(m, M.NodeFree) and isinstance(prev, M.NodeFree):
+            out[-1] = M.NodeFree(prev.extents + m.extents)
+        else:
+            out.append(m)
+    return out
 
 
 def main(s: MasterServerSettings) -> None:

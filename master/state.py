@@ -21,7 +21,7 @@ import msgspec
 
 from master.allocator import RangeAllocator, align_up
 from master.handoffs import Handoff, HandoffMixin
-from master.repair import RepairMixin, grant as _grant
+from master.repair import RepairMixin, commit_row, grant as _grant
 from protocol import errors as E
 from protocol.errors import ErrorInfo
 from protocol.keys import validate_key
@@ -326,7 +326,7 @@ class MasterState(HandoffMixin, RepairMixin):
             obj.last_access = now
             self.objects[key] = obj
             for r in obj.replicas:
-                self.outbox[r.node_id].append(NodeCommit([(r.offset, r.gen, obj.checksum)]))
+                self.outbox[r.node_id].append(NodeCommit([commit_row(obj, r)]))
             self._lru_add(obj)
             out.append(None)
         self.enforce_watermarks(now)

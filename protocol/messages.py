@@ -301,7 +301,10 @@ class ExtentEntry(msgspec.Struct, frozen=True, array_like=True):
 
 
 class NodeCommit(msgspec.Struct, tag="commit"):
-    extents: list[tuple[int, int, int]]  # (offset, gen, xxh3_64 checksum of the bytes)
+    """Committed extents, as whole rows: the node records them as they are (a same-host
+    writer copies straight into the segment and tells the node nothing)."""
+
+    rows: list[ExtentEntry]
 
 
 class NodeFree(msgspec.Struct, tag="free"):

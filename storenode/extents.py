@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
+
 from protocol.errors import InvalidRequest, StaleExtent
 from protocol.messages import ExtentEntry
 
@@ -39,14 +41,15 @@ class ExtentTable:
                               "look the key up again", offset=offset, gen=gen)
         return row
 
-    def commit(self, offset: int, gen: int, checksum: int) -> None:
-        """Mark the row committed with the master's checksum (a same-host writer's notice
-        came before it had hashed the bytes)."""
+    def commit(self, row: ExtentEntry) -> None:
+        """Record the master's committed row (replacing what a network ``write`` recorded;
+        same-host writers record nothing). A row of an older generation than the one held
+        at that offset is stale and ignored. Raises InvalidRequest outside the segment."""
+        self.check_bounds(row.offset, row.size)
         with self._lock:
-            row = self._rows.get(offset)
-            if row is not None and row.gen == gen:
-                self._rows[offset] = ExtentEntry(row.key, row.offset, row.size, row.gen, checksum,
-                                                 row.layout, True)
+            cur = self._rows.get(row.offset)
+            if cur is None or cur.gen <= row.gen:
+                self._rows[row.offset] = row if row.committed else msgspec.structs.replace(row, committed=True)
 
     def free(self, offset: int, gen: int) -> None:
         with self._lock:

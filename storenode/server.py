@@ -130,8 +130,8 @@ class StoreNode:
 
     async def _control_one(self, ctrl, ident: bytes, req) -> None:
         if isinstance(req, M.NodeCommit):
-            for off, gen, checksum in req.extents:
-                self.table.commit(off, gen, checksum)
+            for row in req.rows:
+                self.table.commit(row)
         elif isinstance(req, M.NodeFree):
             for off, gen in req.extents:
                 self.table.free(off, gen)

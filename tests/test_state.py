@@ -293,5 +293,30 @@ def test_put_end_checksums_replace_put_start_and_reach_the_commit_notice():
         st.put_end(["c"], [g.put_id], 0.0, [1, 2])
     assert st.put_end(["c"], [g.put_id], 0.0, [0xABCDEF]) == [None]
     assert st.lookup(["c"], False, 0.0)[0].checksum == 0xABCDEF
-    commits = [e for msgs in st.take_outbox().values() for m in msgs if isinstance(m, NodeCommit) for e in m.extents]
-    assert sorted(commits) == sorted((r.offset, r.gen, 0xABCDEF) for r in g.replicas)
+    rows = [e for msgs in st.take_outbox().values() for m in msgs if isinstance(m, NodeCommit) for e in m.rows]
+    assert sorted((e.key, e.offset, e.gen, e.checksum, e.committed) for e in rows) == sorted(
+        ("c", r.offset, r.gen, 0xABCDEF, True) for r in g.replicas)
+
+
+def test_node_extent_table_records_committed_rows_and_ignores_stale_ones():
+    from protocol.messages import ExtentEntry
+    from storenode.extents import ExtentTable
+
+    t = ExtentTable(10 * MiB)
+    t.commit(ExtentEntry("a", 0, MiB, 2, 7, None, True))  # a same-host write: no row before the commit
+    assert t.check_read(0, MiB, 2).checksum == 7 and t.committed()[0].key == "a"
+    t.commit(ExtentEntry("old", 0, MiB, 1, 9, None, True))  # an older generation's late commit
+    assert t.check_read(0, MiB, 2).key == "a"
+    with pytest.raises(E.InvalidRequest, match="outside"):
+        t.commit(ExtentEntry("x", 10 * MiB, 1, 3, 0, None, True))
+
+
+def test_node_notices_keep_their_order_when_coalesced():
+    from master.server import _coalesce
+    from protocol.messages import ExtentEntry
+
+    row = ExtentEntry("a", 0, MiB, 1, 7, None, True)
+    msgs = [NodeCommit([row]), NodeCommit([row]), NodeFree([(0, 1)]), NodeFree([(MiB, 2)]), NodeCommit([row])]
+    out = _coalesce(msgs)
+    assert [type(m).__name__ for m in out] == ["NodeCommit", "NodeFree", "NodeCommit"]
+    assert len(out[0].rows) == 2 and out[1].extents == [(0, 1), (MiB, 2)]
