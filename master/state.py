@@ -217,14 +217,15 @@ class MasterState(HandoffMixin, RepairMixin):
             raise E.InvalidRequest(f"replicas must be between 1 and {MAX_REPLICAS} (0 = cluster default "
                                    f"{self.s.replicas}), got {replicas}")
         out: list[PutGrant | ErrorInfo] = []
+        live = self._placeable(now)  # once per batch: membership does not change within a call
         for it in items:
             try:
-                out.append(self._put_start_one(it, host_id, replicas or self.s.replicas, now))
+                out.append(self._put_start_one(it, host_id, replicas or self.s.replicas, now, live))
             except E.KVPoolError as e:
                 out.append(e.to_wire())
         return out
 
-    def _put_start_one(self, it: PutItem, host_id: str, replicas: int, now: float) -> PutGrant:
+    def _put_start_one(self, it: PutItem, host_id: str, replicas: int, now: float, live: list[Node]) -> PutGrant:
         key = validate_key(it.key)
         self.counters["puts"] += 1
         if key in self.objects:
@@ -236,7 +237,7 @@ class MasterState(HandoffMixin, RepairMixin):
             self._revoke_pending(p, now, quarantine=True)
         if it.size < 0:
             raise E.InvalidRequest(f"object {key!r}: negative size {it.size}", key=key)
-        refs = self._place(key, it.size, host_id, replicas, now)
+        refs = self._place(key, it.size, host_id, replicas, now, live)
         put_id = next(self._put_ids)
         obj = Obj(key, it.size, it.checksum, it.layout, refs, PENDING, put_id, now, now,
                   writer_deadline=now + self.s.put_timeout_s, replicas_wanted=replicas)
@@ -245,10 +246,16 @@ class MasterState(HandoffMixin, RepairMixin):
             self.nodes[r.node_id].keys.add(key)
         return PutGrant(key, "write", put_id, list(refs))
 
-    def _place(self, key: str, size: int, host_id: str, replicas: int, now: float) -> list[ExtentRef]:
+    def _placeable(self, now: float) -> list[Node]:
+        """Nodes new extents may go to: not draining and not suspect (suspects — a client
+        failed to reach them — only when nothing else is left)."""
         live = [n for n in self.nodes.values() if not n.draining and n.suspect_until <= now]
-        if not live:  # suspects (a client failed to reach them) only when nothing else is left
-            live = [n for n in self.nodes.values() if not n.draining]
+        return live or [n for n in self.nodes.values() if not n.draining]
+
+    def _place(self, key: str, size: int, host_id: str, replicas: int, now: float,
+               live: list[Node] | None = None) -> list[ExtentRef]:
+        if live is None:
+            live = self._placeable(now)
         if not live:
             draining = sum(n.draining for n in self.nodes.values())
             raise E.NoSpace(f"no store node can take {key!r}: {len(self.nodes)} live, {draining} draining; "
@@ -274,12 +281,14 @@ class MasterState(HandoffMixin, RepairMixin):
                     chosen.append(n)
                     hosts.add(n.desc.host_id)
             for n in fits:  # ... then fill up with distinct nodes on shared hosts
-                if len(chosen) < want and all(n is not c for c in chosen):
+                if len(chosen) < want and n not in chosen:  # (nodes compare by identity)
                     chosen.append(n)
         refs: list[ExtentRef] = []
-        spare = [n for n in fits if all(n is not c for c in chosen)]
+        spare = None
         for n in chosen:
             off = self._alloc_on(n, size, now)
+            if off is None and spare is None:
+                spare = [m for m in fits if m not in chosen]
             while off is None and spare:
                 n = spare.pop(0)
                 off = self._alloc_on(n, size, now)
