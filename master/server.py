@@ -140,11 +140,14 @@ class MasterServer:
             else:
                 return
             nodes = await self._read_nodes(etcd)
-            handoffs = []
+            handoffs, pins = [], []
             for v in (await etcd.get_prefix(self.keys.handoffs)).values():
                 with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                     handoffs.append(msgspec.msgpack.decode(v, type=M.HandoffRecord))
-            self.events.put(("lead", nodes, handoffs))
+            for v in (await etcd.get_prefix(self.keys.pins)).values():
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    pins.append(msgspec.msgpack.decode(v, type=M.PinRecord))
+            self.events.put(("lead", nodes, handoffs, pins))
             try:
                 while not self.stop.is_set() and not lost.is_set():
                     await asyncio.sleep(self.s.membership_poll_s)
@@ -166,6 +169,12 @@ class MasterServer:
                 d = msgspec.msgpack.decode(v, type=M.NodeDesc)
                 out[d.node_id] = d
         return out
+
+    def _etcd_forget(self, key: str) -> None:
+        """Delete an etcd record in the background (best effort: a stale pin record is
+        dropped at the next rebuild, an expired hand-off record when it is read)."""
+        with contextlib.suppress(EtcdUnavailable):
+            self._etcd_call(lambda e: e.delete(key), wait=False)
 
     def _etcd_call(self, coro_fn, wait: bool):
         """Run ``coro_fn(etcd)`` on the etcd thread; block for the result when ``wait``."""
@@ -202,8 +211,9 @@ class MasterServer:
                 next_tick = time.monotonic() + self.s.membership_poll_s
                 expired = self.state.tick(time.time())
                 for rid in expired:
-                    key = self.keys.handoff(rid)
-                    self._etcd_call(lambda e, k=key: e.delete(k), wait=False)
+                    self._etcd_forget(self.keys.handoff(rid))
+            for key in self.state.take_unpinned():  # pinned objects removed, evicted or lost
+                self._etcd_forget(self.keys.pin(key))
             self._flush(poller)
 
     def _accept(self, poller: zmq.Poller) -> None:
@@ -272,7 +282,7 @@ class MasterServer:
                 self.state = MasterState(self.s.state, self.s.cluster)
                 self.state.leader_addr = self.rpc_addr
                 self.metrics.state = self.state
-                self._rebuild(ev[1], ev[2])
+                self._rebuild(ev[1], ev[2], ev[3])
                 self.leading, self.leader_addr = True, self.rpc_addr
                 print(f"KVPOOL_LEADER master {self.rpc_addr}", flush=True)
             elif kind == "step_down":
@@ -292,8 +302,10 @@ class MasterServer:
                 self.state.node_up(d, now)
         self.state.repair_all()
 
-    def _rebuild(self, descs: dict[str, M.NodeDesc], handoffs: list[M.HandoffRecord]) -> None:
-        """Index from live nodes' committed extents, then hand-off holds from etcd."""
+    def _rebuild(self, descs: dict[str, M.NodeDesc], handoffs: list[M.HandoffRecord],
+                 pins: list[M.PinRecord]) -> None:
+        """Index from live nodes' committed extents, then hand-off holds and pins from etcd
+        (stale pin records — object gone, soft pin lapsed — are deleted)."""
         now = time.time()
         for d in descs.values():
             self.state.node_up(d, now)
@@ -317,6 +329,9 @@ class MasterServer:
                 sock.close(0)
         for rec in handoffs:
             self.state.restore_handoff(rec)
+        for pin in pins:
+            if not self.state.restore_pin(pin, now):
+                self._etcd_forget(self.keys.pin(pin.key))
 
     def _sock(self, node_id: str, poller: zmq.Poller) -> zmq.Socket | None:
         node = self.state.nodes.get(node_id)
@@ -401,10 +416,16 @@ class MasterServer:
             return st.list_objects(req.prefix, req.limit, now)
         if isinstance(req, M.Stats):
             return st.stats()
-        if isinstance(req, M.Pin):
+        if isinstance(req, M.Pin):  # durable first, so an acknowledged pin survives a failover
+            st.check_pin(req.key, req.ttl_s)
+            rec = M.PinRecord(req.key, None if req.ttl_s is None else now + req.ttl_s)
+            key, val = self.keys.pin(req.key), M.encode(rec)
+            self._etcd_call(lambda e: e.put(key, val), wait=True)
             return st.pin(req.key, req.ttl_s, now)
         if isinstance(req, M.Unpin):
-            return st.unpin(req.key)
+            st.unpin(req.key)
+            self._etcd_forget(self.keys.pin(req.key))
+            return None
         if isinstance(req, M.Evict):
             return st.evict(req.selector, req.dry_run, req.force, now)
         if isinstance(req, M.Drain):
@@ -424,7 +445,7 @@ class MasterServer:
             status = "acked" if isinstance(req, M.HandoffAck) else "released"
             if st.handoff_finish(req.request_id, status):
                 key = self.keys.handoff(req.request_id)
-                self._etcd_call(lambda e: e.delete(key), wait=False)
+                self._etcd_forget(key)
             return None
         raise KVPoolError(f"unhandled request {type(req).__name__}")
 

@@ -27,7 +27,7 @@ from protocol.errors import ErrorInfo
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec
 from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentRef, NodeCommit, NodeDesc,
-                               NodeFree, NodeStats, ObjectInfo, ObjectMeta, PutGrant, PutItem)
+                               NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem)
 
 PENDING, COMMITTED = 0, 1
 MAX_REPLICAS = 16
@@ -113,6 +113,7 @@ class MasterState(HandoffMixin, RepairMixin):
         self.pending: dict[str, Obj] = {}
         self.handoffs: dict[str, Handoff] = {}
         self.outbox: dict[str, list] = defaultdict(list)
+        self.unpinned: list[str] = []  # pinned keys dropped since take_unpinned(): their etcd records go
         self.counters: dict[str, int] = defaultdict(int)
         self._put_ids = itertools.count(1)
         self.leader_addr = ""
@@ -455,6 +456,8 @@ class MasterState(HandoffMixin, RepairMixin):
 
     def _drop(self, obj: Obj, reason: str) -> None:
         self.objects.pop(obj.key, None)
+        if obj.pin:
+            self.unpinned.append(obj.key)
         self._lru_remove(obj)
         for r in obj.replicas:
             self._free_extent(r)
@@ -577,11 +580,16 @@ class MasterState(HandoffMixin, RepairMixin):
 
     # ---- pins ---------------------------------------------------------------------------
 
+    def check_pin(self, key: str, ttl_s: float | None) -> None:
+        """What :meth:`pin` would refuse, without pinning: InvalidRequest, NotFound."""
+        if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise E.InvalidRequest(f"pin ttl must be a finite number of seconds > 0, got {ttl_s}")
+        self._get(key)
+
     def pin(self, key: str, ttl_s: float | None, now: float) -> None:
         """Hard pin (``ttl_s=None``) or soft pin for ``ttl_s`` seconds (finite, > 0)."""
         self._now = now
-        if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
-            raise E.InvalidRequest(f"pin ttl must be a finite number of seconds > 0, got {ttl_s}")
+        self.check_pin(key, ttl_s)
         obj = self._get(key)
         self._lru_remove(obj)
         obj.pin = "hard" if ttl_s is None else "soft"
@@ -659,6 +667,18 @@ class MasterState(HandoffMixin, RepairMixin):
         return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
                             sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,
                             self.s.high_watermark, self.s.low_watermark, under, dict(self.counters))
+
+    def restore_pin(self, rec: PinRecord, now: float) -> bool:
+        """Rebuild after failover from the etcd record; False when the record is stale (the
+        object is gone or the soft pin lapsed) and should be deleted."""
+        if rec.key not in self.objects or (rec.until is not None and rec.until <= now):
+            return False
+        self.pin(rec.key, None if rec.until is None else rec.until - now, now)
+        return True
+
+    def take_unpinned(self) -> list[str]:
+        out, self.unpinned = self.unpinned, []
+        return out
 
     def take_outbox(self) -> dict[str, list]:
         out, self.outbox = self.outbox, defaultdict(list)

@@ -33,6 +33,7 @@ class Keys:
         self.nodes = self.root + "nodes/"
         self.leader = self.root + "leader"
         self.handoffs = self.root + "handoffs/"
+        self.pins = self.root + "pins/"
         self.config = self.root + "config"
 
     def node(self, node_id: str) -> str:
@@ -40,6 +41,9 @@ class Keys:
 
     def handoff(self, request_id: str) -> str:
         return self.handoffs + request_id
+
+    def pin(self, key: str) -> str:
+        return self.pins + key
 
 
 class Etcd:

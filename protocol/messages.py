@@ -214,6 +214,14 @@ class Unpin(msgspec.Struct, tag="unpin"):
     key: str
 
 
+class PinRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A pin as kept in etcd under ``pins/<key>`` so it survives a master failover:
+    ``until`` is the soft pin's deadline (Unix time, seconds), None for a hard pin."""
+
+    key: str
+    until: float | None = None
+
+
 class Evict(msgspec.Struct, tag="evict"):
     selector: EvictSelector
     dry_run: bool = False

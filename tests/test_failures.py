@@ -11,6 +11,7 @@ from connector.client import KVPoolClient
 from connector.dataclient import DataPlane, ReadOp
 from connector.handoff import HandoffConsumer, HandoffProducer
 from protocol import errors as E
+from protocol import messages as M
 from protocol.layout import LayoutSpec, TensorSpec
 from tests.conftest import wait_for
 
@@ -159,6 +160,12 @@ def test_master_failover_rebuilds_index(make_cluster):
         assert st.held_bytes == 2 * 16 * KiB
         c.put("fo/new", b"after failover")
         assert c.get("fo/new") == b"after failover"
+        # the pin was durable (etcd): the new leader still refuses to evict fo/0
+        rep = c.evict(M.EvictSelector(prefix="fo/"))
+        assert rep.skipped_pinned == 1 and rep.skipped_held == 1 and c.exists("fo/0")
+        assert not c.exists("fo/1")
+        c.unpin("fo/0")
+        assert c.evict(M.EvictSelector(key="fo/0")).removed == 1
 
 
 def test_etcd_outage_keeps_data_plane_working(make_cluster):

@@ -320,3 +320,22 @@ def test_node_notices_keep_their_order_when_coalesced():
     out = _coalesce(msgs)
     assert [type(m).__name__ for m in out] == ["NodeCommit", "NodeFree", "NodeCommit"]
     assert len(out[0].rows) == 2 and out[1].extents == [(0, 1), (MiB, 2)]
+
+
+def test_pins_restore_from_records_and_report_dropped_pinned_keys():
+    from protocol.messages import PinRecord
+
+    st = make()
+    put(st, "hard")
+    put(st, "soft")
+    put(st, "gone")
+    assert st.restore_pin(PinRecord("hard", None), 10.0) is True
+    assert st.restore_pin(PinRecord("soft", 50.0), 10.0) is True
+    assert st.restore_pin(PinRecord("soft-lapsed", 5.0), 10.0) is False  # no such object
+    assert st.restore_pin(PinRecord("gone", 9.0), 10.0) is False  # the soft pin lapsed
+    assert st.list_objects("", 10, 10.0) and {m.key: m.pin for m in st.list_objects("", 10, 10.0)} == {
+        "hard": "hard", "soft": "soft", "gone": ""}
+    assert st.evict(EvictSelector(all=True), False, False, 20.0).skipped_pinned == 2
+    assert st.take_unpinned() == []
+    st.remove(["hard"], True, 20.0)  # a forced remove of a pinned object: its record must go
+    assert st.take_unpinned() == ["hard"] and st.take_unpinned() == []
