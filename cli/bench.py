@@ -5,16 +5,19 @@ What one run measures, in this order:
 * **ceilings**: memcpy bandwidth of large (cold, 64 MiB) buffers in this process; raw
   loopback TCP and Unix-socket throughput between two processes (``sendall`` of object-
   sized chunks in one, ``recv_into`` a preallocated buffer in the other, same socket
-  buffer sizes as the data plane). Best of three.
-* **the matrix**: for each path (``auto`` = same-host shared memory, ``tcp``, ``unix``) ×
+  buffer sizes as the data plane); the same TCP stream asked for 4 MiB at a time
+  (request → reply, the shape of a get; informative); a raw ``ucx://`` stream when the
+  extra is installed. Best of three, measured again at the end (best of both kept).
+* **the matrix**: for each path (``auto`` = same-host shared memory, ``tcp``, ``unix``,
+  ``ucx``) ×
   object size × concurrent client *processes* × batch size: a put phase (every client
   writes its own keys) and a get phase (``get_into_batch`` into preallocated buffers),
   started together; GB/s and objects/s over the wall time from the first client's start to
   the last one's end, p50/p99 of per-call latency, and the ratio to the path's ceiling
-  (shm → memcpy, tcp → raw TCP, unix → raw Unix socket). Sources and destinations rotate
+  (shm → memcpy, tcp → raw TCP, unix → raw Unix socket, ucx → raw UCX). Sources and destinations rotate
   over ≥ 64 MiB pools, so neither side is cache-hot (the memcpy ceiling is cold too).
 * ``metadata=True``: master metadata ops/s through the real RPC (lookup,
-  put_start+put_end, remove), single-key and batched (64 keys per call).
+  put_start+put_end, remove), single-key and batched (64 and 256 keys per call).
 * ``baseline="redis"``: the same put/get workload against a local ``redis-server`` on a free
   loopback port (SET/GET, pipelined for batches), ratio to raw TCP.
 
@@ -617,8 +620,7 @@ def render_bench(report: dict, console=None) -> None:
     c = report["ceilings"]
     t = Table(title="ceilings (same run)")
     cols = [("memcpy", "memcpy_gbps"), ("raw TCP", "tcp_gbps"), ("raw TCP 4 MiB req→reply", "tcp_rr_gbps"),
-            ("raw Unix socket", "unix_gbps"),
-            ("raw UCX stream", "ucx_gbps")]
+            ("raw Unix socket", "unix_gbps"), ("raw UCX stream", "ucx_gbps")]
     cols = [(name, k) for name, k in cols if k in c]
     for name, _ in cols:
         t.add_column(name, justify="right")
@@ -649,8 +651,7 @@ def render_markdown(report: dict) -> str:
     """The report as Markdown tables (for the README and release notes)."""
     c = report["ceilings"]
     names = [("memcpy", "memcpy_gbps"), ("raw TCP", "tcp_gbps"), ("raw TCP 4 MiB req→reply", "tcp_rr_gbps"),
-            ("raw Unix socket", "unix_gbps"),
-             ("raw UCX stream", "ucx_gbps")]
+             ("raw Unix socket", "unix_gbps"), ("raw UCX stream", "ucx_gbps")]
     names = [(n, k) for n, k in names if k in c]
     lines = ["| " + " | ".join(n for n, _ in names) + " |", "|" + "---:|" * len(names),
              "| " + " | ".join(f"{c[k]:.2f} GB/s" for _, k in names) + " |", "",
