@@ -40,6 +40,9 @@ from protocol.errors import EtcdUnavailable, InvalidRequest, KVPoolError, NotLea
 from protocol.etcd import Etcd, Keys, kept_alive
 
 
+_OUT_MAX = 64 << 20  # bytes of unsent replies after which a client's requests wait
+
+
 class _Client:
     """One client connection: its frame parser and the reply bytes not sent yet."""
 
@@ -86,6 +89,7 @@ class MasterServer:
         self.listener_fd = self.listener.fileno()
         self.clients: dict[int, _Client] = {}  # by fd
         self._rbuf = memoryview(bytearray(1 << 20))  # the RPC thread's receive buffer
+        self._accept_warned = 0.0
 
     # ---- process ------------------------------------------------------------------------
 
@@ -224,7 +228,12 @@ class MasterServer:
                 return
             except OSError as e:  # out of fds, aborted handshake: keep serving the others
                 if e.errno not in (errno.ECONNABORTED, errno.EPROTO):
-                    print(f"master: accept failed: {e}", file=sys.stderr, flush=True)
+                    now = time.monotonic()
+                    if now - self._accept_warned > 10:
+                        self._accept_warned = now
+                        print(f"master: accept failed: {e}; raise the open-file limit (ulimit -n)",
+                              file=sys.stderr, flush=True)
+                    time.sleep(0.01)  # the listener stays readable: do not spin on it
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -269,7 +278,8 @@ class MasterServer:
                 return self._close_client(poller, c)
         if c.closing and not c.out:
             return self._close_client(poller, c)
-        poller.modify(c.sock, zmq.POLLIN | (zmq.POLLOUT if c.out else 0))
+        # a client that does not read its replies stops being read (no unbounded reply buffer)
+        poller.modify(c.sock, (zmq.POLLIN if len(c.out) < _OUT_MAX else 0) | (zmq.POLLOUT if c.out else 0))
 
     def _apply_events(self, poller: zmq.Poller) -> None:
         while True:

@@ -58,6 +58,26 @@ def test_malformed_rpc_frames_get_errors_and_master_survives(cluster, client):
     assert all(c.alive() for c in cluster.masters)
 
 
+def test_rpc_pipelined_requests_answered_in_order_and_hangups_are_harmless(cluster, client):
+    """Many requests in one send come back in order with their ids; a client that hangs up
+    with requests and replies in flight costs the master nothing."""
+    host, port = cluster.master_addr[len("tcp://"):].rsplit(":", 1)
+    client.put("pipe/x", b"x")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"".join(rpcwire.pack(1000 + i, M.encode(M.Exists(["pipe/x", f"pipe/none{i}"])))
+                           for i in range(200)))
+        frames = rpcwire.BlockingFrames(s)
+        for i in range(200):
+            rid, reply = frames.read()
+            assert rid == 1000 + i
+            assert msgspec.msgpack.decode(msgspec.msgpack.decode(reply, type=M.Reply).result) == [True, False]
+    for _ in range(20):  # hang up mid-request and with unread replies
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(rpcwire.pack(1, M.encode(M.Stats())) * 50 + rpcwire.HEAD.pack(100, 2) + b"partial")
+    assert client.get("pipe/x") == b"x"
+    assert all(c.alive() for c in cluster.masters)
+
+
 def test_malformed_and_truncated_data_frames(cluster, client):
     client.put("data/keep", b"precious")
     node = client.lookup(["data/keep"])[0].replicas[0]
