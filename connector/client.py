@@ -180,9 +180,9 @@ class KVPoolClient:
             if g.status != "write":
                 continue  # "exists": content-addressed no-op
             lay = items[j].layout
-            # same host only: the first copy hashes as it goes; else hash once, up front
-            checksum = None if all(self.data.uses_shm(r) for r in g.replicas) else xxhash.xxh3_64_intdigest(bufs[j])
-            ops = [WriteOp(r, bufs[j], g.key, checksum if k == 0 else (checksum or 0), lay.encode() if lay else None)
+            # the first replica's write hashes the bytes as it copies or sends them (checksum
+            # None); the others carry 0 and every node gets the real one with the commit
+            ops = [WriteOp(r, bufs[j], g.key, None if k == 0 else 0, lay.encode() if lay else None)
                    for k, r in enumerate(g.replicas)]
             ops_of[j] = ops
             for op in ops:
