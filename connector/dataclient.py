@@ -22,7 +22,8 @@ Paths, chosen per replica (``transport="auto"``):
   buffer instead: two copies, measured faster than the kernel's slow misaligned one
   (4 MiB over TCP: 3.3 ms instead of 5.1 ms). Writes: headers and payloads go out with
   ``sendmsg`` scatter/gather straight from the caller's buffer: **one copy** (buffer →
-  kernel), after one hashing pass (the checksum travels in the write header).
+  kernel); a put's first replica is sent in 256 KiB pieces, each hashed right after the
+  kernel copied it, so the checksum (sent with ``put_end``) needs no pass of its own.
 * **UCX** (``transport="ucx"``, nodes started with ``--ucx``): the same frames over a
   ``ucx://`` stream (:mod:`protocol.ucx_transport`); UCX moves the payload (shared memory
   or TCP) straight into the caller's buffer when it fits.
@@ -248,8 +249,8 @@ class DataPlane:
         trip overlaps the copy (the node only records the row; nothing reads it before the
         master commits it after ``put_end``, which follows this call). Ops with
         ``checksum=None`` are hashed chunk by chunk as they are copied (the bytes are still
-        in cache), so the checksum costs no separate pass over memory. Network writes need
-        their checksum up front (it travels in the write header)."""
+        in cache), so the checksum costs no separate pass over memory; network writes of
+        such ops hash each 256 KiB piece right after sending it (see :func:`_send_hashing`)."""
         shm, net = [], []
         for op in ops:
             (shm if self.uses_shm(op.ref) else net).append(op)
