@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import msgspec
@@ -249,7 +250,7 @@ class MasterServer:
 
     def _serve(self, poller: zmq.Poller, c: _Client, ev: int) -> None:
         """Read what the connection has, answer every whole request, send the replies."""
-        if ev & zmq.POLLIN and not c.closing:
+        if ev & (zmq.POLLIN | zmq.POLLERR) and not c.closing:  # an error shows up as a failed recv
             try:
                 got = c.sock.recv_into(self._rbuf)
             except (BlockingIOError, InterruptedError):
@@ -402,6 +403,10 @@ class MasterServer:
             reply = M.Reply(msgspec.Raw(M.encode(self._dispatch(req))))
         except KVPoolError as e:
             reply = M.Reply(error=e.to_wire())
+        except Exception as e:  # noqa: BLE001 - a bug must cost one request, not the master
+            traceback.print_exc(file=sys.stderr)
+            reply = M.Reply(error=KVPoolError(f"master failed on {op}: {type(e).__name__}: {e}; this is a "
+                                              "kvpool bug, please report it with the master's log").to_wire())
         out = M.encode(reply)
         self.metrics.observe(op, time.perf_counter() - t0)
         return out
