@@ -57,6 +57,7 @@ _ALIAS = 64             # destinations 1..63 bytes ahead of the source, modulo a
 _BOUNCE_MAX = 512 << 10  # ... and copies smaller than this take glibc's slow rep-movsb path
 _GIL_FREE = 1 << 20      # copies at least this big run without the GIL (numpy)
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
+_POPULATE_MAX = 8 << 30  # segments up to this size are mapped with MAP_POPULATE
 _rep_dec = msgspec.msgpack.Decoder(DataReply)
 
 
@@ -224,8 +225,10 @@ class DataPlane:
                         try:
                             rep = recv_reply(_Buffered(msg))
                             if rep.ok:
-                                mm = mmap.mmap(fds[0], rep.capacity,
-                                               mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                # prefault page tables once (no fault per first touch of a
+                                # page), except for huge segments: ~2 MiB of PTEs per GiB
+                                populate = getattr(mmap, "MAP_POPULATE", 0) if rep.capacity <= _POPULATE_MAX else 0
+                                mm = mmap.mmap(fds[0], rep.capacity, mmap.MAP_SHARED | populate,
                                                mmap.PROT_READ | mmap.PROT_WRITE)
                                 self._mmaps[ref.incarnation] = mm
                                 seg = memoryview(mm)
