@@ -67,6 +67,9 @@ def as_buffer(x: Any, writable: bool) -> tuple[memoryview, Callable[[], None] | 
         except TypeError:
             raise InvalidRequest(f"expected bytes, bytearray, memoryview, a numpy array or a torch tensor, "
                                  f"got {type(x).__name__}") from None
+        if not mv.c_contiguous:
+            raise InvalidRequest("buffer is not C-contiguous (a strided memoryview?); pass a contiguous copy, "
+                                 "e.g. bytes(view) or numpy.ascontiguousarray")
     mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
     if writable and mv.readonly:
         raise InvalidRequest("output buffer is read-only; pass a bytearray, numpy array or tensor")
@@ -187,7 +190,12 @@ class KVPoolClient:
             ops_of[j] = ops
             for op in ops:
                 by_node[op.ref.node_id].append(op)
-        self._parallel(self.data.write, by_node)
+        try:
+            self._parallel(self.data.write, by_node)
+        except BaseException:  # a bug or Ctrl-C mid-write: give the grants back, do not leave them pending
+            if ops_of:
+                self.rpc.send_nowait(M.PutRevoke([grants[j].key for j in ops_of], [grants[j].put_id for j in ops_of]))
+            raise
         commit_keys, commit_ids, commit_sums, revoke_keys, revoke_ids, commit_j, retry = [], [], [], [], [], [], []
         for j, ops in ops_of.items():
             g = grants[j]
@@ -356,7 +364,15 @@ class KVPoolClient:
                 results[i] = None  # every replica was lost: a clean miss
                 continue
             pending[i] = (info, order)
-        leased = [info.key for info, _ in pending.values()]
+        leased = [info.key for info in infos if isinstance(info, M.ObjectInfo)]  # refused ones too
+        try:
+            return self._read_leased(views, results, pending, t_sent, last)
+        finally:
+            if leased:
+                self.rpc.send_nowait(M.ReleaseLeases(leased))
+
+    def _read_leased(self, views, results, pending, t_sent: float, last: bool) -> list[int]:
+        """The reads of :meth:`_read` while their leases are held (released by the caller)."""
         retry: list[int] = []
         errors: dict[int, KVPoolError] = {}
         while pending:
@@ -401,8 +417,6 @@ class KVPoolClient:
                 else:
                     results[i] = err
             pending = nxt
-        if leased:
-            self.rpc.send_nowait(M.ReleaseLeases(leased))
         if last:
             for i in retry:
                 results[i] = errors[i]

@@ -39,6 +39,7 @@ import mmap
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Sequence
 
 import msgspec
@@ -87,9 +88,16 @@ class ReadOp:
 
 
 class _Stream(FrameReader):
-    """One connection plus its buffered reply reader."""
+    """One connection plus its buffered reply reader; closed when the thread that owns it
+    exits (its thread-local storage goes) or the DataPlane closes."""
 
-    __slots__ = ("bounce",)
+    __slots__ = ("bounce", "__weakref__")
+
+    def __del__(self) -> None:
+        try:
+            self.sock.close()
+        except (OSError, AttributeError):
+            pass
 
     def __init__(self, sock) -> None:
         super().__init__(sock)
@@ -162,7 +170,7 @@ class DataPlane:
         self._maps: dict[str, memoryview | None] = {}
         self._bases: dict[str, int] = {}
         self._map_lock = threading.Lock()
-        self._all_conns: list = []
+        self._all_conns: weakref.WeakSet[_Stream] = weakref.WeakSet()  # live threads' streams
         self._mmaps: dict[str, mmap.mmap] = {}
         self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
 
@@ -182,7 +190,7 @@ class DataPlane:
             sock.settimeout(self.io_timeout_s)
             s = conns[addr] = _Stream(sock)
             with self._map_lock:
-                self._all_conns.append(sock)
+                self._all_conns.add(s)
         return s
 
     def _drop(self, addr: str) -> None:
@@ -465,9 +473,9 @@ class DataPlane:
 
     def close(self) -> None:
         with self._map_lock:
-            for s in self._all_conns:
+            for s in list(self._all_conns):
                 try:
-                    s.close()
+                    s.sock.close()
                 except OSError:
                     pass
             self._all_conns.clear()

@@ -9,8 +9,10 @@ One-way messages (:meth:`MasterRPC.send_nowait`) cost one ``send`` and get no re
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
+import weakref
 from typing import Any
 
 from protocol import messages as M
@@ -20,7 +22,9 @@ from protocol.etcd import Keys, read_key_sync
 
 
 class _Conn:
-    __slots__ = ("addr", "sock", "frames")
+    """One thread's connection; closed when that thread's storage goes (thread exit)."""
+
+    __slots__ = ("addr", "sock", "frames", "__weakref__")
 
     def __init__(self, addr: str, timeout_s: float) -> None:
         self.addr = addr
@@ -28,10 +32,14 @@ class _Conn:
         self.frames = rpcwire.BlockingFrames(self.sock)
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        sock = getattr(self, "sock", None)  # None when the connect itself failed
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    __del__ = close
 
 
 class MasterRPC:
@@ -40,6 +48,8 @@ class MasterRPC:
         if not master and not etcd:
             raise ConfigError("KVPoolClient needs master='tcp://host:port' or etcd='http://host:port'",
                               key="master")
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ConfigError(f"rpc timeout must be a number of seconds > 0, got {timeout_s!r}", key="rpc_timeout")
         self.fixed_master = master
         self.etcd = etcd
         self.cluster = cluster
@@ -47,7 +57,7 @@ class MasterRPC:
         self._addr = master
         self._local = threading.local()
         self._ids = itertools.count(1)
-        self._conns: list[_Conn] = []
+        self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # every live thread's, for close()
         self._lock = threading.Lock()
 
     def leader(self) -> str:
@@ -62,16 +72,16 @@ class MasterRPC:
         val = read_key_sync(self.etcd, Keys(self.cluster).leader, timeout_s=min(self.timeout_s, 5.0))
         self._addr = val.decode() if val else None
 
-    def _conn(self, timeout_s: float) -> _Conn:
+    def _conn(self, addr: str, timeout_s: float) -> _Conn:
         c = getattr(self._local, "conn", None)
-        if c is not None and c.addr == self._addr:
+        if c is not None and c.addr == addr:
             return c
         if c is not None:
             self._reset()
-        c = _Conn(self._addr, timeout_s)
+        c = _Conn(addr, timeout_s)
         self._local.conn = c
         with self._lock:
-            self._conns.append(c)
+            self._conns.add(c)
         return c
 
     def _reset(self) -> None:
@@ -80,21 +90,24 @@ class MasterRPC:
             c.close()
             self._local.conn = None
             with self._lock:
-                if c in self._conns:
-                    self._conns.remove(c)
+                self._conns.discard(c)
 
     def call(self, req: Any, timeout_s: float | None = None) -> Any:
         """Send ``req`` and return its decoded result; raise the typed error on failure
         (:class:`~protocol.errors.Timeout` when no master answered before the deadline)."""
-        waited = timeout_s or self.timeout_s
+        waited = self.timeout_s if timeout_s is None else timeout_s
+        if not waited > 0:
+            raise ConfigError(f"call timeout must be > 0 seconds, got {timeout_s!r}", key="timeout_s")
         deadline = time.monotonic() + waited
         body = M.encode(req)
         typ = M.RESULT_TYPES[type(req)]
         while True:
-            if self._addr is None:
+            addr = self._addr  # one read: another thread may clear it during a failover
+            if addr is None:
                 self._resolve()
-            if self._addr is not None:
-                rep = self._round_trip(body, deadline)
+                addr = self._addr
+            if addr is not None:
+                rep = self._round_trip(addr, body, deadline)
                 if rep is not None:
                     if rep.error is None:
                         return M.decode_result(rep.result, typ)
@@ -102,19 +115,23 @@ class MasterRPC:
                     if not isinstance(err, NotLeader):
                         raise err
                     self._reset()
+                    if self.fixed_master:  # pointed at a standby: say so, and where the leader is
+                        raise NotLeader(f"{self.fixed_master} is a standby master, not the leader; connect to "
+                                        f"{err.fields.get('leader') or 'the leader'} or pass etcd=... to follow "
+                                        "the elected one", **err.fields)
                 if not self.fixed_master:
                     self._addr = None
             if time.monotonic() >= deadline:
                 raise Timeout(self._timeout_message(waited), op=type(req).__name__)
             time.sleep(0.05)
 
-    def _round_trip(self, body: bytes, deadline: float) -> M.Reply | None:
+    def _round_trip(self, addr: str, body: bytes, deadline: float) -> M.Reply | None:
         """One send + the matching reply; None when the connection failed (retry)."""
         left = deadline - time.monotonic()
         if left <= 0:
             return None
         try:
-            c = self._conn(left)
+            c = self._conn(addr, left)
             c.sock.settimeout(left)
             rid = next(self._ids)
             c.sock.sendall(rpcwire.pack(rid, body))
@@ -139,10 +156,11 @@ class MasterRPC:
     def send_nowait(self, req: Any) -> None:
         """Fire-and-forget (lease release, corruption report): one ``send``, no reply. Best
         effort: dropped when no master connection can be made right now."""
-        if self._addr is None:
+        addr = self._addr
+        if addr is None:
             return
         try:
-            c = self._conn(min(self.timeout_s, 1.0))
+            c = self._conn(addr, min(self.timeout_s, 1.0))
             c.sock.settimeout(self.timeout_s)
             c.sock.sendall(rpcwire.pack(rpcwire.ONE_WAY, M.encode(req)))
         except OSError:
@@ -150,6 +168,6 @@ class MasterRPC:
 
     def close(self) -> None:
         with self._lock:
-            for c in self._conns:
+            for c in list(self._conns):
                 c.close()
             self._conns.clear()

@@ -328,9 +328,10 @@ class MasterServer:
                 if not sock.poll(5000):
                     raise TimeoutError
                 rep = msgspec.msgpack.decode(sock.recv(), type=M.Reply)
-                inc, rows = msgspec.msgpack.decode(rep.result, type=tuple[str, list[M.ExtentEntry]])
+                inc, rows, max_gen = msgspec.msgpack.decode(rep.result, type=tuple[str, list[M.ExtentEntry], int])
                 if inc != d.incarnation:
                     continue
+                self.state.gens_above(d.node_id, max_gen)  # the node refuses generations it saw freed
                 for r in rows:
                     layout = M.LayoutSpec.decode(r.layout) if r.layout else None
                     self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now)

@@ -188,6 +188,11 @@ class MasterState(HandoffMixin, RepairMixin):
         self._lru_add(obj)
         self._maybe_repair(obj)
 
+    def gens_above(self, node_id: str, gen: int) -> None:
+        """Rebuild after failover: grant only generations above ``gen`` on this node."""
+        node = self.nodes[node_id]
+        node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
+
     def restore_extent(self, node_id: str, key: str, offset: int, size: int, gen: int, checksum: int,
                        layout: LayoutSpec | None, now: float) -> None:
         """Rebuild after failover: a node reported a committed extent from its table."""

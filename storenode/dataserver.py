@@ -132,6 +132,7 @@ class DataServer:
                 if not check_token(seg.grant_key, seg.incarnation, req.offset, req.size, req.gen, req.token):
                     raise InvalidRequest(f"write to [{req.offset}, +{req.size}) gen {req.gen} carries no valid "
                                          "grant from the master; writes need a put_start grant")
+                self.table.check_write(req.offset, req.gen)  # before any byte lands
             if req.op == "read":
                 self.table.check_read(req.offset, req.size, req.gen)
                 out.append(frame(DataReply(True, size=req.size)))

@@ -138,7 +138,7 @@ class StoreNode:
         elif isinstance(req, M.NodeList):
             rows = self.table.committed()
             await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(
-                [self.segment.incarnation, rows]))))])
+                [self.segment.incarnation, rows, self.table.max_gen]))))])
         elif isinstance(req, M.NodeCopy):
             asyncio.create_task(self._copy(ctrl, ident, req))
 

@@ -339,3 +339,21 @@ def test_pins_restore_from_records_and_report_dropped_pinned_keys():
     assert st.take_unpinned() == []
     st.remove(["hard"], True, 20.0)  # a forced remove of a pinned object: its record must go
     assert st.take_unpinned() == ["hard"] and st.take_unpinned() == []
+
+
+def test_node_table_refuses_writes_of_a_revoked_generation():
+    from protocol.messages import ExtentEntry
+    from storenode.extents import ExtentTable
+
+    t = ExtentTable(10 * MiB)
+    t.check_write(0, 1)
+    t.record_write("stale", 0, 4096, 1, 0, None)
+    t.free(0, 1)  # the master revoked that put
+    with pytest.raises(E.StaleExtent, match="older than"):
+        t.check_write(0, 1)  # the stalled writer comes back
+    t.check_write(0, 2)  # the extent's next owner writes
+    t.record_write("victim", 0, 8192, 2, 0, None)
+    t.record_write("stale", 0, 4096, 1, 0, None)  # even unchecked, it does not replace the row
+    assert t.check_read(0, 8192, 2).key == "victim"
+    t.commit(ExtentEntry("stale", 0, 4096, 1, 5, None, True))  # a late commit of the freed generation
+    assert t.check_read(0, 8192, 2).key == "victim" and t.max_gen == 2
