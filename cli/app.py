@@ -122,7 +122,8 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
               node_ttl: Annotated[str, typer.Option()] = "3s",
               run_dir: Annotated[Optional[str], typer.Option()] = None,
               device: Annotated[str, typer.Option(help="cpu (cuda:N segments are not built yet)")] = "cpu",
-              ucx: Annotated[bool, typer.Option(help="Also serve data on ucx:// (needs kvpool[ucx])")] = False) -> None:
+              ucx: Annotated[bool, typer.Option(
+                  help="Also serve data on ucx:// (needs the ucx extra: pip install kvpool\\[ucx])")] = False) -> None:
     """Run one store node with a shared-memory segment of --memory bytes."""
     from storenode.server import NodeSettings, main as run_node
 

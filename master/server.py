@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -41,19 +42,37 @@ from protocol.errors import EtcdUnavailable, InvalidRequest, KVPoolError, NotLea
 from protocol.etcd import Etcd, Keys, kept_alive
 
 
-_OUT_MAX = 64 << 20  # bytes of unsent replies after which a client's requests wait
+_OUT_MAX = 16 << 20  # bytes of unsent replies after which a client's requests wait
+_PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not read
+_BUDGET = 64  # requests answered per client per loop turn (the others get their turn)
+_ETCD_WAIT_S = 3.0  # how long a durable write may take before the request fails
 
 
 class _Client:
-    """One client connection: its frame parser and the reply bytes not sent yet."""
+    """One client connection: its frame parser, requests not answered yet (in order) and
+    the reply bytes not sent yet."""
 
-    __slots__ = ("sock", "parser", "out", "closing")
+    __slots__ = ("sock", "parser", "pending", "out", "closing", "closed")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.parser = rpcwire.FrameParser()
+        self.pending: deque = deque()
         self.out = bytearray()
         self.closing = False
+        self.closed = False
+
+
+class _Deferred:
+    """A request waiting for its etcd write (pins, hand-off records): the RPC loop keeps
+    serving others meanwhile. ``then()`` runs once the write is durable and gives the
+    result; a failed or slow write answers EtcdUnavailable."""
+
+    __slots__ = ("fut", "then", "what", "deadline", "client", "rid", "op", "t0")
+
+    def __init__(self, fut, then, what: str) -> None:
+        self.fut, self.then, self.what = fut, then, what
+        self.deadline = time.monotonic() + _ETCD_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,9 @@ class MasterServer:
         self.clients: dict[int, _Client] = {}  # by fd
         self._rbuf = memoryview(bytearray(1 << 20))  # the RPC thread's receive buffer
         self._accept_warned = 0.0
+        self.busy: set[_Client] = set()  # clients with requests left after their turn
+        self.deferred: list[_Deferred] = []
+        self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
 
     # ---- process ------------------------------------------------------------------------
 
@@ -176,25 +198,30 @@ class MasterServer:
         return out
 
     def _etcd_forget(self, key: str) -> None:
-        """Delete an etcd record in the background (best effort: a stale pin record is
-        dropped at the next rebuild, an expired hand-off record when it is read)."""
-        with contextlib.suppress(EtcdUnavailable):
-            self._etcd_call(lambda e: e.delete(key), wait=False)
+        """Delete an etcd record in the background; a delete etcd refuses is retried once
+        etcd answers again (see the RPC loop), so no stale pin or hand-off record stays."""
+        async def delete(e: Etcd) -> None:
+            try:
+                await e.delete(key)
+            except Exception:  # noqa: BLE001 - any failure: try again later
+                self.events.put(("forget_failed", key))
 
-    def _etcd_call(self, coro_fn, wait: bool):
-        """Run ``coro_fn(etcd)`` on the etcd thread; block for the result when ``wait``."""
-        if self.loop is None or self.etcd is None or (wait and not self.etcd_ok):
-            raise EtcdUnavailable("etcd is unavailable; durable hand-off records need etcd. Check the etcd "
-                                  "endpoint (`kvpool status` still works), then retry")
-        fut = asyncio.run_coroutine_threadsafe(coro_fn(self.etcd), self.loop)
-        if not wait:
-            return None
         try:
-            return fut.result(3.0)
-        except Exception as e:  # timeout or a gRPC error: etcd is unavailable
-            fut.cancel()
-            raise EtcdUnavailable(f"etcd did not answer ({type(e).__name__}); durable hand-off records need etcd. "
-                                  "Check `kvpool status` and the etcd endpoint, then retry") from None
+            self._etcd_submit(delete, "etcd records", check=False)
+        except EtcdUnavailable:
+            self._forget_retry.add(key)
+
+    def _etcd_submit(self, coro_fn, what: str, check: bool = True):
+        """Start ``coro_fn(etcd)`` on the etcd thread; its concurrent Future. Raises
+        EtcdUnavailable at once when etcd is known to be down (``check``) or not connected."""
+        if self.loop is None or self.etcd is None or (check and not self.etcd_ok):
+            raise EtcdUnavailable(f"etcd is unavailable; {what} need etcd. Check the etcd endpoint (`kvpool "
+                                  "status` still works), then retry")
+        return asyncio.run_coroutine_threadsafe(coro_fn(self.etcd), self.loop)
+
+    def _durable(self, coro_fn, what: str, then) -> _Deferred:
+        """A reply that waits for an etcd write without holding up other clients."""
+        return _Deferred(self._etcd_submit(coro_fn, what), then, what)
 
     # ---- RPC thread ---------------------------------------------------------------------
 
@@ -203,20 +230,30 @@ class MasterServer:
         poller.register(self.listener, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self.stop.is_set():
-            for sock, ev in poller.poll(50):
+            served = set()
+            for sock, ev in poller.poll(0 if self.busy else 5 if self.deferred else 50):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
                     if sock == self.listener_fd:
                         self._accept(poller)
                     elif (c := self.clients.get(sock)) is not None:
                         self._serve(poller, c, ev)
+                        served.add(c)
                 else:
                     self._node_reply(poller, sock)
+            for c in list(self.busy - served):  # requests left over from their last turn
+                self._work(poller, c)
+            if self.deferred:
+                self._finish_deferred(poller)
             self._apply_events(poller)
             if self.leading and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.s.membership_poll_s
                 expired = self.state.tick(time.time())
                 for rid in expired:
                     self._etcd_forget(self.keys.handoff(rid))
+                if self._forget_retry and self.etcd_ok:
+                    keys, self._forget_retry = self._forget_retry, set()
+                    for key in keys:
+                        self._etcd_forget(key)
             for key in self.state.take_unpinned():  # pinned objects removed, evicted or lost
                 self._etcd_forget(self.keys.pin(key))
             self._flush(poller)
@@ -243,14 +280,16 @@ class MasterServer:
 
     def _close_client(self, poller: zmq.Poller, c: _Client) -> None:
         self.clients.pop(c.sock.fileno(), None)
+        self.busy.discard(c)
+        c.closed = True
         with contextlib.suppress(KeyError):
             poller.unregister(c.sock)
         with contextlib.suppress(OSError):
             c.sock.close()
 
     def _serve(self, poller: zmq.Poller, c: _Client, ev: int) -> None:
-        """Read what the connection has, answer every whole request, send the replies."""
-        if ev & (zmq.POLLIN | zmq.POLLERR) and not c.closing:  # an error shows up as a failed recv
+        """Read what the connection has (unless it is already far behind), then answer."""
+        if ev & (zmq.POLLIN | zmq.POLLERR) and not c.closing and len(c.pending) < _PENDING_MAX:
             try:
                 got = c.sock.recv_into(self._rbuf)
             except (BlockingIOError, InterruptedError):
@@ -260,15 +299,36 @@ class MasterServer:
             if got == 0:
                 return self._close_client(poller, c)
             if got > 0:
-                try:
-                    frames = c.parser.feed(self._rbuf[:got])
-                except InvalidRequest as e:  # a corrupt length: answer, then hang up
-                    frames, c.closing = [], True
-                    c.out += rpcwire.pack(int(e.fields.get("rid", 0)), M.encode(M.Reply(error=e.to_wire())))
-                for rid, body in frames:
-                    reply = self._handle(body)
-                    if rid != rpcwire.ONE_WAY:
-                        c.out += rpcwire.pack(rid, reply)
+                c.pending.extend(c.parser.feed(self._rbuf[:got]))
+                if c.parser.error is not None:  # a corrupt length: answer what came before it, then it, then hang up
+                    c.pending.append((int(c.parser.error.fields.get("rid", 0)), c.parser.error))
+                    c.closing = True
+        self._work(poller, c)
+
+    def _work(self, poller: zmq.Poller, c: _Client) -> None:
+        """Answer up to :data:`_BUDGET` of ``c``'s requests while its unsent replies stay under
+        :data:`_OUT_MAX`, send what can be sent, and poll it for what it needs next. A client
+        that does not read its replies stops being read: its memory stays bounded and the
+        other clients keep their turns."""
+        budget = _BUDGET
+        while c.pending and budget and len(c.out) < _OUT_MAX:
+            budget -= 1
+            rid, body = c.pending.popleft()
+            reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self._handle(body)
+            if isinstance(reply, _Deferred):
+                reply.client, reply.rid = c, rid
+                self.deferred.append(reply)
+            elif rid != rpcwire.ONE_WAY:
+                c.out += rpcwire.pack(rid, reply)
+        if c.pending and len(c.out) < _OUT_MAX:
+            self.busy.add(c)
+        else:
+            self.busy.discard(c)
+        self._send(poller, c)
+
+    def _send(self, poller: zmq.Poller, c: _Client) -> None:
+        if c.closed:
+            return
         if c.out:
             try:
                 sent = c.sock.send(c.out)
@@ -277,10 +337,35 @@ class MasterServer:
                 pass
             except OSError:
                 return self._close_client(poller, c)
-        if c.closing and not c.out:
+        if c.closing and not c.out and not c.pending:
             return self._close_client(poller, c)
-        # a client that does not read its replies stops being read (no unbounded reply buffer)
-        poller.modify(c.sock, (zmq.POLLIN if len(c.out) < _OUT_MAX else 0) | (zmq.POLLOUT if c.out else 0))
+        want_in = not c.closing and len(c.pending) < _PENDING_MAX and len(c.out) < _OUT_MAX
+        poller.modify(c.sock, (zmq.POLLIN if want_in else 0) | (zmq.POLLOUT if c.out else 0))
+
+    def _finish_deferred(self, poller: zmq.Poller) -> None:
+        """Answer the requests whose etcd write finished (or ran out of time)."""
+        now, waiting = time.monotonic(), []
+        for d in self.deferred:
+            if not d.fut.done() and now < d.deadline:
+                waiting.append(d)
+                continue
+            try:
+                if not d.fut.done() or d.fut.exception() is not None:
+                    d.fut.cancel()
+                    raise EtcdUnavailable(f"etcd did not confirm the write in {_ETCD_WAIT_S:g}s; {d.what} need etcd. "
+                                          "Check `kvpool status` and the etcd endpoint, then retry")
+                reply = M.Reply(msgspec.Raw(M.encode(d.then())))
+            except KVPoolError as e:
+                reply = M.Reply(error=e.to_wire())
+            except Exception as e:  # noqa: BLE001 - as in _handle
+                traceback.print_exc(file=sys.stderr)
+                reply = M.Reply(error=KVPoolError(f"master failed on {d.op}: {type(e).__name__}: {e}").to_wire())
+            self.metrics.observe(d.op, time.perf_counter() - d.t0)
+            c = d.client
+            if not c.closed and d.rid != rpcwire.ONE_WAY:
+                c.out += rpcwire.pack(d.rid, M.encode(reply))
+                self._send(poller, c)
+        self.deferred = waiting
 
     def _apply_events(self, poller: zmq.Poller) -> None:
         while True:
@@ -289,7 +374,9 @@ class MasterServer:
             except queue.Empty:
                 return
             kind = ev[0]
-            if kind == "lead":
+            if kind == "forget_failed":
+                self._forget_retry.add(ev[1])
+            elif kind == "lead":
                 self.state = MasterState(self.s.state, self.s.cluster)
                 self.state.leader_addr = self.rpc_addr
                 self.metrics.state = self.state
@@ -391,8 +478,9 @@ class MasterServer:
                 for m in _coalesce(msgs):  # in order: a commit then a free of one extent stay so
                     sock.send(M.encode(m), zmq.NOBLOCK)
 
-    def _handle(self, body: bytes) -> bytes:
-        """One request → its encoded Reply (a typed error for anything malformed)."""
+    def _handle(self, body: bytes) -> bytes | _Deferred:
+        """One request → its encoded Reply (a typed error for anything malformed), or a
+        :class:`_Deferred` when the answer waits for etcd."""
         t0 = time.perf_counter()
         op = "invalid"
         try:
@@ -401,7 +489,11 @@ class MasterServer:
             if not self.leading:
                 raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
                                 leader=self.leader_addr)
-            reply = M.Reply(msgspec.Raw(M.encode(self._dispatch(req))))
+            result = self._dispatch(req)
+            if isinstance(result, _Deferred):
+                result.op, result.t0 = op, t0
+                return result
+            reply = M.Reply(msgspec.Raw(M.encode(result)))
         except KVPoolError as e:
             reply = M.Reply(error=e.to_wire())
         except Exception as e:  # noqa: BLE001 - a bug must cost one request, not the master
@@ -432,16 +524,14 @@ class MasterServer:
             return st.list_objects(req.prefix, req.limit, now)
         if isinstance(req, M.Stats):
             return st.stats()
-        if isinstance(req, M.Pin):  # durable first, so an acknowledged pin survives a failover
-            st.check_pin(req.key, req.ttl_s)
-            rec = M.PinRecord(req.key, None if req.ttl_s is None else now + req.ttl_s)
-            key, val = self.keys.pin(req.key), M.encode(rec)
-            self._etcd_call(lambda e: e.put(key, val), wait=True)
-            return st.pin(req.key, req.ttl_s, now)
-        if isinstance(req, M.Unpin):
-            st.unpin(req.key)
-            self._etcd_forget(self.keys.pin(req.key))
-            return None
+        if isinstance(req, (M.Pin, M.Unpin)):  # durable first: an acknowledged (un)pin survives a failover
+            ttl = req.ttl_s if isinstance(req, M.Pin) else None
+            obj = st.check_pin(req.key, ttl)
+            key = self.keys.pin(req.key)
+            if isinstance(req, M.Unpin):
+                return self._durable(lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
+            val = M.encode(M.PinRecord(req.key, None if ttl is None else now + ttl, obj.size, obj.checksum))
+            return self._durable(lambda e: e.put(key, val), "pins", lambda: st.pin(req.key, ttl, time.time()))
         if isinstance(req, M.Evict):
             return st.evict(req.selector, req.dry_run, req.force, now)
         if isinstance(req, M.Drain):
@@ -453,8 +543,7 @@ class MasterServer:
         if isinstance(req, M.HandoffPublish):
             rec = st.handoff_publish(req.record, now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)
-            self._etcd_call(lambda e: e.put(key, val), wait=True)
-            return rec
+            return self._durable(lambda e: e.put(key, val), "hand-off records", lambda: rec)
         if isinstance(req, M.HandoffClaim):
             return st.handoff_claim(req.request_id, now)
         if isinstance(req, (M.HandoffAck, M.HandoffRelease)):

@@ -585,11 +585,12 @@ class MasterState(HandoffMixin, RepairMixin):
 
     # ---- pins ---------------------------------------------------------------------------
 
-    def check_pin(self, key: str, ttl_s: float | None) -> None:
-        """What :meth:`pin` would refuse, without pinning: InvalidRequest, NotFound."""
+    def check_pin(self, key: str, ttl_s: float | None) -> Obj:
+        """The object :meth:`pin` would pin, without pinning; raises what it would refuse
+        (InvalidRequest, NotFound)."""
         if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
             raise E.InvalidRequest(f"pin ttl must be a finite number of seconds > 0, got {ttl_s}")
-        self._get(key)
+        return self._get(key)
 
     def pin(self, key: str, ttl_s: float | None, now: float) -> None:
         """Hard pin (``ttl_s=None``) or soft pin for ``ttl_s`` seconds (finite, > 0)."""
@@ -675,8 +676,10 @@ class MasterState(HandoffMixin, RepairMixin):
 
     def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the
-        object is gone or the soft pin lapsed) and should be deleted."""
-        if rec.key not in self.objects or (rec.until is not None and rec.until <= now):
+        object is gone or is another object now, or the soft pin lapsed): delete it."""
+        obj = self.objects.get(rec.key)
+        if obj is None or (obj.size, obj.checksum) != (rec.size, rec.checksum) or \
+                (rec.until is not None and rec.until <= now):
             return False
         self.pin(rec.key, None if rec.until is None else rec.until - now, now)
         return True

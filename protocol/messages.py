@@ -216,10 +216,14 @@ class Unpin(msgspec.Struct, tag="unpin"):
 
 class PinRecord(msgspec.Struct, frozen=True, array_like=True):
     """A pin as kept in etcd under ``pins/<key>`` so it survives a master failover:
-    ``until`` is the soft pin's deadline (Unix time, seconds), None for a hard pin."""
+    ``until`` is the soft pin's deadline (Unix time, seconds), None for a hard pin; ``size``
+    and ``checksum`` name the pinned object, so a later object under the same key with
+    other bytes is not pinned by a record left behind."""
 
     key: str
     until: float | None = None
+    size: int = 0
+    checksum: int = 0
 
 
 class Evict(msgspec.Struct, tag="evict"):

@@ -33,16 +33,20 @@ def pack(rid: int, body: bytes) -> bytes:
 
 class FrameParser:
     """Incremental parser: :meth:`feed` bytes as they arrive, get whole frames back as
-    ``(request id, body)`` pairs. Raises InvalidRequest (its ``fields['rid']`` is the
-    frame's request id) for an oversized or impossible length: the stream cannot be
-    trusted after that, so the master replies with the error and closes the connection."""
+    ``(request id, body)`` pairs. An oversized or impossible length sets :attr:`error`
+    (an InvalidRequest whose ``fields['rid']`` is that frame's request id) after the frames
+    before it were returned: the stream cannot be trusted past it, so the master answers
+    those frames, then the error, and closes the connection."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "error")
 
     def __init__(self) -> None:
         self.buf = bytearray()
+        self.error: InvalidRequest | None = None
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        if self.error is not None:
+            return []
         buf = self.buf
         buf += data
         out = []
@@ -50,8 +54,10 @@ class FrameParser:
         while n - pos >= 12:
             size, rid = HEAD.unpack_from(buf, pos)
             if size < 8 or size > MAX_FRAME:
-                raise InvalidRequest(f"RPC frame of {size} bytes is outside [8, {MAX_FRAME}]; connection closed",
-                                    rid=rid)
+                self.error = InvalidRequest(f"RPC frame of {size} bytes is outside [8, {MAX_FRAME}]; connection "
+                                            "closed", rid=rid)
+                buf.clear()
+                return out
             if n - pos < 4 + size:
                 break
             out.append((rid, bytes(buf[pos + 12:pos + 4 + size])))

@@ -2,6 +2,7 @@
 import os
 import socket
 import struct
+import time
 
 import msgspec
 import pytest
@@ -76,6 +77,19 @@ def test_rpc_pipelined_requests_answered_in_order_and_hangups_are_harmless(clust
             s.sendall(rpcwire.pack(1, M.encode(M.Stats())) * 50 + rpcwire.HEAD.pack(100, 2) + b"partial")
     assert client.get("pipe/x") == b"x"
     assert all(c.alive() for c in cluster.masters)
+
+
+def test_a_client_that_never_reads_replies_does_not_stall_the_others(cluster, client):
+    """3000 listings of 3000 keys owe ~500 MB of replies and seconds of work: the master
+    answers the flooder 64 requests per turn, stops reading it at 16 MiB of unsent replies,
+    and keeps answering everyone else within their deadline."""
+    client.put_batch([f"flood/{i}" for i in range(3000)], [b"v"] * 3000)
+    host, port = cluster.master_addr[len("tcp://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(rpcwire.pack(1, M.encode(M.ListObjects("", 10000))) * 3000)
+        for _ in range(30):
+            assert client.rpc.call(M.Exists(["flood/7"]), timeout_s=5) == [True]  # Timeout if starved
+    assert client.get("flood/7") == b"v"
 
 
 def test_malformed_and_truncated_data_frames(cluster, client):

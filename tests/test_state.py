@@ -329,10 +329,11 @@ def test_pins_restore_from_records_and_report_dropped_pinned_keys():
     put(st, "hard")
     put(st, "soft")
     put(st, "gone")
-    assert st.restore_pin(PinRecord("hard", None), 10.0) is True
-    assert st.restore_pin(PinRecord("soft", 50.0), 10.0) is True
-    assert st.restore_pin(PinRecord("soft-lapsed", 5.0), 10.0) is False  # no such object
-    assert st.restore_pin(PinRecord("gone", 9.0), 10.0) is False  # the soft pin lapsed
+    assert st.restore_pin(PinRecord("hard", None, MiB, 2), 10.0) is False  # same key, other bytes
+    assert st.restore_pin(PinRecord("hard", None, MiB, 1), 10.0) is True
+    assert st.restore_pin(PinRecord("soft", 50.0, MiB, 1), 10.0) is True
+    assert st.restore_pin(PinRecord("soft-lapsed", 5.0, MiB, 1), 10.0) is False  # no such object
+    assert st.restore_pin(PinRecord("gone", 9.0, MiB, 1), 10.0) is False  # the soft pin lapsed
     assert st.list_objects("", 10, 10.0) and {m.key: m.pin for m in st.list_objects("", 10, 10.0)} == {
         "hard": "hard", "soft": "soft", "gone": ""}
     assert st.evict(EvictSelector(all=True), False, False, 20.0).skipped_pinned == 2
