@@ -398,7 +398,35 @@ class MasterServer:
         for d in descs.values():
             if d.node_id not in self.state.nodes:
                 self.state.node_up(d, now)
+                if not self._adopt(d, now, timeout_ms=1000):
+                    self.state.node_down(d.node_id, now)  # tried again at the next membership poll
         self.state.repair_all()
+
+    def _adopt(self, d: M.NodeDesc, now: float, timeout_ms: int) -> bool:
+        """Index a joining node's committed extents (a failover rebuild, or a node whose etcd
+        lease lapsed in an etcd outage and came back with its memory intact) and grant there
+        only generations above any it has seen. False when the node did not answer."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.ctrl_addr)
+        try:
+            sock.send(M.encode(M.NodeList()))
+            if not sock.poll(timeout_ms):
+                return False
+            rep = msgspec.msgpack.decode(sock.recv(), type=M.Reply)
+            inc, rows, max_gen = msgspec.msgpack.decode(rep.result, type=tuple[str, list[M.ExtentEntry], int])
+            if inc != d.incarnation:
+                return False  # restarted since it published this descriptor: wait for the new one
+            self.state.gens_above(d.node_id, max_gen)  # the node refuses generations it saw freed
+            for r in rows:
+                with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
+                    layout = M.LayoutSpec.decode(r.layout) if r.layout else None
+                    self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now)
+            return True
+        except (msgspec.DecodeError, msgspec.ValidationError, KVPoolError):
+            return False
+        finally:
+            sock.close(0)
 
     def _rebuild(self, descs: dict[str, M.NodeDesc], handoffs: list[M.HandoffRecord],
                  pins: list[M.PinRecord]) -> None:
@@ -407,25 +435,8 @@ class MasterServer:
         now = time.time()
         for d in descs.values():
             self.state.node_up(d, now)
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(d.ctrl_addr)
-            try:
-                sock.send(M.encode(M.NodeList()))
-                if not sock.poll(5000):
-                    raise TimeoutError
-                rep = msgspec.msgpack.decode(sock.recv(), type=M.Reply)
-                inc, rows, max_gen = msgspec.msgpack.decode(rep.result, type=tuple[str, list[M.ExtentEntry], int])
-                if inc != d.incarnation:
-                    continue
-                self.state.gens_above(d.node_id, max_gen)  # the node refuses generations it saw freed
-                for r in rows:
-                    layout = M.LayoutSpec.decode(r.layout) if r.layout else None
-                    self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now)
-            except (TimeoutError, msgspec.DecodeError, msgspec.ValidationError, KVPoolError, ValueError):
-                self.state.node_down(d.node_id, now)
-            finally:
-                sock.close(0)
+            if not self._adopt(d, now, timeout_ms=5000):
+                self.state.node_down(d.node_id, now)  # the membership poll tries it again
         for rec in handoffs:
             self.state.restore_handoff(rec)
         for pin in pins:

@@ -195,8 +195,11 @@ class MasterState(HandoffMixin, RepairMixin):
 
     def restore_extent(self, node_id: str, key: str, offset: int, size: int, gen: int, checksum: int,
                        layout: LayoutSpec | None, now: float) -> None:
-        """Rebuild after failover: a node reported a committed extent from its table."""
+        """Rebuild after failover (or a node's return): a node reported a committed extent
+        from its table. Raises ValueError when the range is not free on the master's side."""
         node = self.nodes[node_id]
+        if key in self.pending:  # being written again right now: that put wins
+            return
         node.alloc.reserve(offset, size)
         ref = ExtentRef(node_id, node.desc.incarnation, node.desc.data_addr, node.desc.shm_path,
                         node.desc.host_id, offset, size, gen, ucx_addr=node.desc.ucx_addr)

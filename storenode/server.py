@@ -99,9 +99,10 @@ class StoreNode:
                         stop_wait.cancel()
                         lost_wait.cancel()
                     if lost.is_set() and not self._stop.is_set():
-                        # the cluster may have dropped us: come back empty with a new generation
-                        self.table.clear()
-                        self.segment.renew()
+                        # etcd let our lease lapse (an outage, a pause): register again with
+                        # the same segment; a master that dropped us meanwhile re-indexes our
+                        # committed extents when it sees us join (master/server.py _adopt)
+                        print(f"storenode {self.node_id}: etcd lease lost; registering again", flush=True)
                         await asyncio.sleep(0.2)
                 with contextlib.suppress(Exception):
                     await etcd.delete(self.keys.node(self.node_id))
