@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def commit_row(obj: Obj, ref: ExtentRef) -> ExtentEntry:
     """The node's extent-table row for replica ``ref`` of committed ``obj``."""
     return ExtentEntry(obj.key, ref.offset, ref.size, ref.gen, obj.checksum,
-                       obj.layout.encode() if obj.layout is not None else None, True)
+                       obj.layout.encode() if obj.layout is not None else None, True, obj.replicas_wanted)
 
 
 def grant(node: Node, offset: int, size: int) -> ExtentRef:

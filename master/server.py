@@ -64,15 +64,26 @@ class _Client:
 
 
 class _Deferred:
-    """A request waiting for its etcd write (pins, hand-off records): the RPC loop keeps
-    serving others meanwhile. ``then()`` runs once the write is durable and gives the
-    result; a failed or slow write answers EtcdUnavailable."""
+    """A durable etcd write (a pin record, a hand-off record, a delete) and, for a request,
+    the answer that waits for it. Writes to one etcd key run one at a time in arrival
+    order (:attr:`MasterServer.chains`), so etcd ends in the state of the last operation,
+    and ``then()`` (the in-memory change) runs in the same order, only once its write
+    landed: the master's memory and etcd agree. ``undo()`` runs when ``then()`` refuses
+    (e.g. the object went away meanwhile). A write that neither lands nor fails within
+    :data:`_ETCD_WAIT_S` is answered EtcdUnavailable (outcome unknown) and still applied if
+    it lands later; one still queued behind it is answered EtcdUnavailable and dropped."""
 
-    __slots__ = ("fut", "then", "what", "deadline", "client", "rid", "op", "t0")
+    __slots__ = ("key", "coro_fn", "then", "undo", "what", "fut", "deadline", "client", "rid", "op", "t0",
+                 "answered")
 
-    def __init__(self, fut, then, what: str) -> None:
-        self.fut, self.then, self.what = fut, then, what
+    def __init__(self, key: str, coro_fn, what: str, then=None, undo=None) -> None:
+        self.key, self.coro_fn, self.what, self.then, self.undo = key, coro_fn, what, then, undo
+        self.fut = None
         self.deadline = time.monotonic() + _ETCD_WAIT_S
+        self.client = None  # set for a request's answer
+        self.rid = rpcwire.ONE_WAY
+        self.op, self.t0 = "etcd", time.perf_counter()
+        self.answered = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ class MasterServer:
         self._rbuf = memoryview(bytearray(1 << 20))  # the RPC thread's receive buffer
         self._accept_warned = 0.0
         self.busy: set[_Client] = set()  # clients with requests left after their turn
-        self.deferred: list[_Deferred] = []
+        self.chains: dict[str, deque[_Deferred]] = {}  # etcd key -> its durable writes, in order
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
 
     # ---- process ------------------------------------------------------------------------
@@ -198,14 +209,17 @@ class MasterServer:
         return out
 
     def _etcd_forget(self, key: str) -> None:
-        """Delete an etcd record in the background; a delete etcd refuses is retried once
-        etcd answers again (see the RPC loop), so no stale pin or hand-off record stays."""
+        """Delete an etcd record, after any write to it still in flight; a delete etcd
+        refuses is retried once etcd answers again, so no stale pin or hand-off record stays."""
         async def delete(e: Etcd) -> None:
             try:
                 await e.delete(key)
             except Exception:  # noqa: BLE001 - any failure: try again later
                 self.events.put(("forget_failed", key))
 
+        if key in self.chains:
+            self.chains[key].append(_Deferred(key, delete, "etcd records"))
+            return
         try:
             self._etcd_submit(delete, "etcd records", check=False)
         except EtcdUnavailable:
@@ -219,9 +233,18 @@ class MasterServer:
                                   "status` still works), then retry")
         return asyncio.run_coroutine_threadsafe(coro_fn(self.etcd), self.loop)
 
-    def _durable(self, coro_fn, what: str, then) -> _Deferred:
-        """A reply that waits for an etcd write without holding up other clients."""
-        return _Deferred(self._etcd_submit(coro_fn, what), then, what)
+    def _durable(self, key: str, coro_fn, what: str, then, undo=None) -> _Deferred:
+        """A reply that waits for the etcd write to ``key`` without holding up other
+        clients, queued behind earlier writes to the same key (see :class:`_Deferred`).
+        Raises EtcdUnavailable at once when etcd is known to be down."""
+        d = _Deferred(key, coro_fn, what, then, undo)
+        chain = self.chains.get(key)
+        if chain:
+            chain.append(d)
+        else:
+            d.fut = self._etcd_submit(coro_fn, what)
+            self.chains[key] = deque([d])
+        return d
 
     # ---- RPC thread ---------------------------------------------------------------------
 
@@ -231,7 +254,7 @@ class MasterServer:
         next_tick = time.monotonic()
         while not self.stop.is_set():
             served = set()
-            for sock, ev in poller.poll(0 if self.busy else 5 if self.deferred else 50):
+            for sock, ev in poller.poll(0 if self.busy else 5 if self.chains else 50):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
                     if sock == self.listener_fd:
                         self._accept(poller)
@@ -242,7 +265,7 @@ class MasterServer:
                     self._node_reply(poller, sock)
             for c in list(self.busy - served):  # requests left over from their last turn
                 self._work(poller, c)
-            if self.deferred:
+            if self.chains:
                 self._finish_deferred(poller)
             self._apply_events(poller)
             if self.leading and time.monotonic() >= next_tick:
@@ -317,7 +340,6 @@ class MasterServer:
             reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self._handle(body)
             if isinstance(reply, _Deferred):
                 reply.client, reply.rid = c, rid
-                self.deferred.append(reply)
             elif rid != rpcwire.ONE_WAY:
                 c.out += rpcwire.pack(rid, reply)
         if c.pending and len(c.out) < _OUT_MAX:
@@ -343,29 +365,65 @@ class MasterServer:
         poller.modify(c.sock, (zmq.POLLIN if want_in else 0) | (zmq.POLLOUT if c.out else 0))
 
     def _finish_deferred(self, poller: zmq.Poller) -> None:
-        """Answer the requests whose etcd write finished (or ran out of time)."""
-        now, waiting = time.monotonic(), []
-        for d in self.deferred:
-            if not d.fut.done() and now < d.deadline:
-                waiting.append(d)
-                continue
-            try:
-                if not d.fut.done() or d.fut.exception() is not None:
-                    d.fut.cancel()
-                    raise EtcdUnavailable(f"etcd did not confirm the write in {_ETCD_WAIT_S:g}s; {d.what} need etcd. "
-                                          "Check `kvpool status` and the etcd endpoint, then retry")
-                reply = M.Reply(msgspec.Raw(M.encode(d.then())))
-            except KVPoolError as e:
-                reply = M.Reply(error=e.to_wire())
-            except Exception as e:  # noqa: BLE001 - as in _handle
-                traceback.print_exc(file=sys.stderr)
-                reply = M.Reply(error=KVPoolError(f"master failed on {d.op}: {type(e).__name__}: {e}").to_wire())
-            self.metrics.observe(d.op, time.perf_counter() - d.t0)
-            c = d.client
-            if not c.closed and d.rid != rpcwire.ONE_WAY:
-                c.out += rpcwire.pack(d.rid, M.encode(reply))
-                self._send(poller, c)
-        self.deferred = waiting
+        """Advance every etcd key's chain of durable writes (see :class:`_Deferred`)."""
+        now = time.monotonic()
+        for key in list(self.chains):
+            chain = self.chains[key]
+            for d in [d for d in list(chain)[1:] if not d.answered and now >= d.deadline]:
+                chain.remove(d)  # never started: nothing was applied
+                self._answer(poller, d, error=EtcdUnavailable(
+                    f"etcd did not take earlier writes to this record within {_ETCD_WAIT_S:g}s; {d.what} need etcd "
+                    "and nothing was changed. Check `kvpool status` and the etcd endpoint, then retry"))
+            while chain:
+                d = chain[0]
+                if d.fut is None:
+                    try:
+                        d.fut = self._etcd_submit(d.coro_fn, d.what, check=d.client is not None)
+                    except EtcdUnavailable as e:
+                        chain.popleft()
+                        if d.client is None:
+                            self._forget_retry.add(key)  # a background delete: retried later
+                        self._answer(poller, d, error=e)
+                        continue
+                if not d.fut.done():
+                    if now >= d.deadline and not d.answered:
+                        self._answer(poller, d, error=EtcdUnavailable(
+                            f"etcd did not confirm the write within {_ETCD_WAIT_S:g}s; {d.what} need etcd. The "
+                            "outcome is unknown: the change applies if the write still lands. Check `kvpool ls` / "
+                            "`kvpool status` and retry"))
+                    break
+                chain.popleft()
+                if d.fut.exception() is not None:
+                    self._answer(poller, d, error=EtcdUnavailable(
+                        f"etcd refused the write ({type(d.fut.exception()).__name__}); {d.what} need etcd and nothing "
+                        "was changed. Check `kvpool status` and the etcd endpoint, then retry"))
+                    continue
+                try:
+                    result = d.then() if d.then is not None else None
+                except KVPoolError as e:
+                    if d.undo is not None:
+                        d.undo()  # e.g. the object went away meanwhile: drop the record just written
+                    self._answer(poller, d, error=e)
+                    continue
+                except Exception as e:  # noqa: BLE001 - as in _handle
+                    traceback.print_exc(file=sys.stderr)
+                    self._answer(poller, d, error=KVPoolError(f"master failed on {d.op}: {type(e).__name__}: {e}"))
+                    continue
+                self._answer(poller, d, result=result)
+            if not chain:
+                del self.chains[key]
+
+    def _answer(self, poller: zmq.Poller, d: _Deferred, result=None, error: KVPoolError | None = None) -> None:
+        if d.answered or d.client is None:
+            return
+        d.answered = True
+        self.metrics.observe(d.op, time.perf_counter() - d.t0)
+        c = d.client
+        if c.closed or d.rid == rpcwire.ONE_WAY:
+            return
+        reply = M.Reply(error=error.to_wire()) if error is not None else M.Reply(msgspec.Raw(M.encode(result)))
+        c.out += rpcwire.pack(d.rid, M.encode(reply))
+        self._send(poller, c)
 
     def _apply_events(self, poller: zmq.Poller) -> None:
         while True:
@@ -421,7 +479,8 @@ class MasterServer:
             for r in rows:
                 with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
                     layout = M.LayoutSpec.decode(r.layout) if r.layout else None
-                    self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now)
+                    self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now,
+                                              r.replicas)
             return True
         except (msgspec.DecodeError, msgspec.ValidationError, KVPoolError):
             return False
@@ -540,9 +599,10 @@ class MasterServer:
             obj = st.check_pin(req.key, ttl)
             key = self.keys.pin(req.key)
             if isinstance(req, M.Unpin):
-                return self._durable(lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
+                return self._durable(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
             val = M.encode(M.PinRecord(req.key, None if ttl is None else now + ttl, obj.size, obj.checksum))
-            return self._durable(lambda e: e.put(key, val), "pins", lambda: st.pin(req.key, ttl, time.time()))
+            return self._durable(key, lambda e: e.put(key, val), "pins", lambda: st.pin(req.key, ttl, time.time()),
+                                 undo=lambda: self._etcd_forget(key))
         if isinstance(req, M.Evict):
             return st.evict(req.selector, req.dry_run, req.force, now)
         if isinstance(req, M.Drain):
@@ -554,7 +614,7 @@ class MasterServer:
         if isinstance(req, M.HandoffPublish):
             rec = st.handoff_publish(req.record, now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)
-            return self._durable(lambda e: e.put(key, val), "hand-off records", lambda: rec)
+            return self._durable(key, lambda e: e.put(key, val), "hand-off records", lambda: rec)
         if isinstance(req, M.HandoffClaim):
             return st.handoff_claim(req.request_id, now)
         if isinstance(req, (M.HandoffAck, M.HandoffRelease)):

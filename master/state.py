@@ -31,6 +31,8 @@ from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentR
 
 PENDING, COMMITTED = 0, 1
 MAX_REPLICAS = 16
+DEPARTED_KEEP_S = 120.0  # how long a dropped node's memory may come back and be indexed again
+DEPARTED_MAX_KEYS = 200_000  # removals tracked per away node; past that it comes back empty
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class Node:
     draining: bool = False
     suspect_until: float = 0.0
     next_gen: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # keys removed or evicted while this incarnation was away (see MasterState.departed):
+    # its rows for them are stale and are not indexed again when it comes back
+    gone: set[str] | None = field(default_factory=set)  # None: too much changed, index nothing
 
     @property
     def node_id(self) -> str:
@@ -113,6 +118,9 @@ class MasterState(HandoffMixin, RepairMixin):
         self.pending: dict[str, Obj] = {}
         self.handoffs: dict[str, Handoff] = {}
         self.outbox: dict[str, list] = defaultdict(list)
+        # incarnations dropped from the index -> (forget after, keys dropped since): a node
+        # that comes back with the same memory must not bring those keys back
+        self.departed: dict[str, list] = {}  # incarnation -> [forget after, keys dropped since | None]
         self.unpinned: list[str] = []  # pinned keys dropped since take_unpinned(): their etcd records go
         self.counters: dict[str, int] = defaultdict(int)
         self._put_ids = itertools.count(1)
@@ -131,7 +139,10 @@ class MasterState(HandoffMixin, RepairMixin):
             return
         if old is not None:
             self.node_down(desc.node_id, now)
-        self.nodes[desc.node_id] = Node(desc, RangeAllocator(desc.capacity))
+        node = self.nodes[desc.node_id] = Node(desc, RangeAllocator(desc.capacity))
+        away = self.departed.pop(desc.incarnation, None)
+        if away is not None:  # the same memory is back (its etcd lease lapsed in an etcd stall)
+            node.gone = away[1]
         self.counters["node_joins"] += 1
 
     def node_down(self, node_id: str, now: float) -> list[str]:
@@ -156,6 +167,8 @@ class MasterState(HandoffMixin, RepairMixin):
             if not obj.replicas:
                 self._drop(obj, reason="node_lost")
                 lost.append(key)
+        # after the drops above: what the node alone held may come back with it
+        self.departed[node.desc.incarnation] = [now + DEPARTED_KEEP_S, set()]
         return lost
 
     def report_dead(self, node_id: str, incarnation: str, now: float) -> None:
@@ -194,11 +207,15 @@ class MasterState(HandoffMixin, RepairMixin):
         node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
 
     def restore_extent(self, node_id: str, key: str, offset: int, size: int, gen: int, checksum: int,
-                       layout: LayoutSpec | None, now: float) -> None:
+                       layout: LayoutSpec | None, now: float, replicas: int = 0) -> None:
         """Rebuild after failover (or a node's return): a node reported a committed extent
         from its table. Raises ValueError when the range is not free on the master's side."""
         node = self.nodes[node_id]
         if key in self.pending:  # being written again right now: that put wins
+            self.outbox[node_id].append(NodeFree([(offset, gen)]))
+            return
+        if node.gone is None or key in node.gone:  # removed or evicted while this node was away
+            self.outbox[node_id].append(NodeFree([(offset, gen)]))
             return
         node.alloc.reserve(offset, size)
         ref = ExtentRef(node_id, node.desc.incarnation, node.desc.data_addr, node.desc.shm_path,
@@ -207,11 +224,12 @@ class MasterState(HandoffMixin, RepairMixin):
         obj = self.objects.get(key)
         if obj is None:
             obj = Obj(key, size, checksum, layout, [ref], COMMITTED, 0, now, now,
-                      replicas_wanted=self.s.replicas)
+                      replicas_wanted=replicas or self.s.replicas)
             self.objects[key] = obj
         elif obj.checksum == checksum and obj.size == size:
             obj.replicas.append(ref)
             obj._read_refs = None
+            obj.replicas_wanted = max(obj.replicas_wanted, replicas)
         else:
             self._free_extent(ref)
             return
@@ -464,6 +482,11 @@ class MasterState(HandoffMixin, RepairMixin):
 
     def _drop(self, obj: Obj, reason: str) -> None:
         self.objects.pop(obj.key, None)
+        for away in self.departed.values():
+            if away[1] is not None:
+                away[1].add(obj.key)
+                if len(away[1]) > DEPARTED_MAX_KEYS:
+                    away[1] = None
         if obj.pin:
             self.unpinned.append(obj.key)
         self._lru_remove(obj)
@@ -626,6 +649,8 @@ class MasterState(HandoffMixin, RepairMixin):
         from etcd)."""
         for obj in [o for o in self.pending.values() if o.writer_deadline <= now]:
             self._revoke_pending(obj, now, quarantine=True)
+        for inc in [i for i, (until, _) in self.departed.items() if until <= now]:
+            del self.departed[inc]
         self._now = now
         for node in self.nodes.values():
             self._release_quarantine(node, now)

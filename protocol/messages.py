@@ -310,6 +310,7 @@ class ExtentEntry(msgspec.Struct, frozen=True, array_like=True):
     checksum: int
     layout: bytes | None = None
     committed: bool = False
+    replicas: int = 0  # the object's wanted replica count (0: unknown, the cluster default)
 
 
 class NodeCommit(msgspec.Struct, tag="commit"):

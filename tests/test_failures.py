@@ -265,3 +265,44 @@ def test_etcd_pause_longer_than_the_node_ttl_keeps_the_data(make_cluster):
             assert c.get(k) == v
         assert c.put("pause/after", b"new") is True
         assert c.get("pause/after") == b"new"
+
+
+def test_durable_writes_during_an_etcd_stall_end_where_the_calls_say(make_cluster):
+    """While etcd stalls, a pin waits for its record; the object is force-removed meanwhile,
+    so the pin answers NotFound and its record is deleted again. A hand-off acked before
+    its publish record landed does not reappear: the delete runs after the put."""
+    from protocol.etcd import Keys, read_key_sync
+
+    lc = make_cluster(nodes=2, memory="32MiB", node_ttl="6s")
+    keys = Keys(lc.cfg.cluster)
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("b", (64,), "uint8"),))
+    with lc.client() as c, lc.client() as c2:
+        c.put("st/gone", b"g" * 64)
+        c.put("st/held", torch.zeros(64, dtype=torch.uint8), lay)
+        outcome: dict[str, object] = {}
+
+        def call(name, fn):
+            try:
+                outcome[name] = fn()
+            except E.KVPoolError as e:
+                outcome[name] = e
+
+        lc.etcd.kill(signal.SIGSTOP)
+        threads = [threading.Thread(target=call, args=("pin", lambda: c.pin("st/gone"))),
+                   threading.Thread(target=call, args=("publish", lambda: c.handoff_publish(
+                       "st-req", {"0": ["st/held"]}, {"0": lay}, ttl_s=60)))]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        c2.remove("st/gone", force=True)
+        if not isinstance(outcome.get("publish"), E.KVPoolError):
+            c2.handoff_claim("st-req")
+            c2.handoff_ack("st-req")
+        time.sleep(1.0)
+        lc.etcd.kill(signal.SIGCONT)
+        for t in threads:
+            t.join(15)
+        assert isinstance(outcome["pin"], (E.NotFound, E.EtcdUnavailable)), outcome["pin"]
+        wait_for(lambda: read_key_sync(lc.etcd_endpoint, keys.pin("st/gone")) is None, 15, what="pin record gone")
+        wait_for(lambda: read_key_sync(lc.etcd_endpoint, keys.handoff("st-req")) is None, 15,
+                 what="acked hand-off record gone")

@@ -358,3 +358,21 @@ def test_node_table_refuses_writes_of_a_revoked_generation():
     assert t.check_read(0, 8192, 2).key == "victim"
     t.commit(ExtentEntry("stale", 0, 4096, 1, 5, None, True))  # a late commit of the freed generation
     assert t.check_read(0, 8192, 2).key == "victim" and t.max_gen == 2
+
+
+def test_a_returning_node_does_not_bring_back_what_was_removed_meanwhile():
+    st = make(nodes=2)
+    for k in ("kept", "removed", "only-there"):
+        put(st, k, replicas=2 if k != "only-there" else 1, host="h1" if k == "only-there" else "h0")
+    desc = st.nodes["n1"].desc
+    rows = [(k, r) for k in ("kept", "removed", "only-there") for r in st.objects[k].replicas if r.node_id == "n1"]
+    st.node_down("n1", 1.0)  # its etcd lease lapsed
+    st.remove(["removed"], True, 2.0)
+    st.take_outbox()
+    st.node_up(desc, 3.0)  # the same memory registers again
+    for k, r in rows:
+        st.restore_extent("n1", k, r.offset, r.size, r.gen, 1, None, 3.0, replicas=2)
+    assert sorted(st.objects) == ["kept", "only-there"]
+    assert st.objects["kept"].replicas_wanted == 2 and len(st.objects["kept"].replicas) == 2
+    freed = [e for m in st.take_outbox()["n1"] if isinstance(m, NodeFree) for e in m.extents]
+    assert freed == [(r.offset, r.gen) for k, r in rows if k == "removed"]
