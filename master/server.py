@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from master.durable import DurableWrites, Pending
 from master.metrics import Metrics
 from master.state import MasterSettings, MasterState
 from protocol import messages as M
@@ -45,7 +46,6 @@ from protocol.etcd import Etcd, Keys, kept_alive
 _OUT_MAX = 16 << 20  # bytes of unsent replies after which a client's requests wait
 _PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not read
 _BUDGET = 64  # requests answered per client per loop turn (the others get their turn)
-_ETCD_WAIT_S = 3.0  # how long a durable write may take before the request fails
 
 
 class _Client:
@@ -61,29 +61,6 @@ class _Client:
         self.out = bytearray()
         self.closing = False
         self.closed = False
-
-
-class _Deferred:
-    """A durable etcd write (a pin record, a hand-off record, a delete) and, for a request,
-    the answer that waits for it. Writes to one etcd key run one at a time in arrival
-    order (:attr:`MasterServer.chains`), so etcd ends in the state of the last operation,
-    and ``then()`` (the in-memory change) runs in the same order, only once its write
-    landed: the master's memory and etcd agree. ``undo()`` runs when ``then()`` refuses
-    (e.g. the object went away meanwhile). A write that neither lands nor fails within
-    :data:`_ETCD_WAIT_S` is answered EtcdUnavailable (outcome unknown) and still applied if
-    it lands later; one still queued behind it is answered EtcdUnavailable and dropped."""
-
-    __slots__ = ("key", "coro_fn", "then", "undo", "what", "fut", "deadline", "client", "rid", "op", "t0",
-                 "answered")
-
-    def __init__(self, key: str, coro_fn, what: str, then=None, undo=None) -> None:
-        self.key, self.coro_fn, self.what, self.then, self.undo = key, coro_fn, what, then, undo
-        self.fut = None
-        self.deadline = time.monotonic() + _ETCD_WAIT_S
-        self.client = None  # set for a request's answer
-        self.rid = rpcwire.ONE_WAY
-        self.op, self.t0 = "etcd", time.perf_counter()
-        self.answered = False
 
 
 @dataclass(frozen=True)
@@ -122,8 +99,8 @@ class MasterServer:
         self._rbuf = memoryview(bytearray(1 << 20))  # the RPC thread's receive buffer
         self._accept_warned = 0.0
         self.busy: set[_Client] = set()  # clients with requests left after their turn
-        self.chains: dict[str, deque[_Deferred]] = {}  # etcd key -> its durable writes, in order
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
+        self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
 
     # ---- process ------------------------------------------------------------------------
 
@@ -217,11 +194,10 @@ class MasterServer:
             except Exception:  # noqa: BLE001 - any failure: try again later
                 self.events.put(("forget_failed", key))
 
-        if key in self.chains:
-            self.chains[key].append(_Deferred(key, delete, "etcd records"))
+        if self.durable.after(key, delete, "etcd records"):
             return
         try:
-            self._etcd_submit(delete, "etcd records", check=False)
+            self._etcd_submit(delete, "etcd records", False)
         except EtcdUnavailable:
             self._forget_retry.add(key)
 
@@ -233,28 +209,15 @@ class MasterServer:
                                   "status` still works), then retry")
         return asyncio.run_coroutine_threadsafe(coro_fn(self.etcd), self.loop)
 
-    def _durable(self, key: str, coro_fn, what: str, then, undo=None) -> _Deferred:
-        """A reply that waits for the etcd write to ``key`` without holding up other
-        clients, queued behind earlier writes to the same key (see :class:`_Deferred`).
-        Raises EtcdUnavailable at once when etcd is known to be down."""
-        d = _Deferred(key, coro_fn, what, then, undo)
-        chain = self.chains.get(key)
-        if chain:
-            chain.append(d)
-        else:
-            d.fut = self._etcd_submit(coro_fn, what)
-            self.chains[key] = deque([d])
-        return d
-
     # ---- RPC thread ---------------------------------------------------------------------
 
     def _rpc_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self.poller = zmq.Poller()
         poller.register(self.listener, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self.stop.is_set():
             served = set()
-            for sock, ev in poller.poll(0 if self.busy else 5 if self.chains else 50):
+            for sock, ev in poller.poll(0 if self.busy else 5 if self.durable else 50):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
                     if sock == self.listener_fd:
                         self._accept(poller)
@@ -265,8 +228,8 @@ class MasterServer:
                     self._node_reply(poller, sock)
             for c in list(self.busy - served):  # requests left over from their last turn
                 self._work(poller, c)
-            if self.chains:
-                self._finish_deferred(poller)
+            if self.durable:
+                self.durable.advance()
             self._apply_events(poller)
             if self.leading and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.s.membership_poll_s
@@ -338,7 +301,7 @@ class MasterServer:
             budget -= 1
             rid, body = c.pending.popleft()
             reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self._handle(body)
-            if isinstance(reply, _Deferred):
+            if isinstance(reply, Pending):
                 reply.client, reply.rid = c, rid
             elif rid != rpcwire.ONE_WAY:
                 c.out += rpcwire.pack(rid, reply)
@@ -364,56 +327,8 @@ class MasterServer:
         want_in = not c.closing and len(c.pending) < _PENDING_MAX and len(c.out) < _OUT_MAX
         poller.modify(c.sock, (zmq.POLLIN if want_in else 0) | (zmq.POLLOUT if c.out else 0))
 
-    def _finish_deferred(self, poller: zmq.Poller) -> None:
-        """Advance every etcd key's chain of durable writes (see :class:`_Deferred`)."""
-        now = time.monotonic()
-        for key in list(self.chains):
-            chain = self.chains[key]
-            for d in [d for d in list(chain)[1:] if not d.answered and now >= d.deadline]:
-                chain.remove(d)  # never started: nothing was applied
-                self._answer(poller, d, error=EtcdUnavailable(
-                    f"etcd did not take earlier writes to this record within {_ETCD_WAIT_S:g}s; {d.what} need etcd "
-                    "and nothing was changed. Check `kvpool status` and the etcd endpoint, then retry"))
-            while chain:
-                d = chain[0]
-                if d.fut is None:
-                    try:
-                        d.fut = self._etcd_submit(d.coro_fn, d.what, check=d.client is not None)
-                    except EtcdUnavailable as e:
-                        chain.popleft()
-                        if d.client is None:
-                            self._forget_retry.add(key)  # a background delete: retried later
-                        self._answer(poller, d, error=e)
-                        continue
-                if not d.fut.done():
-                    if now >= d.deadline and not d.answered:
-                        self._answer(poller, d, error=EtcdUnavailable(
-                            f"etcd did not confirm the write within {_ETCD_WAIT_S:g}s; {d.what} need etcd. The "
-                            "outcome is unknown: the change applies if the write still lands. Check `kvpool ls` / "
-                            "`kvpool status` and retry"))
-                    break
-                chain.popleft()
-                if d.fut.exception() is not None:
-                    self._answer(poller, d, error=EtcdUnavailable(
-                        f"etcd refused the write ({type(d.fut.exception()).__name__}); {d.what} need etcd and nothing "
-                        "was changed. Check `kvpool status` and the etcd endpoint, then retry"))
-                    continue
-                try:
-                    result = d.then() if d.then is not None else None
-                except KVPoolError as e:
-                    if d.undo is not None:
-                        d.undo()  # e.g. the object went away meanwhile: drop the record just written
-                    self._answer(poller, d, error=e)
-                    continue
-                except Exception as e:  # noqa: BLE001 - as in _handle
-                    traceback.print_exc(file=sys.stderr)
-                    self._answer(poller, d, error=KVPoolError(f"master failed on {d.op}: {type(e).__name__}: {e}"))
-                    continue
-                self._answer(poller, d, result=result)
-            if not chain:
-                del self.chains[key]
-
-    def _answer(self, poller: zmq.Poller, d: _Deferred, result=None, error: KVPoolError | None = None) -> None:
+    def _answer(self, d: Pending, result, error: KVPoolError | None) -> None:
+        """Send a durable write's answer to the client that asked (if it still listens)."""
         if d.answered or d.client is None:
             return
         d.answered = True
@@ -423,7 +338,7 @@ class MasterServer:
             return
         reply = M.Reply(error=error.to_wire()) if error is not None else M.Reply(msgspec.Raw(M.encode(result)))
         c.out += rpcwire.pack(d.rid, M.encode(reply))
-        self._send(poller, c)
+        self._send(self.poller, c)
 
     def _apply_events(self, poller: zmq.Poller) -> None:
         while True:
@@ -548,9 +463,9 @@ class MasterServer:
                 for m in _coalesce(msgs):  # in order: a commit then a free of one extent stay so
                     sock.send(M.encode(m), zmq.NOBLOCK)
 
-    def _handle(self, body: bytes) -> bytes | _Deferred:
+    def _handle(self, body: bytes) -> bytes | Pending:
         """One request → its encoded Reply (a typed error for anything malformed), or a
-        :class:`_Deferred` when the answer waits for etcd."""
+        :class:`Pending` when the answer waits for etcd."""
         t0 = time.perf_counter()
         op = "invalid"
         try:
@@ -560,7 +475,7 @@ class MasterServer:
                 raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
                                 leader=self.leader_addr)
             result = self._dispatch(req)
-            if isinstance(result, _Deferred):
+            if isinstance(result, Pending):
                 result.op, result.t0 = op, t0
                 return result
             reply = M.Reply(msgspec.Raw(M.encode(result)))
@@ -599,9 +514,9 @@ class MasterServer:
             obj = st.check_pin(req.key, ttl)
             key = self.keys.pin(req.key)
             if isinstance(req, M.Unpin):
-                return self._durable(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
+                return self.durable.write(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
             val = M.encode(M.PinRecord(req.key, None if ttl is None else now + ttl, obj.size, obj.checksum))
-            return self._durable(key, lambda e: e.put(key, val), "pins", lambda: st.pin(req.key, ttl, time.time()),
+            return self.durable.write(key, lambda e: e.put(key, val), "pins", lambda: st.pin(req.key, ttl, time.time()),
                                  undo=lambda: self._etcd_forget(key))
         if isinstance(req, M.Evict):
             return st.evict(req.selector, req.dry_run, req.force, now)
@@ -614,7 +529,7 @@ class MasterServer:
         if isinstance(req, M.HandoffPublish):
             rec = st.handoff_publish(req.record, now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)
-            return self._durable(key, lambda e: e.put(key, val), "hand-off records", lambda: rec)
+            return self.durable.write(key, lambda e: e.put(key, val), "hand-off records", lambda: rec)
         if isinstance(req, M.HandoffClaim):
             return st.handoff_claim(req.request_id, now)
         if isinstance(req, (M.HandoffAck, M.HandoffRelease)):
