@@ -77,8 +77,8 @@ class DurableWrites:
         now = time.monotonic()
         for key in list(self.chains):
             chain = self.chains[key]
-            for p in [p for p in list(chain)[1:] if not p.answered and now >= p.deadline]:
-                chain.remove(p)  # never started: nothing was applied
+            for p in [p for p in list(chain)[1:] if p.client is not None and not p.answered and now >= p.deadline]:
+                chain.remove(p)  # a request never started: nothing was applied (background deletes wait)
                 self.answer(p, None, EtcdUnavailable(
                     f"etcd did not take earlier writes to this record within {WAIT_S:g}s; {p.what} need etcd "
                     "and nothing was changed. Check `kvpool status` and the etcd endpoint, then retry"))

@@ -88,3 +88,14 @@ def test_etcd_known_down_fails_at_once_and_background_deletes_retry():
     h.started[1][1].set_exception(RuntimeError("etcd went away"))
     h.w.advance()
     assert h.retry == ["k"] and not h.w
+
+
+def test_a_background_delete_waits_behind_a_stuck_write_and_is_never_dropped(monkeypatch):
+    h = Harness()
+    first = h.write("pin", "k", lambda: None)
+    assert h.w.after("k", "delete", "etcd records")
+    monkeypatch.setattr(durable.time, "monotonic", lambda: first.deadline + 10)
+    h.w.advance()  # the pin is answered "outcome unknown"; the delete still waits its turn
+    h.started[0][1].set_result(None)
+    h.w.advance()
+    assert [n for n, _ in h.started] == ["pin", "delete"]
