@@ -39,7 +39,7 @@ from master.metrics import Metrics
 from master.state import MasterSettings, MasterState
 from protocol import messages as M
 from protocol import rpcwire, transport
-from protocol.errors import EtcdUnavailable, InvalidRequest, KVPoolError, NotLeader
+from protocol.errors import EtcdUnavailable, KVPoolError, NotFound, NotLeader
 from protocol.etcd import Etcd, Keys, kept_alive
 
 
@@ -516,8 +516,15 @@ class MasterServer:
             if isinstance(req, M.Unpin):
                 return self.durable.write(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
             val = M.encode(M.PinRecord(req.key, None if ttl is None else now + ttl, obj.size, obj.checksum))
-            return self.durable.write(key, lambda e: e.put(key, val), "pins", lambda: st.pin(req.key, ttl, time.time()),
-                                 undo=lambda: self._etcd_forget(key))
+
+            def pin_same(k=req.key, size=obj.size, checksum=obj.checksum):
+                cur = st.check_pin(k, ttl)
+                if (cur.size, cur.checksum) != (size, checksum):  # re-put meanwhile: the record names the old bytes
+                    raise NotFound(f"{k!r} was replaced while its pin was being recorded; pin it again", key=k)
+                return st.pin(k, ttl, time.time())
+
+            return self.durable.write(key, lambda e: e.put(key, val), "pins", pin_same,
+                                      undo=lambda: self._etcd_forget(key))
         if isinstance(req, M.Evict):
             return st.evict(req.selector, req.dry_run, req.force, now)
         if isinstance(req, M.Drain):

@@ -2,7 +2,6 @@
 import os
 import socket
 import struct
-import time
 
 import msgspec
 import pytest
