@@ -132,9 +132,11 @@ def sendv(sock, bufs: list) -> None:
 
 
 class FrameReader:
-    """Buffered reader of ``u32 length || body`` frames and raw payloads from a stream."""
+    """Buffered reader of ``u32 length || body`` frames and raw payloads from a stream.
+    Raises NodeUnavailable (:attr:`eof_message`) when the peer closes mid-frame."""
 
     __slots__ = ("sock", "buf", "view", "lo", "hi")
+    eof_message = "data connection closed mid-frame"
 
     def __init__(self, sock, size: int = READ_BUF) -> None:
         self.sock = sock
@@ -167,7 +169,7 @@ class FrameReader:
             want = len(self.buf) - self.hi if greedy else need - (self.hi - self.lo)
             got = self.sock.recv_into(self.view[self.hi:self.hi + want], want)
             if got == 0:
-                raise NodeUnavailable("data connection closed mid-frame")
+                raise NodeUnavailable(self.eof_message)
             self.hi += got
 
     def frame(self, greedy: bool = True) -> memoryview:
@@ -193,7 +195,7 @@ class FrameReader:
         while pos < n:
             got = self.sock.recv_into(dst[pos:], n - pos)
             if got == 0:
-                raise NodeUnavailable("data connection closed mid-frame")
+                raise NodeUnavailable(self.eof_message)
             pos += got
 
     def skip(self, n: int) -> None:
@@ -205,5 +207,5 @@ class FrameReader:
             self.lo = self.hi = 0
             got = self.sock.recv_into(self.view, min(n, len(self.buf)))
             if got == 0:
-                raise NodeUnavailable("data connection closed mid-frame")
+                raise NodeUnavailable(self.eof_message)
             n -= got

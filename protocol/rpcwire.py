@@ -15,15 +15,14 @@ share it; :class:`BlockingFrames` is the client's buffered reader.
 """
 from __future__ import annotations
 
-import socket
 import struct
 
-from protocol.errors import InvalidRequest, NodeUnavailable
+from protocol.dataplane import FrameReader
+from protocol.errors import InvalidRequest
 
 HEAD = struct.Struct("<IQ")
 MAX_FRAME = 64 << 20  # bytes; a batch of ~500k keys. Larger frames are refused
 ONE_WAY = 0
-_READ = 256 << 10
 
 
 def pack(rid: int, body: bytes) -> bytes:
@@ -67,30 +66,13 @@ class FrameParser:
         return out
 
 
-class BlockingFrames:
-    """Buffered frame reader over a blocking socket (the client side). One ``recv`` usually
-    brings a whole reply; large replies are read straight into their own buffer."""
+class BlockingFrames(FrameReader):
+    """Buffered frame reader over a blocking socket (the client side): the data plane's
+    :class:`~protocol.dataplane.FrameReader` buffer, read as RPC frames. One ``recv``
+    usually brings a whole reply; large replies are read straight into their own buffer."""
 
-    __slots__ = ("sock", "buf", "view", "lo", "hi")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray(_READ)
-        self.view = memoryview(self.buf)
-        self.lo = self.hi = 0
-
-    def _fill(self, need: int) -> None:
-        if self.hi - self.lo >= need:
-            return
-        if self.lo + need > len(self.buf):
-            n = self.hi - self.lo
-            self.buf[:n] = self.view[self.lo:self.hi]
-            self.lo, self.hi = 0, n
-        while self.hi - self.lo < need:
-            got = self.sock.recv_into(self.view[self.hi:], len(self.buf) - self.hi)
-            if got == 0:
-                raise NodeUnavailable("master closed the connection")
-            self.hi += got
+    __slots__ = ()
+    eof_message = "master closed the connection"
 
     def read(self) -> tuple[int, bytes | memoryview]:
         """The next ``(request id, body)``. Raises NodeUnavailable on EOF, InvalidRequest for
@@ -107,13 +89,5 @@ class BlockingFrames:
             self.lo += n
             return rid, body
         body = bytearray(n)  # a very large reply: buffered bytes, then recv straight into it
-        take = self.hi - self.lo
-        body[:take] = self.view[self.lo:self.hi]
-        self.lo = self.hi = 0
-        mv = memoryview(body)
-        while take < n:
-            got = self.sock.recv_into(mv[take:], n - take)
-            if got == 0:
-                raise NodeUnavailable("master closed the connection")
-            take += got
+        self.read_into(memoryview(body))
         return rid, body
