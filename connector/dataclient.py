@@ -63,9 +63,9 @@ _rep_dec = msgspec.msgpack.Decoder(DataReply)
 
 
 class WriteOp:
-    """Write ``data`` into the granted extent ``ref``. ``checksum=None`` (same-host writes
-    only) asks the data plane to hash the bytes while it copies them and set
-    :attr:`checksum` (xxh3_64); the node learns it from the master's commit."""
+    """Write ``data`` into the granted extent ``ref``. ``checksum=None`` asks the data plane
+    to hash the bytes as it copies or sends them and set :attr:`checksum` (xxh3_64); the
+    node learns it from the master's commit."""
 
     __slots__ = ("ref", "data", "key", "checksum", "layout", "error")
 
@@ -293,9 +293,9 @@ class DataPlane:
                 r = op.ref
                 if not notice and len(op.data) != r.size:
                     raise InvalidRequest(f"buffer for {op.key!r} has {len(op.data)} bytes; the grant is {r.size}")
-                stream_hash = not notice and op.checksum is None and r.size > _CHUNK
-                if not notice and op.checksum is None and not stream_hash:
-                    op.checksum = xxhash.xxh3_64_intdigest(op.data)
+                if not notice and op.checksum is None and r.size <= _CHUNK:
+                    op.checksum = xxhash.xxh3_64_intdigest(op.data)  # one piece: hash it up front
+                stream_hash = not notice and op.checksum is None
                 bufs.append(frame(DataRequest("written" if notice else "write", r.incarnation, r.offset, r.size,
                                               r.gen, op.key, op.checksum or 0, op.layout, r.token)))
                 if stream_hash:  # the node learns the checksum from the master's commit
@@ -307,7 +307,7 @@ class DataPlane:
             sendv(s.sock, bufs)
             return addr, s, ops
         except (OSError, KVPoolError) as e:
-            self._write_failed(addr, ops, e)
+            self._stream_failed(addr, ops, e, "write")
             return None
 
     def _finish_writes(self, pending) -> None:
@@ -320,12 +320,14 @@ class DataPlane:
                 if not rep.ok and op.error is None:
                     op.error = from_wire(rep.error)
         except (OSError, KVPoolError) as e:
-            self._write_failed(addr, ops, e)
+            self._stream_failed(addr, ops, e, "write")
 
-    def _write_failed(self, addr: str, ops: Sequence[WriteOp], e: Exception) -> None:
+    def _stream_failed(self, addr: str, ops: Sequence, e: Exception, doing: str) -> None:
+        """The stream to ``addr`` broke: drop it and fail every op not failed yet with
+        NodeUnavailable (or ``e`` itself when it is one)."""
         self._drop(addr)
         err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
-            f"store node {ops[0].ref.node_id} failed during write: {e}", node=ops[0].ref.node_id)
+            f"store node {ops[0].ref.node_id} failed during {doing}: {e}", node=ops[0].ref.node_id)
         for op in ops:
             if op.error is None:
                 op.error = err
@@ -363,12 +365,7 @@ class DataPlane:
                 else:
                     op.error = from_wire(rep.error)
         except (OSError, KVPoolError) as e:
-            self._drop(addr)
-            err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
-                f"store node {net[0].ref.node_id} failed during read: {e}", node=net[0].ref.node_id)
-            for op in net:
-                if op.error is None:
-                    op.error = err
+            self._stream_failed(addr, net, e, "read")
 
     def _copy_out(self, op: ReadOp) -> None:
         """Shared-memory read: segment → ``op.out``, one copy. With a digest wanted, the copy
@@ -392,17 +389,17 @@ class DataPlane:
             return
         out, size = op.out, r.size
         src = seg[r.offset:r.offset + size]
-        if size <= 2048 or (size <= _CHUNK and not 0 < (_address(out) - self._extent_address(r)) % _PAGE < _ALIAS):
-            out[:size] = src  # one chunk, no 4K aliasing: copy, then hash the bytes still in L2
-            if op.digest:
-                op.digest = xxhash.xxh3_64_intdigest(out[:size])
-            return
         bounce = None
         if size > 2048:
             try:
                 bounce = self._bounce_for(self._extent_address(r), _address(out))
             except (TypeError, ValueError):
                 bounce = None
+        if bounce is None and size <= _CHUNK:
+            _memcpy(out[:size], src)  # one chunk, no 4K aliasing: copy, then hash the bytes still in L2
+            if op.digest:
+                op.digest = xxhash.xxh3_64_intdigest(out[:size])
+            return
         if size >= _BOUNCE_MAX and bounce is not None:
             bounce = None  # big copies do not suffer the aliasing: one memcpy (+ one hash pass)
             if op.digest:

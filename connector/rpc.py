@@ -17,7 +17,7 @@ from typing import Any
 
 from protocol import messages as M
 from protocol import rpcwire, transport
-from protocol.errors import ConfigError, KVPoolError, NodeUnavailable, NotLeader, Timeout, from_wire
+from protocol.errors import ConfigError, KVPoolError, NotLeader, Timeout, from_wire
 from protocol.etcd import Keys, read_key_sync
 
 
@@ -140,7 +140,7 @@ class MasterRPC:
                 if got == rid:
                     return M.decode_result(payload, M.Reply)
                 # a late reply to an earlier call that timed out: skip it
-        except (OSError, NodeUnavailable, KVPoolError):
+        except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
             self._reset()
             return None
 
