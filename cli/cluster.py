@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,7 +29,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback TCP port for a child to bind later (etcd, a metrics server, redis).
+    Chosen below the kernel's ephemeral range: ports from that range are what ``bind(0)``
+    listeners and outgoing connections get, so one handed out from it can be taken by
+    another socket before the child binds it (seen as "Address already in use")."""
+    lo = 32768
+    with contextlib.suppress(OSError, ValueError):
+        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, lo // 2), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: fall back to any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
