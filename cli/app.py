@@ -121,10 +121,11 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
               host_id: Annotated[Optional[str], typer.Option(help="Override host identity")] = None,
               node_ttl: Annotated[str, typer.Option()] = "3s",
               run_dir: Annotated[Optional[str], typer.Option()] = None,
-              device: Annotated[str, typer.Option(help="cpu (cuda:N segments are not built yet)")] = "cpu",
+              device: Annotated[str, typer.Option(
+                  help="cpu (shared memory) or cuda:N (device memory, served through pinned staging)")] = "cpu",
               ucx: Annotated[bool, typer.Option(
                   help="Also serve data on ucx:// (needs the ucx extra: pip install kvpool\\[ucx])")] = False) -> None:
-    """Run one store node with a shared-memory segment of --memory bytes."""
+    """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N)."""
     from storenode.server import NodeSettings, main as run_node
 
     def go() -> None:
@@ -133,7 +134,9 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
         if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise E.ConfigError(f"--name {name!r}: use letters, digits, '_', '.', '-'", key="name")
         if device != "cpu":
-            raise E.ConfigError(f"--device {device}: only cpu segments are supported in this build", key="device")
+            from storenode.device_segment import check_device
+
+            check_device(device, parse_size(memory, key="memory"))
         run_node(NodeSettings(etcd, cluster, name, parse_size(memory, key="memory"), host, data_port, host_id,
                               parse_duration(node_ttl, key="node_ttl"), run_dir, device, ucx))
 
@@ -258,7 +261,7 @@ def unpin(key: str, config: ConfigOpt = None, master: MasterOpt = None, etcd: Et
 @app.command()
 def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
            cluster: ClusterOpt = None) -> None:
-    """Cluster table: leader, nodes (address, host, capacity, used, objects, alive), totals."""
+    """Cluster table: leader, nodes (address, host, device, capacity, used, objects, alive), totals."""
     def go() -> None:
         with connect(config, master, etcd, cluster) as c:
             st = c.stats()
@@ -266,14 +269,14 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
             print(msgspec.json.encode(st).decode())
             return
         console.print(f"cluster [bold]{st.cluster}[/]  leader [bold]{st.leader}[/]")
-        t = Table("node", "address", "host", "capacity", "used", "use %", "objects", "alive")
+        t = Table("node", "address", "host", "device", "capacity", "used", "use %", "objects", "alive")
         for n in st.nodes:
             pct = 100 * n.used / n.capacity if n.capacity else 0
             mark = "[red]" if pct > 100 * st.high_watermark else ""
-            t.add_row(n.node_id + (" (draining)" if n.draining else ""), n.data_addr, n.host_id,
+            t.add_row(n.node_id + (" (draining)" if n.draining else ""), n.data_addr, n.host_id, n.device,
                       format_bytes(n.capacity), format_bytes(n.used), f"{mark}{pct:.1f}",
                       str(n.objects), "yes" if n.alive else "no")
-        t.add_row("[bold]total", "", "", format_bytes(st.capacity), format_bytes(st.used),
+        t.add_row("[bold]total", "", "", "", format_bytes(st.capacity), format_bytes(st.used),
                   f"{100 * st.used / st.capacity if st.capacity else 0:.1f}", str(st.objects), "")
         console.print(t)
         ev = {k: v for k, v in st.counters.items() if k.startswith("evictions_")}

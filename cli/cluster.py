@@ -172,7 +172,7 @@ class LocalCluster:
             self.start_etcd()
         self.start_master()
         for i, n in enumerate(self.cfg.storenodes):
-            self.start_node(n.name or f"node-{i}", n.memory, n.host_id, n.ucx)
+            self.start_node(n.name or f"node-{i}", n.memory, n.host_id, n.ucx, n.device)
         self.wait_nodes(len(self.cfg.storenodes))
 
     def start_etcd(self) -> None:
@@ -237,7 +237,7 @@ class LocalCluster:
         return child
 
     def start_node(self, name: str, memory: str | int = "1GiB", host_id: str | None = None,
-                   ucx: bool = False) -> Child:
+                   ucx: bool = False, device: str = "cpu") -> Child:
         old = self.nodes.get(name)
         if old is not None and old.alive():
             raise KVPoolError(f"store node {name} is already running")
@@ -247,6 +247,8 @@ class LocalCluster:
             args += ["--host-id", host_id]
         if ucx:
             args.append("--ucx")
+        if device != "cpu":
+            args += ["--device", device]
         child = Child(name, kvpool_argv(*args), self.run_dir)
         self.nodes[name] = child
         child.wait_line("KVPOOL_READY storenode", self.ready_timeout_s)

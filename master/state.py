@@ -696,7 +696,7 @@ class MasterState(HandoffMixin, RepairMixin):
             if len(o.replicas) < o.replicas_wanted:
                 under += 1
         nodes = [NodeStats(n.node_id, n.desc.data_addr, n.desc.host_id, n.alloc.capacity, n.alloc.used,
-                           per_node[n.node_id], True, n.draining, n.desc.incarnation)
+                           per_node[n.node_id], True, n.draining, n.desc.incarnation, n.desc.device)
                  for n in self.nodes.values()]
         return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
                             sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,

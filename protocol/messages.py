@@ -103,6 +103,7 @@ class NodeStats(msgspec.Struct, frozen=True):
     alive: bool
     draining: bool = False
     incarnation: str = ""
+    device: str = "cpu"  # where the segment lives: cpu (shared memory) or cuda:N
 
 
 class ClusterStats(msgspec.Struct, frozen=True):

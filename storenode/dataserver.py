@@ -17,7 +17,8 @@ Syscalls per request are what bound small objects, so each connection:
 Copies per byte: ``write`` — kernel socket buffer → segment (one copy; bytes that arrived
 with the request frame take one extra user copy from the read buffer, at most 256 KiB per
 recv); ``read`` — segment → kernel socket buffer (one copy); ``written`` — none here (the
-same-host client copied straight into the shared segment).
+same-host client copied straight into the shared segment). A device segment adds one copy
+each way through its staging buffer (see :mod:`storenode.device_segment`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
 from protocol.grants import check_token
 from storenode.extents import ExtentTable
+from storenode.device_segment import DeviceSegment
 from storenode.segment import Segment
 
 _FLUSH_BYTES = 1 << 20
@@ -40,9 +42,10 @@ _OK = frame(DataReply(True))
 
 
 class DataServer:
-    """Serves one segment on the given listen addresses (``tcp://``, ``unix://``)."""
+    """Serves one segment (host shared memory, or a :class:`DeviceSegment` through staging)
+    on the given listen addresses (``tcp://``, ``unix://``, ``ucx://``)."""
 
-    def __init__(self, segment: Segment, table: ExtentTable, addrs: list[str]) -> None:
+    def __init__(self, segment: Segment | DeviceSegment, table: ExtentTable, addrs: list[str]) -> None:
         self.segment = segment
         self.table = table
         self.listeners = [(a, transport.listen(a)) for a in addrs]
@@ -136,11 +139,16 @@ class DataServer:
             if req.op == "read":
                 self.table.check_read(req.offset, req.size, req.gen)
                 out.append(frame(DataReply(True, size=req.size)))
-                out.append(seg.view[req.offset:req.offset + req.size])
                 self.bytes_out += req.size
+                if seg.view is None:  # device memory: staged now, after what is queued
+                    sendv(conn, out)
+                    out.clear()
+                    seg.send(conn, req.offset, req.size)
+                    return 0
+                out.append(seg.view[req.offset:req.offset + req.size])
                 return req.size + 16
             if req.op == "write":
-                rd.read_into(seg.view[req.offset:req.offset + req.size])
+                seg.recv(rd, req.offset, req.size)
                 self.bytes_in += req.size
                 self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
             elif req.op == "written":
@@ -148,6 +156,9 @@ class DataServer:
             elif req.op == "map":
                 if not unix:
                     raise InvalidRequest("map is only served on the node's Unix socket")
+                if seg.fd is None:
+                    raise InvalidRequest(f"this node's segment is {seg.device} memory and cannot be mapped; "
+                                         "read and write it through the node's sockets")
                 if out:
                     sendv(conn, out)
                     out.clear()

@@ -31,6 +31,19 @@ class Segment:
         self.incarnation = uuid.uuid4().hex[:16]
         self.grant_key = os.urandom(32)
 
+    def send(self, sock, offset: int, size: int) -> None:
+        """Send bytes ``[offset, offset + size)`` to ``sock`` (no copy in user space)."""
+        sock.sendall(self.view[offset:offset + size])
+
+    def recv(self, reader, offset: int, size: int) -> None:
+        """Fill ``[offset, offset + size)`` from ``reader`` (a :class:`protocol.dataplane.FrameReader`),
+        ``recv_into`` the segment itself."""
+        reader.read_into(self.view[offset:offset + size])
+
+    def read(self, offset: int, size: int) -> bytes:
+        """A copy of ``[offset, offset + size)`` as bytes (for tools and tests)."""
+        return bytes(self.view[offset:offset + size])
+
     def close(self) -> None:
         try:
             self.view.release()

@@ -1,10 +1,13 @@
 """Store node process: segment + extent table + data server, registered in etcd under
 a lease, with a zmq control socket for the master's commit/free/list/copy notices.
 
+The segment is host shared memory (``device="cpu"``, :mod:`storenode.segment`) or device
+memory served through staging (``cuda:N``, :mod:`storenode.device_segment`).
 Readiness is one line on stdout: ``KVPOOL_READY storenode <node_id> <data_addr>``.
-If the etcd lease is lost (the master has then dropped this node's replicas), the node
-takes a new incarnation with an empty extent table and registers again, so it never
-serves extents the cluster already forgot.
+If the etcd lease is lost (an etcd outage or a pause), the node registers again with the
+same segment and extent table; a master that dropped it meanwhile re-indexes its
+committed extents and grants only generations above any it has seen, so nothing the
+cluster removed in between comes back.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from protocol.errors import KVPoolError
 from protocol.etcd import Etcd, Keys, kept_alive
 from storenode.dataserver import DataServer
 from storenode.extents import ExtentTable
+from storenode.device_segment import DeviceSegment
 from storenode.segment import Segment
 
 
@@ -53,7 +57,8 @@ class StoreNode:
         self.s = s
         self.node_id = s.node_id or f"node-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(s.cluster)
-        self.segment = Segment(s.memory_bytes, name=f"kvpool-{self.node_id}")
+        self.segment = (Segment(s.memory_bytes, name=f"kvpool-{self.node_id}") if s.device == "cpu"
+                        else DeviceSegment(s.memory_bytes, s.device))
         self.table = ExtentTable(s.memory_bytes)
         self._own_run_dir = s.run_dir is None
         run_dir = s.run_dir or tempfile.mkdtemp(prefix="kvpool-node-")
@@ -151,7 +156,7 @@ class StoreNode:
             try:
                 sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,
                                                req.dst.gen, req.key, row.checksum, req.layout, req.dst.token)))
-                sock.sendall(self.segment.view[req.src_offset:req.src_offset + req.dst.size])
+                self.segment.send(sock, req.src_offset, req.dst.size)
                 rep: DataReply = recv_reply(sock)
                 if not rep.ok:
                     raise KVPoolError(rep.error.message if rep.error else "copy failed")

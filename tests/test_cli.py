@@ -41,7 +41,7 @@ def test_status_table_and_json(cluster):
     assert "node-0" in p.stdout and "node-1" in p.stdout and "leader" in p.stdout
     st = json.loads(kv(cluster, "status", "--json").stdout)
     assert len(st["nodes"]) == 2 and st["leader"] == cluster.master_addr
-    assert all(n["capacity"] == 256 << 20 for n in st["nodes"])
+    assert all(n["capacity"] == 256 << 20 and n["device"] == "cpu" for n in st["nodes"])
 
 
 def test_evict_pin_unpin(cluster, tmp_path):

@@ -16,6 +16,7 @@ from protocol import transport
 from protocol.grants import grant_token
 from protocol.messages import ExtentRef
 from storenode.dataserver import DataServer
+from storenode.device_segment import STAGE_BYTES, DeviceSegment
 from storenode.extents import ExtentTable
 from storenode.segment import Segment
 
@@ -126,16 +127,25 @@ def test_connect_to_nothing_is_node_unavailable(tmp_path):
         transport.connect("carrier-pigeon://x", 1.0)
 
 
+@pytest.fixture(params=["shm", "device"])
+def segment(request):
+    """A real 16 MiB segment: host shared memory, or a DeviceSegment (torch memory served
+    through staging; on cpu here, the same code as cuda:N)."""
+    seg = (Segment(16 << 20, name="kvpool-test-transport") if request.param == "shm"
+           else DeviceSegment(16 << 20, "cpu"))
+    yield seg
+    seg.close()
+
+
 @pytest.fixture(params=SCHEMES)
-def data_node(request, tmp_path):
-    """A DataServer over a real 16 MiB segment, listening on the scheme."""
-    seg = Segment(16 << 20, name="kvpool-test-transport")
+def data_node(request, tmp_path, segment):
+    """A DataServer over ``segment``, listening on the scheme."""
+    seg = segment
     table = ExtentTable(seg.capacity)
     srv = DataServer(seg, table, [_addr(request.param, tmp_path)])
     srv.start()
     yield seg, table, srv.addrs[0]
     srv.stop()
-    seg.close()
 
 
 def _ref(seg: Segment, addr: str, offset: int, size: int, gen: int) -> ExtentRef:
@@ -147,7 +157,7 @@ def test_data_plane_over_transport(data_node):
     seg, table, addr = data_node
     dp = DataPlane("this-host", "tcp", 10.0)  # "tcp" mode: always the node's data address
     try:
-        sizes = [1, 100, 64 << 10, 1 << 20, 3 << 20]
+        sizes = [1, 100, 64 << 10, 1 << 20, 3 << 20, STAGE_BYTES + 12345]  # the last: two staged pieces
         payloads = [os.urandom(n) for n in sizes]
         refs, off = [], 0
         for i, n in enumerate(sizes):
@@ -157,7 +167,7 @@ def test_data_plane_over_transport(data_node):
                for i, (r, p) in enumerate(zip(refs, payloads))]
         dp.write(ops)  # one pipelined stream: every header and payload with sendmsg
         assert [op.error for op in ops] == [None] * len(ops)
-        assert bytes(seg.view[refs[3].offset:refs[3].offset + sizes[3]]) == payloads[3]
+        assert seg.read(refs[3].offset, sizes[3]) == payloads[3]
         outs = [bytearray(n) for n in sizes]
         reads = [ReadOp(r, memoryview(o), digest=True) for r, o in zip(refs, outs)]
         dp.read(reads)
@@ -176,6 +186,54 @@ def test_data_plane_over_transport(data_node):
         assert isinstance(bad.error, E.InvalidRequest) and good.error is None
     finally:
         dp.close()
+
+
+def test_device_segment_is_not_mapped_and_serves_the_unix_socket(tmp_path):
+    """Same host, transport auto: a device segment refuses ``map`` (typed error, no fd),
+    so the client remembers it cannot map it and reads and writes through the node's Unix
+    socket; a host segment on the same path is mapped."""
+    seg = DeviceSegment(8 << 20, "cpu")
+    table = ExtentTable(seg.capacity)
+    srv = DataServer(seg, table, [f"unix://{tmp_path}/d.sock"])
+    srv.start()
+    dp = DataPlane("this-host", "auto", 10.0)
+    try:
+        payload = os.urandom(300 << 10)
+        ref = ExtentRef("n0", seg.incarnation, "", srv.addrs[0], "this-host", 4096, len(payload), 1,
+                        grant_token(seg.grant_key, seg.incarnation, 4096, len(payload), 1))
+        assert dp.uses_shm(ref) is False and dp._maps[seg.incarnation] is None
+        w = WriteOp(ref, memoryview(payload), "k", xxhash.xxh3_64_intdigest(payload), None)
+        dp.write([w])
+        assert w.error is None and seg.read(4096, len(payload)) == payload
+        assert table.check_read(4096, len(payload), 1).key == "k"
+        out = bytearray(len(payload))
+        r = ReadOp(ref, memoryview(out), digest=True)
+        dp.read([r])
+        assert r.error is None and bytes(out) == payload and r.digest == xxhash.xxh3_64_intdigest(payload)
+        assert set(dp._conns()) == {srv.addrs[0]}
+    finally:
+        dp.close()
+        srv.stop()
+        seg.close()
+
+
+def test_device_that_is_not_here_is_a_config_error():
+    import torch
+
+    from storenode.device_segment import check_device
+
+    with pytest.raises(E.ConfigError, match="accepted: cpu, cuda:N"):
+        check_device("gpu0", 1 << 20)
+    with pytest.raises(E.ConfigError, match="only cpu and cuda"):
+        check_device("meta", 1 << 20)
+    if not torch.cuda.is_available():
+        with pytest.raises(E.ConfigError, match="no CUDA device.*use --device cpu"):
+            check_device("cuda:0", 1 << 20)
+    else:
+        with pytest.raises(E.ConfigError, match="CUDA device"):
+            check_device(f"cuda:{torch.cuda.device_count()}", 1 << 20)
+        with pytest.raises(E.ConfigError, match="lower --memory"):
+            check_device("cuda:0", 1 << 60)
 
 
 def test_missing_extra_is_a_clear_config_error(monkeypatch):
