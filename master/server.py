@@ -2,15 +2,16 @@
 
 Two threads:
 
-* the **RPC thread** owns every socket and the state object: one poll loop over the
-  client connections (plain TCP, non-blocking, framed by :mod:`protocol.rpcwire`) and the
-  zmq DEALER sockets to store nodes. It decodes requests, calls the state, replies,
-  applies membership changes handed over by the etcd thread, runs the periodic ``tick``
-  and sends the state's outbox (commit/free/copy notices) to store nodes. Replies to the
-  requests that arrived together go out in one ``send`` per connection.
+* the **RPC thread** owns every socket and the state object: one poller over the client
+  connections (:mod:`master.clients`: plain TCP, framed by :mod:`protocol.rpcwire`,
+  pipelined and bounded per client) and the zmq DEALER sockets to store nodes. It
+  decodes requests, calls the state, applies membership changes handed over by the etcd
+  thread, runs the periodic ``tick`` and sends the state's outbox (commit/free/copy
+  notices) to store nodes.
 * the **etcd thread** (asyncio, aetcd) campaigns for leadership (create-if-absent on
   the ``leader`` key under a kept-alive lease), polls ``nodes/`` for membership and
-  performs the durable hand-off record writes the RPC thread asks for.
+  performs the durable pin and hand-off record writes (:mod:`master.durable`) the RPC
+  thread asks for.
 
 On winning the election the index is rebuilt from the store nodes' committed extent
 tables plus the hand-off records in etcd (DESIGN.md §8). Readiness is one stdout line
@@ -20,47 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
+from master.clients import ClientConns
 from master.durable import DurableWrites, Pending
 from master.metrics import Metrics
 from master.state import MasterSettings, MasterState
 from protocol import messages as M
-from protocol import rpcwire, transport
+from protocol import transport
 from protocol.errors import EtcdUnavailable, KVPoolError, NotFound, NotLeader
 from protocol.etcd import Etcd, Keys, kept_alive
-
-
-_OUT_MAX = 16 << 20  # bytes of unsent replies after which a client's requests wait
-_PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not read
-_BUDGET = 64  # requests answered per client per loop turn (the others get their turn)
-
-
-class _Client:
-    """One client connection: its frame parser, requests not answered yet (in order) and
-    the reply bytes not sent yet."""
-
-    __slots__ = ("sock", "parser", "pending", "out", "closing", "closed")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.parser = rpcwire.FrameParser()
-        self.pending: deque = deque()
-        self.out = bytearray()
-        self.closing = False
-        self.closed = False
 
 
 @dataclass(frozen=True)
@@ -91,14 +70,11 @@ class MasterServer:
         self.fatal: KVPoolError | None = None
         self.etcd_ok = True
         self.etcd: Etcd | None = None
-        self.listener = transport.listen(f"tcp://{s.host}:{s.rpc_port}")
-        self.listener.setblocking(False)
-        self.rpc_addr = "tcp://%s:%d" % self.listener.getsockname()[:2]
-        self.listener_fd = self.listener.fileno()
-        self.clients: dict[int, _Client] = {}  # by fd
-        self._rbuf = memoryview(bytearray(1 << 20))  # the RPC thread's receive buffer
-        self._accept_warned = 0.0
-        self.busy: set[_Client] = set()  # clients with requests left after their turn
+        listener = transport.listen(f"tcp://{s.host}:{s.rpc_port}")
+        listener.setblocking(False)
+        self.rpc_addr = "tcp://%s:%d" % listener.getsockname()[:2]
+        self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
+        self.conns = ClientConns(listener, self.poller, self._handle)
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
         self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
 
@@ -118,9 +94,7 @@ class MasterServer:
             etcd_thread.join(10)
             for _, sock in self.node_socks.values():
                 sock.close(0)
-            for c in list(self.clients.values()):
-                c.sock.close()
-            self.listener.close()
+            self.conns.close_all()
             self.ctx.term()
         if self.fatal is not None:
             raise self.fatal
@@ -212,25 +186,21 @@ class MasterServer:
     # ---- RPC thread ---------------------------------------------------------------------
 
     def _rpc_loop(self) -> None:
-        poller = self.poller = zmq.Poller()
-        poller.register(self.listener, zmq.POLLIN)
+        conns = self.conns
         next_tick = time.monotonic()
         while not self.stop.is_set():
             served = set()
-            for sock, ev in poller.poll(0 if self.busy else 5 if self.durable else 50):
+            for sock, ev in self.poller.poll(0 if conns.busy else 5 if self.durable else 50):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
-                    if sock == self.listener_fd:
-                        self._accept(poller)
-                    elif (c := self.clients.get(sock)) is not None:
-                        self._serve(poller, c, ev)
+                    c = conns.on_event(sock, ev)
+                    if c is not None:
                         served.add(c)
                 else:
-                    self._node_reply(poller, sock)
-            for c in list(self.busy - served):  # requests left over from their last turn
-                self._work(poller, c)
+                    self._node_reply(sock)
+            conns.work_busy(served)  # requests left over from their last turn
             if self.durable:
                 self.durable.advance()
-            self._apply_events(poller)
+            self._apply_events()
             if self.leading and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.s.membership_poll_s
                 expired = self.state.tick(time.time())
@@ -242,90 +212,7 @@ class MasterServer:
                         self._etcd_forget(key)
             for key in self.state.take_unpinned():  # pinned objects removed, evicted or lost
                 self._etcd_forget(self.keys.pin(key))
-            self._flush(poller)
-
-    def _accept(self, poller: zmq.Poller) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:  # out of fds, aborted handshake: keep serving the others
-                if e.errno not in (errno.ECONNABORTED, errno.EPROTO):
-                    now = time.monotonic()
-                    if now - self._accept_warned > 10:
-                        self._accept_warned = now
-                        print(f"master: accept failed: {e}; raise the open-file limit (ulimit -n)",
-                              file=sys.stderr, flush=True)
-                    time.sleep(0.01)  # the listener stays readable: do not spin on it
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.clients[sock.fileno()] = _Client(sock)
-            poller.register(sock, zmq.POLLIN)
-
-    def _close_client(self, poller: zmq.Poller, c: _Client) -> None:
-        self.clients.pop(c.sock.fileno(), None)
-        self.busy.discard(c)
-        c.closed = True
-        with contextlib.suppress(KeyError):
-            poller.unregister(c.sock)
-        with contextlib.suppress(OSError):
-            c.sock.close()
-
-    def _serve(self, poller: zmq.Poller, c: _Client, ev: int) -> None:
-        """Read what the connection has (unless it is already far behind), then answer."""
-        if ev & (zmq.POLLIN | zmq.POLLERR) and not c.closing and len(c.pending) < _PENDING_MAX:
-            try:
-                got = c.sock.recv_into(self._rbuf)
-            except (BlockingIOError, InterruptedError):
-                got = -1
-            except OSError:
-                return self._close_client(poller, c)
-            if got == 0:
-                return self._close_client(poller, c)
-            if got > 0:
-                c.pending.extend(c.parser.feed(self._rbuf[:got]))
-                if c.parser.error is not None:  # a corrupt length: answer what came before it, then it, then hang up
-                    c.pending.append((int(c.parser.error.fields.get("rid", 0)), c.parser.error))
-                    c.closing = True
-        self._work(poller, c)
-
-    def _work(self, poller: zmq.Poller, c: _Client) -> None:
-        """Answer up to :data:`_BUDGET` of ``c``'s requests while its unsent replies stay under
-        :data:`_OUT_MAX`, send what can be sent, and poll it for what it needs next. A client
-        that does not read its replies stops being read: its memory stays bounded and the
-        other clients keep their turns."""
-        budget = _BUDGET
-        while c.pending and budget and len(c.out) < _OUT_MAX:
-            budget -= 1
-            rid, body = c.pending.popleft()
-            reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self._handle(body)
-            if isinstance(reply, Pending):
-                reply.client, reply.rid = c, rid
-            elif rid != rpcwire.ONE_WAY:
-                c.out += rpcwire.pack(rid, reply)
-        if c.pending and len(c.out) < _OUT_MAX:
-            self.busy.add(c)
-        else:
-            self.busy.discard(c)
-        self._send(poller, c)
-
-    def _send(self, poller: zmq.Poller, c: _Client) -> None:
-        if c.closed:
-            return
-        if c.out:
-            try:
-                sent = c.sock.send(c.out)
-                del c.out[:sent]
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                return self._close_client(poller, c)
-        if c.closing and not c.out and not c.pending:
-            return self._close_client(poller, c)
-        want_in = not c.closing and len(c.pending) < _PENDING_MAX and len(c.out) < _OUT_MAX
-        poller.modify(c.sock, (zmq.POLLIN if want_in else 0) | (zmq.POLLOUT if c.out else 0))
+            self._flush()
 
     def _answer(self, d: Pending, result, error: KVPoolError | None) -> None:
         """Send a durable write's answer to the client that asked (if it still listens)."""
@@ -333,14 +220,10 @@ class MasterServer:
             return
         d.answered = True
         self.metrics.observe(d.op, time.perf_counter() - d.t0)
-        c = d.client
-        if c.closed or d.rid == rpcwire.ONE_WAY:
-            return
         reply = M.Reply(error=error.to_wire()) if error is not None else M.Reply(msgspec.Raw(M.encode(result)))
-        c.out += rpcwire.pack(d.rid, M.encode(reply))
-        self._send(self.poller, c)
+        self.conns.answer(d.client, d.rid, M.encode(reply))
 
-    def _apply_events(self, poller: zmq.Poller) -> None:
+    def _apply_events(self) -> None:
         while True:
             try:
                 ev = self.events.get_nowait()
@@ -359,15 +242,15 @@ class MasterServer:
             elif kind == "step_down":
                 self.leading = False
             elif kind == "nodes" and self.leading:
-                self._membership(ev[1], poller)
+                self._membership(ev[1])
 
-    def _membership(self, descs: dict[str, M.NodeDesc], poller: zmq.Poller) -> None:
+    def _membership(self, descs: dict[str, M.NodeDesc]) -> None:
         now = time.time()
         for nid in list(self.state.nodes):
             d = descs.get(nid)
             if d is None or d.incarnation != self.state.nodes[nid].desc.incarnation:
                 self.state.node_down(nid, now)
-                self._drop_sock(nid, poller)
+                self._drop_sock(nid)
         for d in descs.values():
             if d.node_id not in self.state.nodes:
                 self.state.node_up(d, now)
@@ -417,30 +300,30 @@ class MasterServer:
             if not self.state.restore_pin(pin, now):
                 self._etcd_forget(self.keys.pin(pin.key))
 
-    def _sock(self, node_id: str, poller: zmq.Poller) -> zmq.Socket | None:
+    def _sock(self, node_id: str) -> zmq.Socket | None:
         node = self.state.nodes.get(node_id)
         if node is None:
             return None
         cur = self.node_socks.get(node_id)
         if cur is not None and cur[0] == node.desc.incarnation:
             return cur[1]
-        self._drop_sock(node_id, poller)
+        self._drop_sock(node_id)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100000)
         sock.connect(node.desc.ctrl_addr)
         self.node_socks[node_id] = (node.desc.incarnation, sock)
-        poller.register(sock, zmq.POLLIN)
+        self.poller.register(sock, zmq.POLLIN)
         return sock
 
-    def _drop_sock(self, node_id: str, poller: zmq.Poller) -> None:
+    def _drop_sock(self, node_id: str) -> None:
         cur = self.node_socks.pop(node_id, None)
         if cur is not None:
             with contextlib.suppress(KeyError):
-                poller.unregister(cur[1])
+                self.poller.unregister(cur[1])
             cur[1].close(0)
 
-    def _node_reply(self, poller: zmq.Poller, sock: zmq.Socket) -> None:
+    def _node_reply(self, sock: zmq.Socket) -> None:
         """Completion of a copy (repair) request."""
         while True:
             try:
@@ -452,11 +335,11 @@ class MasterServer:
                 key = msgspec.msgpack.decode(rep.result, type=str)
                 self.state.repair_done(key, rep.error is None)
 
-    def _flush(self, poller: zmq.Poller) -> None:
+    def _flush(self) -> None:
         if not self.state.outbox:
             return
         for node_id, msgs in self.state.take_outbox().items():
-            sock = self._sock(node_id, poller)
+            sock = self._sock(node_id)
             if sock is None:
                 continue
             with contextlib.suppress(zmq.ZMQError):
