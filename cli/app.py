@@ -133,12 +133,13 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
             raise E.ConfigError(f"--memory {memory}: a segment needs at least 1MiB", key="memory")
         if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise E.ConfigError(f"--name {name!r}: use letters, digits, '_', '.', '-'", key="name")
+        dev = device
         if device != "cpu":
             from storenode.device_segment import check_device
 
-            check_device(device, parse_size(memory, key="memory"))
+            dev = check_device(device, parse_size(memory, key="memory"))  # "cuda" -> "cuda:0"
         run_node(NodeSettings(etcd, cluster, name, parse_size(memory, key="memory"), host, data_port, host_id,
-                              parse_duration(node_ttl, key="node_ttl"), run_dir, device, ucx))
+                              parse_duration(node_ttl, key="node_ttl"), run_dir, dev, ucx))
 
     _run(go)
 

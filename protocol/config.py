@@ -18,6 +18,7 @@ from protocol.errors import ConfigError
 from protocol.units import parse_duration, parse_size
 
 MIN_SEGMENT = 1 << 20
+DEVICE_RE = r"cpu|cuda(:\d+)?"  # a store node segment's device: cpu (shared memory) or cuda[:N]
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "local.yaml"
 
@@ -92,7 +93,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if n.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", n.name):
                 raise ConfigError(f"storenodes[{i}].name: {n.name!r}; use letters, digits, '_', '.', '-'",
                                   key=f"storenodes[{i}].name")
-            if not (n.device == "cpu" or n.device.startswith("cuda")):
+            if not re.fullmatch(DEVICE_RE, n.device):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
         if self.client.transport not in ("auto", "tcp", "unix", "shm", "ucx"):

@@ -117,6 +117,10 @@ class DataServer:
                 pending += self._handle(conn, rd, req, unix, out)
         except (NodeUnavailable, OSError):
             return
+        except (TypeError, ValueError):
+            if not self._stop.is_set():
+                raise
+            # stopping: the segment was closed under an in-flight transfer; the peer sees EOF
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -152,6 +156,9 @@ class DataServer:
                 self.bytes_in += req.size
                 self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
             elif req.op == "written":
+                if seg.fd is None:  # nobody can have copied into device memory from outside
+                    raise InvalidRequest("written is only accepted for a shared-memory segment; send the bytes "
+                                         "with write")
                 self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
             elif req.op == "map":
                 if not unix:

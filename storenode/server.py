@@ -58,7 +58,7 @@ class StoreNode:
         self.node_id = s.node_id or f"node-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(s.cluster)
         self.segment = (Segment(s.memory_bytes, name=f"kvpool-{self.node_id}") if s.device == "cpu"
-                        else DeviceSegment(s.memory_bytes, s.device))
+                        else DeviceSegment(s.memory_bytes, s.device))  # raises ConfigError for a bad device
         self.table = ExtentTable(s.memory_bytes)
         self._own_run_dir = s.run_dir is None
         run_dir = s.run_dir or tempfile.mkdtemp(prefix="kvpool-node-")

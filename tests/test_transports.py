@@ -222,18 +222,55 @@ def test_device_that_is_not_here_is_a_config_error():
 
     from storenode.device_segment import check_device
 
-    with pytest.raises(E.ConfigError, match="accepted: cpu, cuda:N"):
-        check_device("gpu0", 1 << 20)
-    with pytest.raises(E.ConfigError, match="only cpu and cuda"):
-        check_device("meta", 1 << 20)
+    for bad in ("gpu0", "meta", "mps", "cpu:0", "CPU", "cuda:-1", "cuda:abc", "cuda:0 ", ""):
+        with pytest.raises(E.ConfigError, match="accepted: cpu, cuda:N"):
+            check_device(bad, 1 << 20)
+    assert check_device("cpu", 1 << 40) == "cpu"
     if not torch.cuda.is_available():
         with pytest.raises(E.ConfigError, match="no CUDA device.*use --device cpu"):
             check_device("cuda:0", 1 << 20)
     else:
+        assert check_device("cuda", 1 << 20) == "cuda:0"
         with pytest.raises(E.ConfigError, match="CUDA device"):
             check_device(f"cuda:{torch.cuda.device_count()}", 1 << 20)
         with pytest.raises(E.ConfigError, match="lower --memory"):
             check_device("cuda:0", 1 << 60)
+
+
+def test_device_segment_staging_is_bounded_and_refuses_written(tmp_path):
+    """Many connections share at most STAGE_BUFFERS staging buffers; a ``written`` notice
+    (bytes copied by a same-host client) is refused, since nobody maps device memory."""
+    from storenode.device_segment import STAGE_BUFFERS
+
+    seg = DeviceSegment(8 << 20, "cpu")
+    table = ExtentTable(seg.capacity)
+    srv = DataServer(seg, table, ["tcp://127.0.0.1:0"])
+    srv.start()
+    planes = [DataPlane("h", "tcp", 10.0) for _ in range(2 * STAGE_BUFFERS)]
+    try:
+        payload = os.urandom(4096)
+        for i, dp in enumerate(planes):  # each plane: its own connection and server thread
+            ref = _ref(seg, srv.addrs[0], i * 4096, 4096, i + 1)
+            w = WriteOp(ref, memoryview(payload), f"k{i}", 0, None)
+            dp.write([w])
+            assert w.error is None and seg.read(i * 4096, 4096) == payload
+        assert seg._made == 1  # one at a time here: the first buffer was reused each time
+        assert seg._free.qsize() == 1
+        ref = _ref(seg, srv.addrs[0], 1 << 20, 4096, 99)
+        s = transport.connect(srv.addrs[0], 5.0)
+        from protocol.dataplane import DataRequest, frame, recv_reply
+        s.sendall(frame(DataRequest("written", seg.incarnation, ref.offset, ref.size, ref.gen, "x", 0, None,
+                                    ref.token)))
+        rep = recv_reply(s)
+        s.close()
+        assert not rep.ok and "only accepted for a shared-memory segment" in rep.error.message
+        with pytest.raises(E.StaleExtent):
+            table.check_read(ref.offset, ref.size, ref.gen)
+    finally:
+        for dp in planes:
+            dp.close()
+        srv.stop()
+        seg.close()
 
 
 def test_missing_extra_is_a_clear_config_error(monkeypatch):
