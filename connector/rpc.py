@@ -1,5 +1,7 @@
-"""Blocking RPC to the leading master: one plain TCP connection per thread, frames of
-:mod:`protocol.rpcwire` (``u32 length || u64 request id || msgpack``).
+"""Blocking RPC to the leading master: one plain socket per thread, frames of
+:mod:`protocol.rpcwire` (``u32 length || u64 request id || msgpack``). The socket is the
+master's same-host Unix alias when it answers (:func:`protocol.transport.local_alias`),
+else TCP.
 
 The master is found directly (``tcp://host:port``) or through etcd's ``leader`` key. A
 refused or broken connection, or a ``NotLeader`` reply, makes the client re-resolve the
@@ -28,7 +30,15 @@ class _Conn:
 
     def __init__(self, addr: str, timeout_s: float) -> None:
         self.addr = addr
-        self.sock = transport.connect(addr, timeout_s)
+        self.sock = None
+        alias = transport.local_alias(addr)
+        if alias is not None:  # a master on this host answers on its Unix alias: half the round trip
+            try:
+                self.sock = transport.connect(alias, timeout_s)
+            except KVPoolError:
+                pass
+        if self.sock is None:
+            self.sock = transport.connect(addr, timeout_s)
         self.frames = rpcwire.BlockingFrames(self.sock)
 
     def close(self) -> None:

@@ -57,24 +57,27 @@ class Client:
 
 
 class ClientConns:
-    """Every client connection of the listener ``listener`` (a non-blocking TCP socket)."""
+    """Every client connection of ``listeners`` (TCP, and the same-host Unix alias; see
+    :func:`protocol.transport.local_alias`)."""
 
-    def __init__(self, listener: socket.socket, poller: zmq.Poller,
+    def __init__(self, listeners: list[socket.socket], poller: zmq.Poller,
                  handle: Callable[[bytes], bytes | Pending]) -> None:
-        self.listener = listener
-        self.listener_fd = listener.fileno()
+        self.listeners = {lst.fileno(): lst for lst in listeners}
         self.poller = poller
         self.handle = handle
         self.clients: dict[int, Client] = {}  # by fd
         self.busy: set[Client] = set()  # clients with requests left after their turn
         self._rbuf = memoryview(bytearray(1 << 20))  # receive buffer shared by all connections
         self._accept_warned = 0.0
-        poller.register(listener, _IN)
+        for lst in listeners:
+            lst.setblocking(False)
+            poller.register(lst, _IN)
 
     def on_event(self, fd: int, ev: int) -> Client | None:
-        """Serve a poll event on ``fd`` (the listener or a client); the client served, if any."""
-        if fd == self.listener_fd:
-            self._accept()
+        """Serve a poll event on ``fd`` (a listener or a client); the client served, if any."""
+        lst = self.listeners.get(fd)
+        if lst is not None:
+            self._accept(lst)
             return None
         c = self.clients.get(fd)
         if c is not None:
@@ -96,12 +99,13 @@ class ClientConns:
     def close_all(self) -> None:
         for c in list(self.clients.values()):
             self._close(c)
-        self.listener.close()
+        for lst in self.listeners.values():
+            lst.close()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, _ = self.listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # out of fds, aborted handshake: keep serving the others
@@ -114,7 +118,8 @@ class ClientConns:
                     time.sleep(0.01)  # the listener stays readable: do not spin on it
                 return
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.clients[sock.fileno()] = Client(sock)
             self.poller.register(sock, _IN)
 

@@ -70,11 +70,14 @@ class MasterServer:
         self.fatal: KVPoolError | None = None
         self.etcd_ok = True
         self.etcd: Etcd | None = None
-        listener = transport.listen(f"tcp://{s.host}:{s.rpc_port}")
-        listener.setblocking(False)
-        self.rpc_addr = "tcp://%s:%d" % listener.getsockname()[:2]
+        listeners = [transport.listen(f"tcp://{s.host}:{s.rpc_port}")]
+        self.rpc_addr = "tcp://%s:%d" % listeners[0].getsockname()[:2]
+        try:  # same-host clients take this Unix alias of rpc_addr (half the round-trip time)
+            listeners.append(transport.listen(transport.local_alias(self.rpc_addr)))
+        except OSError as e:
+            print(f"master: no same-host Unix alias ({e}); local clients use TCP", file=sys.stderr, flush=True)
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
-        self.conns = ClientConns(listener, self.poller, self._handle)
+        self.conns = ClientConns(listeners, self.poller, self._handle)
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
         self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
 

@@ -28,6 +28,23 @@ def test_round_trip_sizes(cluster, transport, size):
         assert c.get(key) is None
 
 
+def test_same_host_clients_reach_the_master_over_its_unix_alias(cluster):
+    """A client on the master's host talks to it over the abstract Unix socket named after
+    its TCP address; an address whose alias does not exist (another spelling of the host)
+    falls back to TCP. Both see the same master."""
+    import socket
+
+    from connector.client import KVPoolClient
+
+    with cluster.client() as c:
+        c.put("alias/k", b"v")
+        assert c.rpc._local.conn.sock.family == socket.AF_UNIX
+    port = cluster.master_addr.rsplit(":", 1)[1]
+    with KVPoolClient(f"tcp://localhost:{port}") as c:
+        assert c.get("alias/k") == b"v"
+        assert c.rpc._local.conn.sock.family in (socket.AF_INET, socket.AF_INET6)
+
+
 def test_miss_is_none_and_exists_false(client):
     assert client.get("never/stored") is None
     assert client.get_into("never/stored", bytearray(8)) is None
