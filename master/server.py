@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -64,7 +64,7 @@ class MasterServer:
         self.leader_addr = ""
         self.ctx = zmq.Context()
         self.node_socks: dict[str, tuple[str, zmq.Socket]] = {}
-        self.events: queue.Queue = queue.Queue()  # etcd thread -> RPC thread
+        self.events: deque = deque()  # etcd thread -> RPC thread (append/popleft are atomic)
         self.stop = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.fatal: KVPoolError | None = None
@@ -139,17 +139,17 @@ class MasterServer:
             for v in (await etcd.get_prefix(self.keys.pins)).values():
                 with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                     pins.append(msgspec.msgpack.decode(v, type=M.PinRecord))
-            self.events.put(("lead", nodes, handoffs, pins))
+            self.events.append(("lead", nodes, handoffs, pins))
             try:
                 while not self.stop.is_set() and not lost.is_set():
                     await asyncio.sleep(self.s.membership_poll_s)
                     try:
-                        self.events.put(("nodes", await self._read_nodes(etcd)))
+                        self.events.append(("nodes", await self._read_nodes(etcd)))
                         self.etcd_ok = True
                     except Exception:
                         self.etcd_ok = False  # etcd unavailable: membership changes wait (DESIGN.md §8)
             finally:
-                self.events.put(("step_down",))
+                self.events.append(("step_down",))
                 if not lost.is_set():
                     with contextlib.suppress(Exception):
                         await etcd.delete(self.keys.leader)
@@ -169,7 +169,7 @@ class MasterServer:
             try:
                 await e.delete(key)
             except Exception:  # noqa: BLE001 - any failure: try again later
-                self.events.put(("forget_failed", key))
+                self.events.append(("forget_failed", key))
 
         if self.durable.after(key, delete, "etcd records"):
             return
@@ -229,8 +229,8 @@ class MasterServer:
     def _apply_events(self) -> None:
         while True:
             try:
-                ev = self.events.get_nowait()
-            except queue.Empty:
+                ev = self.events.popleft()
+            except IndexError:
                 return
             kind = ev[0]
             if kind == "forget_failed":

@@ -104,4 +104,5 @@ def test_metrics_endpoint(make_cluster):
     assert "kvpool_objects 1.0" in body
     assert 'kvpool_ops_total{op="hits"} 1.0' in body and 'kvpool_ops_total{op="misses"} 1.0' in body
     assert 'kvpool_node_capacity_bytes{node="node-0"} 3.3554432e+07' in body
-    assert "kvpool_rpc_seconds_bucket" in body
+    assert 'kvpool_rpc_seconds_count{op="Lookup"} 2.0' in body  # the two gets
+    assert 'kvpool_rpc_seconds_bucket{le="+Inf",op="Lookup"} 2.0' in body
