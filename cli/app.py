@@ -382,6 +382,7 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
           metadata: Annotated[bool, typer.Option(help="Also measure master metadata ops/s")] = False,
           baseline: Annotated[Optional[str], typer.Option(help="Peer to run the same workload against: redis")] = None,
           repeat: Annotated[int, typer.Option(help="Repeats per cell (best kept)")] = 1,
+          streams: Annotated[int, typer.Option(help="Network connections per store node per batch (1-16)")] = 1,
           json_: JsonOpt = False, config: ConfigOpt = None) -> None:
     """Throughput and latency of put/get beside the memcpy and raw-socket ceilings."""
     from cli.bench import render_bench, run_bench
@@ -389,11 +390,14 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
     def go() -> None:
         if baseline not in (None, "redis"):
             raise E.ConfigError(f"--baseline {baseline!r}; accepted: redis", key="baseline")
+        if not 1 <= streams <= 16:
+            raise E.ConfigError(f"--streams {streams}; accepted: 1 to 16", key="streams")
         cfg = build_config(config)
         rep = run_bench(cfg, [parse_size(s.strip()) for s in sizes.split(",")],
                         [int(c) for c in clients.split(",")], parse_size(total), transport, metadata,
                         progress=not json_, batches=[int(b) for b in batches.split(",")],
-                        replicas=[int(r) for r in replicas.split(",")], baseline=baseline, repeat=repeat)
+                        replicas=[int(r) for r in replicas.split(",")], baseline=baseline, repeat=repeat,
+                        streams=streams)
         if json_:
             print(json.dumps(rep, indent=2))
         else:

@@ -26,14 +26,15 @@ import xxhash
 from connector.dataclient import DataPlane, ReadOp, WriteOp
 from connector.rpc import MasterRPC
 from protocol import messages as M
-from protocol.errors import (ChecksumMismatch, InvalidRequest, KVPoolError, LayoutMismatch, LeaseExpired,
-                             NodeUnavailable, NotFound, PutInFlight, StaleExtent, from_wire)
+from protocol.errors import (ChecksumMismatch, ConfigError, InvalidRequest, KVPoolError, LayoutMismatch,
+                             LeaseExpired, NodeUnavailable, NotFound, PutInFlight, StaleExtent, from_wire)
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec, check_layout
 from protocol.transport import default_host_id
 
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
 _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
+_LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
 
 
 def as_buffer(x: Any, writable: bool) -> tuple[memoryview, Callable[[], None] | None]:
@@ -82,6 +83,10 @@ class KVPoolClient:
     ``master``: the master's RPC address (``tcp://host:port``), or ``etcd`` + ``cluster``
     to follow the elected leader. ``transport``: ``auto`` | ``shm`` | ``unix`` | ``tcp`` | ``ucx``
     (see :class:`~connector.dataclient.DataPlane`).
+    ``streams_per_node``: network connections (TCP/Unix/UCX) one batch uses per store node;
+    a node's share of a batch above 4 MiB is split into that many byte-balanced lanes moved
+    in parallel (several kernel copies at once, as Mooncake's TCP transport does for big
+    transfers). 1 on this project's 2-core VM, where a second stream measured no gain.
     ``read_hook(key)`` runs after bytes land and before validation (fault injection in
     tests: a slow reader).
     """
@@ -89,7 +94,11 @@ class KVPoolClient:
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
                  transport: str = "auto", host_id: str | None = None, rpc_timeout_s: float = 10.0,
                  io_timeout_s: float = 30.0, lease_retries: int = 1, in_flight_wait_s: float = 5.0,
-                 read_hook: Callable[[str], None] | None = None) -> None:
+                 streams_per_node: int = 1, read_hook: Callable[[str], None] | None = None) -> None:
+        if not (isinstance(streams_per_node, int) and 1 <= streams_per_node <= 16):
+            raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
+                              key="streams_per_node")
+        self.streams_per_node = streams_per_node
         self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s)
         self.host_id = host_id or default_host_id()
         self.data = DataPlane(self.host_id, transport, io_timeout_s)
@@ -104,7 +113,7 @@ class KVPoolClient:
 
         return cls(master, etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
                    host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
-                   io_timeout_s=parse_duration(cfg.client.io_timeout))
+                   io_timeout_s=parse_duration(cfg.client.io_timeout), streams_per_node=cfg.client.streams_per_node)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -246,22 +255,31 @@ class KVPoolClient:
                 key=items[j].key)
 
     def _parallel(self, fn, by_node: dict[str, list]) -> None:
-        """Run ``fn`` on each node's ops: one pool thread per node for network streams and
-        big shared-memory copies (they release the GIL, so nodes move bytes in parallel);
-        shared-memory groups of objects under :data:`_INLINE_BYTES` run right here, since
-        such copies hold the GIL and a thread hand-off would cost more than it overlaps."""
-        pooled = []
+        """Run ``fn`` on each node's ops: shared-memory groups of objects under
+        :data:`_INLINE_BYTES` right here (such copies hold the GIL, so a thread hand-off
+        would cost more than it overlaps); everything else — network streams, split into
+        up to ``streams_per_node`` lanes per node, and big copies, which release the GIL —
+        in parallel: one unit in this thread, the others in pool threads. Each thread has
+        its own connection per node, so a node's lanes are distinct streams."""
+        units = []
         for ops in by_node.values():
-            ref = ops[0].ref
-            if self.data.uses_shm(ref) and max(op.ref.size for op in ops) < _INLINE_BYTES:
-                fn(ops)
+            if self.data.uses_shm(ops[0].ref):
+                if max(op.ref.size for op in ops) < _INLINE_BYTES:
+                    fn(ops)
+                else:
+                    units.append(ops)
             else:
-                pooled.append(ops)
-        if len(pooled) == 1:
-            fn(pooled[0])
-        elif pooled:
-            for f in [self._pool.submit(fn, g) for g in pooled]:
-                f.result()
+                units.extend(lanes(ops, self.streams_per_node))
+        if not units:
+            return
+        futs = [self._pool.submit(fn, g) for g in units[1:]]
+        try:
+            fn(units[0])
+        finally:
+            errors = [f.exception() for f in futs]  # waits for every unit, even when this one failed
+        for e in errors:
+            if e is not None:
+                raise e
 
     # ---- gets ---------------------------------------------------------------------------
 
@@ -487,6 +505,22 @@ class KVPoolClient:
 
     def handoff_release(self, request_id: str) -> None:
         self.rpc.call(M.HandoffRelease(request_id))
+
+
+def lanes(ops: Sequence, k: int) -> list[list]:
+    """Split one node's ops into at most ``k`` lanes of about equal bytes (largest first,
+    each to the lightest lane; order kept within a lane). One lane when ``k`` is 1, there
+    is one op, or they total under :data:`_LANE_MIN` bytes (a stream's setup would cost
+    more than the overlap)."""
+    if k <= 1 or len(ops) < 2 or sum(op.ref.size for op in ops) < _LANE_MIN:
+        return [list(ops)]
+    k = min(k, len(ops))
+    load, member = [0] * k, [0] * len(ops)
+    for i in sorted(range(len(ops)), key=lambda i: -ops[i].ref.size):
+        j = load.index(min(load))
+        load[j] += ops[i].ref.size
+        member[i] = j
+    return [g for g in ([op for op, m in zip(ops, member) if m == j] for j in range(k)) if g]
 
 
 def _per_key(v, n: int) -> list:

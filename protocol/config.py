@@ -60,6 +60,7 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rpc_timeout: str | float = "10s"
     io_timeout: str | float = "30s"
     host_id: str | None = None
+    streams_per_node: int = 1  # network connections one batch uses per store node (1..16)
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -96,6 +97,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not re.fullmatch(DEVICE_RE, n.device):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
+        if not 1 <= self.client.streams_per_node <= 16:
+            raise ConfigError(f"client.streams_per_node: {self.client.streams_per_node}; accepted: 1 to 16",
+                              key="client.streams_per_node")
         if self.client.transport not in ("auto", "tcp", "unix", "shm", "ucx"):
             raise ConfigError(f"client.transport: {self.client.transport!r}; accepted: auto, tcp, unix, shm, ucx",
                               key="client.transport")

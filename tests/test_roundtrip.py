@@ -45,6 +45,47 @@ def test_same_host_clients_reach_the_master_over_its_unix_alias(cluster):
         assert c.rpc._local.conn.sock.family in (socket.AF_INET, socket.AF_INET6)
 
 
+def test_lanes_split_a_nodes_batch_by_bytes():
+    from types import SimpleNamespace as NS
+
+    from connector.client import lanes
+
+    ops = [NS(ref=NS(size=n)) for n in (3 << 20, 1 << 20, 2 << 20, 2 << 20)]
+    assert lanes(ops, 1) == [ops]
+    assert lanes(ops[:1], 4) == [ops[:1]]
+    small = [NS(ref=NS(size=1 << 20)) for _ in range(3)]
+    assert lanes(small, 2) == [small]  # 3 MiB in all: not worth a second stream
+    two = lanes(ops, 2)
+    assert sorted(sum(o.ref.size for o in g) for g in two) == [4 << 20, 4 << 20]
+    assert sorted(map(id, sum(two, []))) == sorted(map(id, ops))  # every op once
+    assert len(lanes(ops, 8)) == 4  # never more lanes than ops
+
+
+def test_streams_per_node_moves_one_nodes_batch_over_several_connections(cluster):
+    """With streams_per_node=3 a batch bound for one node goes over more than one
+    connection to it, and every object arrives whole; bad values are config errors."""
+    import numpy as np
+
+    with pytest.raises(E.ConfigError, match="streams_per_node"):
+        cluster.client(streams_per_node=0)
+    with cluster.client(transport="tcp", streams_per_node=3) as c:
+        c.drain("node-1")
+        try:
+            rng = np.random.default_rng(3)
+            objs = [rng.integers(0, 256, 2 << 20, dtype=np.uint8) for _ in range(6)]
+            keys = [f"lanes/{i}" for i in range(6)]
+            assert c.put_batch(keys, objs) == [None] * 6
+            outs = [np.zeros(2 << 20, dtype=np.uint8) for _ in range(6)]
+            assert c.get_into_batch(keys, outs) == [2 << 20] * 6
+            assert all(np.array_equal(a, b) for a, b in zip(objs, outs))
+            node0 = c.lookup(keys[:1])[0].replicas[0].data_addr
+            assert sum(1 for s in list(c.data._all_conns) if s.sock.getpeername() and
+                       f"{s.sock.getpeername()[1]}" == node0.rsplit(":", 1)[1]) >= 2
+            c.remove_batch(keys)
+        finally:
+            c.drain("node-1", undo=True)
+
+
 def test_miss_is_none_and_exists_false(client):
     assert client.get("never/stored") is None
     assert client.get_into("never/stored", bytearray(8)) is None
