@@ -292,6 +292,50 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
     _run(go)
 
 
+_SETTING_NAMES = {"replicas": "replicas", "lease_ttl": "lease_ttl_s", "put_timeout": "put_timeout_s",
+                  "quarantine": "quarantine_s", "high_watermark": "high_watermark",
+                  "low_watermark": "low_watermark", "handoff_ttl": "handoff_ttl_s"}
+
+
+def _parse_setting(item: str) -> tuple[str, float]:
+    """``KEY=VALUE`` (config-file names, e.g. ``lease_ttl=10s``) → (ClusterSettings field, value)."""
+    name, sep, raw = item.partition("=")
+    name = name.strip().replace("-", "_")
+    field = _SETTING_NAMES.get(name) or (name if name in _SETTING_NAMES.values() else None)
+    if not sep or field is None:
+        raise E.ConfigError(f"--set {item!r}: use KEY=VALUE with KEY one of {', '.join(_SETTING_NAMES)}",
+                            key="set")
+    if field.endswith("_s"):
+        return field, parse_duration(raw.strip(), key=name)
+    try:
+        return field, float(raw)
+    except ValueError:
+        raise E.ConfigError(f"--set {item!r}: {raw!r} is not a number", key=name) from None
+
+
+@app.command()
+def settings(set_: Annotated[Optional[list[str]], typer.Option(
+                 "--set", help="KEY=VALUE, repeatable: replicas, lease_ttl, put_timeout, quarantine, "
+                               "high_watermark, low_watermark, handoff_ttl")] = None,
+             json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+             cluster: ClusterOpt = None) -> None:
+    """Cluster-wide settings (kept in etcd, applied by every leader); --set changes them."""
+    def go() -> None:
+        changes = dict(_parse_setting(item) for item in set_ or [])
+        with connect(config, master, etcd, cluster) as c:
+            cs = c.set_config(**changes) if changes else c.config()
+        if json_:
+            print(msgspec.json.encode(cs).decode())
+            return
+        t = Table("setting", "value", title="cluster settings (etcd: config)" + (" — updated" if changes else ""))
+        for name, field in _SETTING_NAMES.items():
+            v = getattr(cs, field)
+            t.add_row(name, f"{v:g}s" if field.endswith("_s") else f"{v:g}")
+        console.print(t)
+
+    _run(go)
+
+
 @app.command()
 def evict(key: Annotated[Optional[str], typer.Option()] = None,
           prefix: Annotated[Optional[str], typer.Option()] = None,

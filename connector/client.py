@@ -480,6 +480,17 @@ class KVPoolClient:
     def evict(self, selector: M.EvictSelector, dry_run: bool = False, force: bool = False) -> M.EvictReport:
         return self.rpc.call(M.Evict(selector, dry_run, force))
 
+    def config(self) -> M.ClusterSettings:
+        """The cluster-wide settings the leader applies (kept in etcd)."""
+        return self.rpc.call(M.GetConfig())
+
+    def set_config(self, **changes: float) -> M.ClusterSettings:
+        """Change cluster settings (fields of :class:`~protocol.messages.ClusterSettings`,
+        seconds and fractions), all or nothing; returns the new settings once etcd recorded
+        them. Raises ConfigError/InvalidRequest for bad values or names (nothing changed),
+        EtcdUnavailable when etcd does not answer."""
+        return self.rpc.call(M.SetConfig({k: float(v) for k, v in changes.items()}))
+
     def drain(self, node_id: str, undo: bool = False) -> None:
         """Stop placing on ``node_id`` and move its pinned/held objects off (``undo``: resume)."""
         self.rpc.call(M.Drain(node_id, undo))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 import threading
@@ -38,7 +39,7 @@ from master.metrics import Metrics
 from master.state import MasterSettings, MasterState
 from protocol import messages as M
 from protocol import transport
-from protocol.errors import EtcdUnavailable, KVPoolError, NotFound, NotLeader
+from protocol.errors import ConfigError, EtcdUnavailable, InvalidRequest, KVPoolError, NotFound, NotLeader
 from protocol.etcd import Etcd, Keys, kept_alive
 
 
@@ -139,7 +140,15 @@ class MasterServer:
             for v in (await etcd.get_prefix(self.keys.pins)).values():
                 with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                     pins.append(msgspec.msgpack.decode(v, type=M.PinRecord))
-            self.events.append(("lead", nodes, handoffs, pins))
+            settings = await etcd.get(self.keys.config)
+            if settings is None:  # the cluster's first leader: its flags become the cluster's settings
+                settings = msgspec.json.encode(_settings_of(self.s.state))
+                try:
+                    await etcd.put(self.keys.config, settings)
+                except Exception as e:  # noqa: BLE001 - the next leader writes them
+                    print(f"master: could not record the cluster settings in etcd ({e})", file=sys.stderr,
+                          flush=True)
+            self.events.append(("lead", nodes, handoffs, pins, settings))
             try:
                 while not self.stop.is_set() and not lost.is_set():
                     await asyncio.sleep(self.s.membership_poll_s)
@@ -239,6 +248,7 @@ class MasterServer:
                 self.state = MasterState(self.s.state, self.s.cluster)
                 self.state.leader_addr = self.rpc_addr
                 self.metrics.state = self.state
+                self._adopt_settings(ev[4])
                 self._rebuild(ev[1], ev[2], ev[3])
                 self.leading, self.leader_addr = True, self.rpc_addr
                 print(f"KVPOOL_LEADER master {self.rpc_addr}", flush=True)
@@ -246,6 +256,39 @@ class MasterServer:
                 self.leading = False
             elif kind == "nodes" and self.leading:
                 self._membership(ev[1])
+
+    def _adopt_settings(self, raw: bytes) -> None:
+        """Apply the cluster settings recorded in etcd (over this process's flags)."""
+        try:
+            cs = msgspec.json.decode(raw, type=M.ClusterSettings).check()
+        except (msgspec.DecodeError, msgspec.ValidationError, KVPoolError) as e:
+            print(f"master: ignoring the cluster settings in etcd ({e}); using this master's flags. "
+                  "Fix them with `kvpool config --set KEY=VALUE`", file=sys.stderr, flush=True)
+            return
+        if cs != _settings_of(self.state.s):
+            print(f"master: cluster settings from etcd override this master's flags: {cs}", flush=True)
+        self.state.s = dataclasses.replace(self.state.s, **msgspec.structs.asdict(cs))
+
+    def _set_settings(self, changes: dict[str, float]) -> Pending:
+        """Validate ``changes`` against the current settings, write the result to etcd and
+        apply it once written (a durable answer)."""
+        cur = msgspec.structs.asdict(_settings_of(self.state.s))
+        unknown = sorted(set(changes) - set(cur))
+        if unknown:
+            raise InvalidRequest(f"unknown setting(s) {', '.join(unknown)}; accepted: {', '.join(cur)}")
+        if "replicas" in changes:
+            r = changes["replicas"]
+            if r != int(r):
+                raise ConfigError(f"replicas: {r!r}; must be a whole number", key="replicas")
+            changes = {**changes, "replicas": int(r)}
+        new = M.ClusterSettings(**{**cur, **changes}).check()
+        key, val = self.keys.config, msgspec.json.encode(new)
+
+        def apply() -> M.ClusterSettings:
+            self.state.s = dataclasses.replace(self.state.s, **msgspec.structs.asdict(new))
+            return new
+
+        return self.durable.write(key, lambda e: e.put(key, val), "cluster settings", apply)
 
     def _membership(self, descs: dict[str, M.NodeDesc]) -> None:
         now = time.time()
@@ -423,6 +466,10 @@ class MasterServer:
             rec = st.handoff_publish(req.record, now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)
             return self.durable.write(key, lambda e: e.put(key, val), "hand-off records", lambda: rec)
+        if isinstance(req, M.GetConfig):
+            return _settings_of(st.s)
+        if isinstance(req, M.SetConfig):
+            return self._set_settings(req.changes)
         if isinstance(req, M.HandoffClaim):
             return st.handoff_claim(req.request_id, now)
         if isinstance(req, (M.HandoffAck, M.HandoffRelease)):
@@ -432,6 +479,12 @@ class MasterServer:
                 self._etcd_forget(key)
             return None
         raise KVPoolError(f"unhandled request {type(req).__name__}")
+
+
+def _settings_of(s: MasterSettings) -> M.ClusterSettings:
+    """The cluster-wide part of a master's settings (what etcd's ``config`` record holds)."""
+    return M.ClusterSettings(s.replicas, s.lease_ttl_s, s.put_timeout_s, s.quarantine_s, s.high_watermark,
+                             s.low_watermark, s.handoff_ttl_s)
 
 
 def _coalesce(msgs: list) -> list:

@@ -11,7 +11,7 @@ from typing import Any, Union
 
 import msgspec
 
-from protocol.errors import ErrorInfo, InvalidRequest
+from protocol.errors import ConfigError, ErrorInfo, InvalidRequest
 from protocol.layout import LayoutSpec
 
 
@@ -227,6 +227,46 @@ class PinRecord(msgspec.Struct, frozen=True, array_like=True):
     checksum: int = 0
 
 
+class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Cluster-wide master settings, kept in etcd under ``config`` (JSON) so that every
+    leader applies the same ones (DESIGN.md §3): the first leader writes its own, later
+    leaders adopt what is there, ``kvpool config --set`` changes them. Units: seconds and
+    fractions of a node's capacity. ``replicas`` applies to puts made after a change."""
+
+    replicas: int = 1
+    lease_ttl_s: float = 5.0
+    put_timeout_s: float = 30.0
+    quarantine_s: float = 5.0
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    handoff_ttl_s: float = 60.0
+
+    def check(self) -> "ClusterSettings":
+        """Self, or ConfigError naming the first bad field and what it accepts."""
+        if not 1 <= self.replicas <= 16:
+            raise ConfigError(f"replicas: {self.replicas}; accepted: 1 to 16", key="replicas")
+        for name in ("lease_ttl_s", "put_timeout_s", "handoff_ttl_s"):
+            if not 0 < getattr(self, name) < 1e7:
+                raise ConfigError(f"{name}: {getattr(self, name)!r}; must be > 0 seconds", key=name)
+        if not 0 <= self.quarantine_s < 1e7:
+            raise ConfigError(f"quarantine_s: {self.quarantine_s!r}; must be >= 0 seconds", key="quarantine_s")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError(f"watermarks: need 0 < low_watermark <= high_watermark <= 1, got "
+                              f"{self.low_watermark}/{self.high_watermark}", key="high_watermark")
+        return self
+
+
+class GetConfig(msgspec.Struct, tag="get_config"):
+    pass
+
+
+class SetConfig(msgspec.Struct, tag="set_config"):
+    """Change cluster settings: field name of :class:`ClusterSettings` → new value. Applied
+    once written to etcd (all or nothing)."""
+
+    changes: dict[str, float]
+
+
 class Evict(msgspec.Struct, tag="evict"):
     selector: EvictSelector
     dry_run: bool = False
@@ -269,7 +309,8 @@ class HandoffRelease(msgspec.Struct, tag="handoff_release"):
 
 
 Request = Union[PutStart, PutEnd, PutRevoke, Lookup, ReleaseLeases, Exists, Remove, ListObjects, Stats, Pin, Unpin,
-                Evict, ReportDead, ReportCorrupt, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease]
+                Evict, ReportDead, ReportCorrupt, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease,
+                GetConfig, SetConfig]
 
 RESULT_TYPES: dict[type, Any] = {
     PutStart: list[Union[PutGrant, ErrorInfo]],
@@ -291,6 +332,8 @@ RESULT_TYPES: dict[type, Any] = {
     HandoffClaim: HandoffRecord,
     HandoffAck: None,
     HandoffRelease: None,
+    GetConfig: ClusterSettings,
+    SetConfig: ClusterSettings,
 }
 
 

@@ -1,0 +1,85 @@
+"""Cluster-wide settings in etcd (DESIGN.md §3 ``config``): the first leader records its
+flags, later leaders adopt the record over their own flags, ``set_config`` / ``kvpool
+settings --set`` change them all or nothing. Real etcd, masters and store nodes."""
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from connector.client import KVPoolClient
+from protocol import errors as E
+from protocol import messages as M
+from protocol.etcd import Keys, read_key_sync
+
+
+def _record(lc) -> M.ClusterSettings:
+    raw = read_key_sync(lc.etcd_endpoint, Keys(lc.cfg.cluster).config)
+    return msgspec.json.decode(raw, type=M.ClusterSettings)
+
+
+def test_settings_are_recorded_changed_and_survive_failover(make_cluster):
+    lc = make_cluster(nodes=2, memory="32MiB", lease_ttl="4s")
+    with lc.client() as c:
+        first = c.config()
+        assert first.replicas == 1 and first.lease_ttl_s == 4.0
+        assert _record(lc) == first  # the first leader wrote its flags
+        new = c.set_config(replicas=2, lease_ttl_s=7, low_watermark=0.5)
+        assert (new.replicas, new.lease_ttl_s, new.low_watermark) == (2, 7.0, 0.5)
+        assert c.config() == new == _record(lc)
+        c.put("set/a", b"x" * 1000)  # placed with the new default replica count
+        assert len(c.lookup(["set/a"])[0].replicas) == 2
+        assert c.get_batch(["set/a"]) == [b"x" * 1000]
+    # a standby started with other flags leads with the recorded settings, not its own
+    lc.cfg = msgspec.structs.replace(lc.cfg, master=msgspec.structs.replace(lc.cfg.master, replicas=1,
+                                                                            lease_ttl="2s"))
+    standby = lc.start_master(wait_leader=False)
+    lc.masters[0].kill()
+    standby.wait_line("KVPOOL_LEADER", 20)
+    with KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20) as c:
+        assert c.config() == new
+        info = c.lookup(["set/a"])[0]
+        assert len(info.replicas) == 2
+        lease = c.rpc.call(M.Lookup(["set/a"], lease=True))[0]
+        assert lease.lease_ttl_s == 7.0
+        c.rpc.send_nowait(M.ReleaseLeases(["set/a"]))
+
+
+@pytest.mark.parametrize("changes, err, match", [
+    ({"replicas": 0}, E.ConfigError, "replicas: 0"),
+    ({"replicas": 1.5}, E.ConfigError, "whole number"),
+    ({"low_watermark": 0.95}, E.ConfigError, "low_watermark <= high_watermark"),
+    ({"lease_ttl_s": 0}, E.ConfigError, "lease_ttl_s"),
+    ({"quarantine_s": -1}, E.ConfigError, "quarantine_s"),
+    ({"nonsense": 1}, E.InvalidRequest, "unknown setting.*accepted: replicas"),
+    ({"replicas": 2, "high_watermark": 2.0}, E.ConfigError, "watermarks"),  # all or nothing
+])
+def test_bad_settings_are_refused_and_change_nothing(cluster, changes, err, match):
+    with cluster.client() as c:
+        before = c.config()
+        with pytest.raises(err, match=match):
+            c.set_config(**changes)
+        assert c.config() == before == _record(cluster)
+
+
+def test_settings_cli(cluster):
+    def kv(*args):
+        return subprocess.run([sys.executable, "-m", "cli", "settings", *args, "--master", cluster.master_addr],
+                              capture_output=True, text=True, timeout=60)
+
+    with cluster.client() as c:
+        before = c.config()
+    try:
+        p = kv("--set", "handoff_ttl=2m", "--set", "high_watermark=0.95")
+        assert p.returncode == 0, p.stderr
+        assert "handoff_ttl" in p.stdout and "120s" in p.stdout and "0.95" in p.stdout
+        got = json.loads(kv("--json").stdout)
+        assert got["handoff_ttl_s"] == 120.0 and got["high_watermark"] == 0.95
+        p = kv("--set", "replicas")
+        assert p.returncode == 2 and "KEY=VALUE" in p.stderr
+        p = kv("--set", "lease_ttl=soon")
+        assert p.returncode == 2 and "lease_ttl" in p.stderr
+    finally:
+        with cluster.client() as c:
+            c.set_config(**msgspec.structs.asdict(before))
