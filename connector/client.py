@@ -228,11 +228,17 @@ class KVPoolClient:
                 self.rpc.call(M.ReportDead(nid, inc))  # the master stops placing there for a while
                 self.data.forget_node(nid)
         if commit_keys:
+            committed: dict[str, list[WriteOp]] = defaultdict(list)
             for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids, commit_sums))):
                 if e is not None:
                     results[idx[j]] = from_wire(e)
                 else:
                     stored[idx[j]] = True
+                    for op in ops_of[j]:
+                        op.checksum = ops_of[j][0].checksum
+                        committed[op.ref.node_id].append(op)
+            for ops in committed.values():  # acknowledged: make sure the nodes learn it (master failover)
+                self.data.commit(ops, replicas or 0)
         if in_flight:
             self._await_in_flight(items, idx, in_flight, results)
         return retry

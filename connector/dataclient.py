@@ -310,6 +310,21 @@ class DataPlane:
             self._stream_failed(addr, ops, e, "write")
             return None
 
+    def commit(self, ops: Sequence[WriteOp], replicas: int = 0) -> None:
+        """After ``put_end`` committed ``ops`` (all to one node, ``op.checksum`` set): send
+        the node one-way ``commit`` frames, so the commit reaches the node's table even if
+        the master dies before its own notice leaves (a failover rebuilds from those tables).
+        Best effort, no reply: the master's notice is the primary path."""
+        r0 = ops[0].ref
+        addr = r0.shm_path if self.uses_shm(r0) else self._stream_addr(r0)
+        try:
+            s = self._conn(addr)
+            sendv(s.sock, [b"".join(frame(DataRequest("commit", op.ref.incarnation, op.ref.offset, op.ref.size,
+                                                      op.ref.gen, op.key, op.checksum or 0, op.layout, op.ref.token,
+                                                      replicas)) for op in ops)])
+        except (OSError, KVPoolError):
+            self._drop(addr)
+
     def _finish_writes(self, pending) -> None:
         if pending is None:
             return

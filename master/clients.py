@@ -11,8 +11,11 @@ Bounds, so one client cannot stall the master or grow its memory:
   wait in ``busy`` for the next turn, after the other clients had theirs);
 * a client with :data:`OUT_MAX` bytes of unsent replies, or :data:`PENDING_MAX` parsed
   and unanswered requests, is not read until it catches up;
-* a corrupt frame length is answered (after the requests before it) and the connection
-  closed, since its stream position can no longer be trusted.
+* a corrupt frame length is answered (after the requests before it, durable ones
+  included) and the connection closed, since its stream position can no longer be trusted.
+
+``before_send`` runs before any reply leaves: the master flushes its notices to store nodes
+there, so a put is acknowledged only after its commit notice was handed to the node socket.
 
 Answering is ``handle(body) -> encoded Reply | Pending``; a :class:`~master.durable.Pending`
 is answered later through :meth:`ClientConns.answer`, when its etcd write lands.
@@ -45,12 +48,13 @@ class Client:
     """One client connection: its frame parser, requests not answered yet (in order) and
     the reply bytes not sent yet."""
 
-    __slots__ = ("sock", "parser", "pending", "out", "closing", "closed")
+    __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.parser = rpcwire.FrameParser()
         self.pending: deque = deque()
+        self.waiting = 0  # requests answered later (durable writes); a closing connection waits for them
         self.out = bytearray()
         self.closing = False
         self.closed = False
@@ -61,10 +65,11 @@ class ClientConns:
     :func:`protocol.transport.local_alias`)."""
 
     def __init__(self, listeners: list[socket.socket], poller: zmq.Poller,
-                 handle: Callable[[bytes], bytes | Pending]) -> None:
+                 handle: Callable[[bytes], bytes | Pending], before_send: Callable[[], None] = lambda: None) -> None:
         self.listeners = {lst.fileno(): lst for lst in listeners}
         self.poller = poller
         self.handle = handle
+        self.before_send = before_send  # runs before replies go out (the master flushes node notices)
         self.clients: dict[int, Client] = {}  # by fd
         self.busy: set[Client] = set()  # clients with requests left after their turn
         self._rbuf = memoryview(bytearray(1 << 20))  # receive buffer shared by all connections
@@ -91,9 +96,11 @@ class ClientConns:
 
     def answer(self, c: Client, rid: int, reply: bytes) -> None:
         """Queue and send a late reply (a durable write's answer) if ``c`` still listens."""
-        if c.closed or rid == rpcwire.ONE_WAY:
+        c.waiting -= 1
+        if c.closed:
             return
-        c.out += rpcwire.pack(rid, reply)
+        if rid != rpcwire.ONE_WAY:
+            c.out += rpcwire.pack(rid, reply)
         self._send(c)
 
     def close_all(self) -> None:
@@ -160,6 +167,7 @@ class ClientConns:
             reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self.handle(body)
             if isinstance(reply, Pending):
                 reply.client, reply.rid = c, rid
+                c.waiting += 1
             elif rid != rpcwire.ONE_WAY:
                 c.out += rpcwire.pack(rid, reply)
         if c.pending and len(c.out) < OUT_MAX:
@@ -172,6 +180,7 @@ class ClientConns:
         if c.closed:
             return
         if c.out:
+            self.before_send()
             try:
                 sent = c.sock.send(c.out)
                 del c.out[:sent]
@@ -179,7 +188,7 @@ class ClientConns:
                 pass
             except OSError:
                 return self._close(c)
-        if c.closing and not c.out and not c.pending:
+        if c.closing and not c.out and not c.pending and not c.waiting:
             return self._close(c)
         want_in = not c.closing and len(c.pending) < PENDING_MAX and len(c.out) < OUT_MAX
         self.poller.modify(c.sock, (_IN if want_in else 0) | (_OUT if c.out else 0))

@@ -78,7 +78,7 @@ class MasterServer:
         except OSError as e:
             print(f"master: no same-host Unix alias ({e}); local clients use TCP", file=sys.stderr, flush=True)
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
-        self.conns = ClientConns(listeners, self.poller, self._handle)
+        self.conns = ClientConns(listeners, self.poller, self._handle, self._flush)
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
         self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
 
@@ -302,6 +302,8 @@ class MasterServer:
                 self.state.node_up(d, now)
                 if not self._adopt(d, now, timeout_ms=1000):
                     self.state.node_down(d.node_id, now)  # tried again at the next membership poll
+                else:
+                    self._sock(d.node_id)  # connect now: a first commit notice must not wait for it
         self.state.repair_all()
 
     def _adopt(self, d: M.NodeDesc, now: float, timeout_ms: int) -> bool:
@@ -340,6 +342,8 @@ class MasterServer:
             self.state.node_up(d, now)
             if not self._adopt(d, now, timeout_ms=5000):
                 self.state.node_down(d.node_id, now)  # the membership poll tries it again
+            else:
+                self._sock(d.node_id)
         for rec in handoffs:
             self.state.restore_handoff(rec)
         for pin in pins:

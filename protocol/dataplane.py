@@ -9,7 +9,10 @@ pipelined on one connection; replies come back in order. Payload bytes move with
 Ops: ``write`` (bytes into an extent, recording key/gen/checksum/layout), ``written``
 (same record, bytes already copied through shared memory), ``read`` (named by offset +
 gen; refused for a freed or reused extent: :class:`~protocol.errors.StaleExtent`),
-``map`` (Unix socket only: the reply carries the segment's memfd via SCM_RIGHTS).
+``map`` (Unix socket only: the reply carries the segment's memfd via SCM_RIGHTS),
+``commit`` (one-way, no reply: the writer's copy of the master's commit notice, sent once
+``put_end`` was acknowledged, so an acknowledged put reaches the node's committed table
+even if the master dies before its own notice leaves; same grant token as the write).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class DataRequest(msgspec.Struct, array_like=True):
     checksum: int = 0
     layout: bytes | None = None
     token: bytes = b""
+    replicas: int = 0  # commit: the object's wanted replica count (0: the cluster default)
     pad: bytes = b""  # filler set by :func:`frame` (frame alignment)
 
 

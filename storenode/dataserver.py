@@ -32,6 +32,7 @@ from protocol import transport
 from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
 from protocol.grants import check_token
+from protocol.messages import ExtentEntry
 from storenode.extents import ExtentTable
 from storenode.device_segment import DeviceSegment
 from storenode.segment import Segment
@@ -134,7 +135,7 @@ class DataServer:
             if req.incarnation != seg.incarnation and req.op != "ping":
                 raise StaleExtent(f"store node segment restarted (generation {seg.incarnation}, request "
                                   f"named {req.incarnation}); look the key up again")
-            if req.op in ("write", "written"):
+            if req.op in ("write", "written", "commit"):
                 self.table.check_bounds(req.offset, req.size)
                 if not check_token(seg.grant_key, seg.incarnation, req.offset, req.size, req.gen, req.token):
                     raise InvalidRequest(f"write to [{req.offset}, +{req.size}) gen {req.gen} carries no valid "
@@ -155,6 +156,10 @@ class DataServer:
                 seg.recv(rd, req.offset, req.size)
                 self.bytes_in += req.size
                 self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
+            elif req.op == "commit":  # one-way: no reply, whatever happens
+                self.table.commit(ExtentEntry(req.key, req.offset, req.size, req.gen, req.checksum, req.layout,
+                                              True, req.replicas))
+                return 0
             elif req.op == "written":
                 if seg.fd is None:  # nobody can have copied into device memory from outside
                     raise InvalidRequest("written is only accepted for a shared-memory segment; send the bytes "
@@ -175,10 +180,12 @@ class DataServer:
                 out.append(frame(DataReply(True, capacity=seg.capacity)))
                 return 16
             else:
-                raise InvalidRequest(f"unknown data op {req.op!r}; accepted: write, written, read, map, ping")
+                raise InvalidRequest(f"unknown data op {req.op!r}; accepted: write, written, commit, read, map, ping")
             out.append(_OK)
             return len(_OK)
         except KVPoolError as e:
+            if req.op == "commit":
+                return 0  # one-way: a refused copy of a commit notice is dropped (the master's notice rules)
             if req.op == "write":
                 # keep the stream in step: swallow the payload the client is sending
                 if not 0 <= req.size <= seg.capacity:

@@ -188,6 +188,45 @@ def test_data_plane_over_transport(data_node):
         dp.close()
 
 
+def test_commit_copy_is_one_way_and_refused_without_grant_or_after_free(data_node):
+    """The writer's ``commit`` frame has no reply (the stream stays in step); it marks the
+    row committed only with the extent's grant, and never for a generation already freed."""
+    from protocol.dataplane import DataRequest, frame
+
+    seg, table, addr = data_node
+    dp = DataPlane("this-host", "tcp", 10.0)
+    try:
+        payload = os.urandom(4096)
+        ref = _ref(seg, addr, 0, 4096, 5)
+        w = WriteOp(ref, memoryview(payload), "c/k", xxhash.xxh3_64_intdigest(payload), None)
+        dp.write([w])
+        assert w.error is None and table.committed() == []
+
+        def commit(r, token=None):
+            s = dp._conn(addr)
+            s.sock.sendall(frame(DataRequest("commit", r.incarnation, r.offset, r.size, r.gen, "c/k",
+                                             w.checksum, None, r.token if token is None else token, 2)))
+
+        def in_step():  # a read after the commits: its reply is the first one (commits send none)
+            probe = ReadOp(ref, memoryview(bytearray(4096)))
+            dp.read([probe])
+            assert probe.error is None and bytes(probe.out) == payload
+
+        commit(ref, token=b"forged" * 3)
+        in_step()
+        assert table.committed() == []
+        commit(ref)
+        in_step()
+        assert [(r.key, r.gen, r.committed, r.replicas) for r in table.committed()] == [("c/k", 5, True, 2)]
+        table.free(0, 5)
+        commit(ref)  # a late copy of the commit of a freed generation
+        late = ReadOp(ref, memoryview(bytearray(4096)))
+        dp.read([late])
+        assert isinstance(late.error, E.StaleExtent) and table.committed() == []
+    finally:
+        dp.close()
+
+
 def test_device_segment_is_not_mapped_and_serves_the_unix_socket(tmp_path):
     """Same host, transport auto: a device segment refuses ``map`` (typed error, no fd),
     so the client remembers it cannot map it and reads and writes through the node's Unix
