@@ -1,7 +1,6 @@
 """Blocking RPC to the leading master: one plain socket per thread, frames of
-:mod:`protocol.rpcwire` (``u32 length || u64 request id || msgpack``). The socket is the
-master's same-host Unix alias when it answers (:func:`protocol.transport.local_alias`),
-else TCP.
+:mod:`protocol.rpcwire` (``u32 length || u64 request id || msgpack``). The socket is TCP,
+or the master's same-host Unix socket when its Hello offers one (see :class:`_Conn`).
 
 The master is found directly (``tcp://host:port``) or through etcd's ``leader`` key. A
 refused or broken connection, or a ``NotLeader`` reply, makes the client re-resolve the
@@ -12,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -19,27 +20,57 @@ from typing import Any
 
 from protocol import messages as M
 from protocol import rpcwire, transport
-from protocol.errors import ConfigError, KVPoolError, NotLeader, Timeout, from_wire
+from protocol.errors import ConfigError, InvalidRequest, KVPoolError, NotLeader, Timeout, from_wire
 from protocol.etcd import Keys, read_key_sync
+from protocol.transport import default_host_id
 
 
 class _Conn:
-    """One thread's connection; closed when that thread's storage goes (thread exit)."""
+    """One thread's connection; closed when that thread's storage goes (thread exit).
+
+    It opens over TCP and asks the master ``Hello``; a master on this host answers with
+    its abstract Unix socket, and the connection moves there (a loopback round trip costs
+    about half as much over a Unix socket: 55 µs vs 125 µs blocking, measured on the
+    project VM) if the peer's SO_PEERCRED pid is the master's. Otherwise it stays on TCP."""
 
     __slots__ = ("addr", "sock", "frames", "__weakref__")
 
     def __init__(self, addr: str, timeout_s: float) -> None:
         self.addr = addr
         self.sock = None
-        alias = transport.local_alias(addr)
-        if alias is not None:  # a master on this host answers on its Unix alias: half the round trip
-            try:
-                self.sock = transport.connect(alias, timeout_s)
-            except KVPoolError:
-                pass
-        if self.sock is None:
-            self.sock = transport.connect(addr, timeout_s)
+        self.sock = transport.connect(addr, timeout_s)
         self.frames = rpcwire.BlockingFrames(self.sock)
+        if addr.startswith("tcp://"):
+            self._hello(timeout_s)
+
+    def _hello(self, timeout_s: float) -> None:
+        """Ask for the master's same-host alias; switch to it when it is really the master.
+        Errors on the TCP exchange propagate (the connection is unusable); a master that
+        does not know Hello, or an alias that fails the checks, leaves the TCP connection."""
+        self.sock.settimeout(timeout_s)
+        self.sock.sendall(rpcwire.pack(_HELLO_RID, M.encode(M.Hello(default_host_id()))))
+        got, payload = self.frames.read()
+        if got != _HELLO_RID:
+            raise InvalidRequest(f"master answered request {got} to a Hello")
+        rep = M.decode_result(payload, M.Reply)
+        if rep.error is not None:
+            return  # an older master
+        hello = M.decode_result(rep.result, M.HelloReply)
+        if not hello.alias or hello.host_id != default_host_id():
+            return
+        try:
+            alias = transport.connect(hello.alias, timeout_s)
+        except KVPoolError:
+            return
+        try:
+            pid = _PEERCRED.unpack(alias.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+        except OSError:
+            pid = -1
+        if pid != hello.pid:  # not the master's socket (or another pid namespace): stay on TCP
+            alias.close()
+            return
+        self.sock.close()
+        self.sock, self.frames = alias, rpcwire.BlockingFrames(alias)
 
     def close(self) -> None:
         sock = getattr(self, "sock", None)  # None when the connect itself failed
@@ -50,6 +81,10 @@ class _Conn:
                 pass
 
     __del__ = close
+
+
+_HELLO_RID = (1 << 64) - 1  # request id of the Hello (ids of calls count up from 1)
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class MasterRPC:

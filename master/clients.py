@@ -61,8 +61,8 @@ class Client:
 
 
 class ClientConns:
-    """Every client connection of ``listeners`` (TCP, and the same-host Unix alias; see
-    :func:`protocol.transport.local_alias`)."""
+    """Every client connection of ``listeners`` (TCP, and the same-host abstract Unix socket
+    that :class:`~protocol.messages.HelloReply` offers)."""
 
     def __init__(self, listeners: list[socket.socket], poller: zmq.Poller,
                  handle: Callable[[bytes], bytes | Pending], before_send: Callable[[], None] = lambda: None) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import secrets
 import signal
 import sys
 import threading
@@ -73,10 +75,16 @@ class MasterServer:
         self.etcd: Etcd | None = None
         listeners = [transport.listen(f"tcp://{s.host}:{s.rpc_port}")]
         self.rpc_addr = "tcp://%s:%d" % listeners[0].getsockname()[:2]
-        try:  # same-host clients take this Unix alias of rpc_addr (half the round-trip time)
-            listeners.append(transport.listen(transport.local_alias(self.rpc_addr)))
+        # same-host clients switch to this abstract Unix socket (half the round trip), told by
+        # Hello over TCP; a random name cannot be taken before us, and clients check our pid
+        alias = f"unix://@kvpool-master-{secrets.token_hex(16)}"
+        try:
+            listeners.append(transport.listen(alias))
         except OSError as e:
             print(f"master: no same-host Unix alias ({e}); local clients use TCP", file=sys.stderr, flush=True)
+            alias = ""
+        self.hello = M.encode(M.Reply(msgspec.Raw(M.encode(M.HelloReply(alias, os.getpid(),
+                                                                         transport.default_host_id())))))
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
         self.conns = ClientConns(listeners, self.poller, self._handle, self._flush)
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
@@ -404,6 +412,8 @@ class MasterServer:
         try:
             req = M.decode_request(body)
             op = type(req).__name__
+            if type(req) is M.Hello:  # about this connection, not the cluster: standbys answer it too
+                return self.hello
             if not self.leading:
                 raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
                                 leader=self.leader_addr)

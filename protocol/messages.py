@@ -256,6 +256,22 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self
 
 
+class Hello(msgspec.Struct, tag="hello"):
+    """A client's first request on a new master connection (answered by standbys too)."""
+
+    host_id: str = ""
+
+
+class HelloReply(msgspec.Struct, frozen=True):
+    """The master's same-host shortcut: ``alias`` (``unix://@<random name>``, "" when it has
+    none), its ``pid`` and ``host_id``. A client on that host connects to the alias and
+    uses it only if the peer's SO_PEERCRED pid is ``pid`` (nobody else can serve it)."""
+
+    alias: str
+    pid: int
+    host_id: str
+
+
 class GetConfig(msgspec.Struct, tag="get_config"):
     pass
 
@@ -310,7 +326,7 @@ class HandoffRelease(msgspec.Struct, tag="handoff_release"):
 
 Request = Union[PutStart, PutEnd, PutRevoke, Lookup, ReleaseLeases, Exists, Remove, ListObjects, Stats, Pin, Unpin,
                 Evict, ReportDead, ReportCorrupt, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease,
-                GetConfig, SetConfig]
+                GetConfig, SetConfig, Hello]
 
 RESULT_TYPES: dict[type, Any] = {
     PutStart: list[Union[PutGrant, ErrorInfo]],
@@ -334,6 +350,7 @@ RESULT_TYPES: dict[type, Any] = {
     HandoffRelease: None,
     GetConfig: ClusterSettings,
     SetConfig: ClusterSettings,
+    Hello: HelloReply,
 }
 
 

@@ -29,9 +29,8 @@ def test_round_trip_sizes(cluster, transport, size):
 
 
 def test_same_host_clients_reach_the_master_over_its_unix_alias(cluster):
-    """A client on the master's host talks to it over the abstract Unix socket named after
-    its TCP address; an address whose alias does not exist (another spelling of the host)
-    falls back to TCP. Both see the same master."""
+    """A client on the master's host asks Hello over TCP and moves to the abstract Unix
+    socket it names, however the master's address is spelled; both reach the same master."""
     import socket
 
     from connector.client import KVPoolClient
@@ -42,7 +41,53 @@ def test_same_host_clients_reach_the_master_over_its_unix_alias(cluster):
     port = cluster.master_addr.rsplit(":", 1)[1]
     with KVPoolClient(f"tcp://localhost:{port}") as c:
         assert c.get("alias/k") == b"v"
-        assert c.rpc._local.conn.sock.family in (socket.AF_INET, socket.AF_INET6)
+        assert c.rpc._local.conn.sock.family == socket.AF_UNIX
+
+
+@pytest.mark.parametrize("honest", [True, False])
+def test_alias_is_used_only_when_its_peer_is_the_master(honest):
+    """A Hello naming a Unix socket served by another process than the one that answered
+    (an impostor, or a master that died and whose name was taken) is not followed: the
+    client stays on TCP. The same answer from the serving process itself is followed."""
+    import os
+    import secrets
+    import socket
+    import threading
+
+    import msgspec
+
+    from connector.rpc import MasterRPC
+    from protocol import messages as M
+    from protocol import rpcwire, transport
+
+    name = f"unix://@kvpool-test-{secrets.token_hex(8)}"
+    tcp = transport.listen("tcp://127.0.0.1:0")
+    unix = transport.listen(name)
+    pid = os.getpid() if honest else os.getppid()  # what the "master" claims to be
+
+    def serve(lst):
+        conn, _ = lst.accept()
+        frames = rpcwire.BlockingFrames(conn)
+        try:
+            while True:
+                rid, body = frames.read()
+                req = M.decode_request(bytes(body))
+                res = (M.HelloReply(name, pid, transport.default_host_id()) if isinstance(req, M.Hello)
+                       else [lst is unix])  # Exists answers True over the alias, False over TCP
+                conn.sendall(rpcwire.pack(rid, M.encode(M.Reply(msgspec.Raw(M.encode(res))))))
+        except (OSError, E.KVPoolError):
+            conn.close()
+
+    for lst in (tcp, unix):
+        threading.Thread(target=serve, args=(lst,), daemon=True).start()
+    rpc = MasterRPC("tcp://127.0.0.1:%d" % tcp.getsockname()[1], timeout_s=5)
+    try:
+        assert rpc.call(M.Exists(["k"])) == [honest]
+        assert (rpc._local.conn.sock.family == socket.AF_UNIX) is honest
+    finally:
+        rpc.close()
+        tcp.close()
+        unix.close()
 
 
 def test_lanes_split_a_nodes_batch_by_bytes():
