@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import secrets
 import signal
@@ -275,7 +274,7 @@ class MasterServer:
             return
         if cs != _settings_of(self.state.s):
             print(f"master: cluster settings from etcd override this master's flags: {cs}", flush=True)
-        self.state.s = dataclasses.replace(self.state.s, **msgspec.structs.asdict(cs))
+        self.state.s = msgspec.structs.replace(self.state.s, **msgspec.structs.asdict(cs))
 
     def _set_settings(self, changes: dict[str, float]) -> Pending:
         """Validate ``changes`` against the current settings, write the result to etcd and
@@ -293,7 +292,7 @@ class MasterServer:
         key, val = self.keys.config, msgspec.json.encode(new)
 
         def apply() -> M.ClusterSettings:
-            self.state.s = dataclasses.replace(self.state.s, **msgspec.structs.asdict(new))
+            self.state.s = msgspec.structs.replace(self.state.s, **msgspec.structs.asdict(new))
             return new
 
         return self.durable.write(key, lambda e: e.put(key, val), "cluster settings", apply)
@@ -497,8 +496,7 @@ class MasterServer:
 
 def _settings_of(s: MasterSettings) -> M.ClusterSettings:
     """The cluster-wide part of a master's settings (what etcd's ``config`` record holds)."""
-    return M.ClusterSettings(s.replicas, s.lease_ttl_s, s.put_timeout_s, s.quarantine_s, s.high_watermark,
-                             s.low_watermark, s.handoff_ttl_s)
+    return M.ClusterSettings(**{f: getattr(s, f) for f in M.ClusterSettings.__struct_fields__})
 
 
 def _coalesce(msgs: list) -> list:

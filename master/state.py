@@ -26,8 +26,8 @@ from protocol import errors as E
 from protocol.errors import ErrorInfo
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec
-from protocol.messages import (ClusterStats, EvictReport, EvictSelector, ExtentRef, NodeCommit, NodeDesc,
-                               NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem)
+from protocol.messages import (ClusterSettings, ClusterStats, EvictReport, EvictSelector, ExtentRef, NodeCommit,
+                               NodeDesc, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem)
 
 PENDING, COMMITTED = 0, 1
 MAX_REPLICAS = 16
@@ -35,18 +35,12 @@ DEPARTED_KEEP_S = 120.0  # how long a dropped node's memory may come back and be
 DEPARTED_MAX_KEYS = 200_000  # removals tracked per away node; past that it comes back empty
 
 
-@dataclass(frozen=True)
-class MasterSettings:
-    """Tunables in seconds and fractions; see ``protocol.config.MasterConfig``."""
+class MasterSettings(ClusterSettings, frozen=True):
+    """Tunables in seconds and fractions (see ``protocol.config.MasterConfig``): the
+    cluster-wide ones kept in etcd (:class:`~protocol.messages.ClusterSettings`) plus this
+    process's own."""
 
-    replicas: int = 1
-    lease_ttl_s: float = 5.0
-    put_timeout_s: float = 30.0
-    quarantine_s: float = 5.0
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
-    handoff_ttl_s: float = 60.0
-    suspect_s: float = 3.0
+    suspect_s: float = 3.0  # how long a node reported dead is not placed on (its etcd TTL)
 
 
 @dataclass(eq=False, slots=True)
