@@ -91,7 +91,7 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
            node_ttl: Annotated[str, typer.Option()] = "3s",
            high_watermark: Annotated[float, typer.Option()] = 0.90,
            low_watermark: Annotated[float, typer.Option()] = 0.80,
-           handoff_ttl: Annotated[str, typer.Option()] = "60s",
+           max_handoff_ttl: Annotated[str, typer.Option(help="Longest hold a hand-off may ask for")] = "24h",
            membership_poll: Annotated[str, typer.Option()] = "250ms") -> None:
     """Run one master (several may run; one leads through etcd election)."""
     from master.server import MasterServerSettings, main as run_master
@@ -103,7 +103,9 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
         st = MasterSettings(replicas, parse_duration(lease_ttl, key="lease_ttl"),
                             parse_duration(put_timeout, key="put_timeout"),
                             parse_duration(quarantine, key="quarantine"), high_watermark, low_watermark,
-                            parse_duration(handoff_ttl, key="handoff_ttl"), suspect_s=parse_duration(node_ttl, key="node_ttl"))
+                            parse_duration(max_handoff_ttl, key="max_handoff_ttl"),
+                            suspect_s=parse_duration(node_ttl, key="node_ttl"))
+        st.check()  # the first leader records these as the cluster's settings: same bounds as `settings --set`
         run_master(MasterServerSettings(etcd, cluster, host, rpc_port, metrics_port,
                                         parse_duration(membership_poll, key="membership_poll"),
                                         parse_duration(node_ttl, key="node_ttl"), st))
@@ -294,7 +296,7 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
 
 _SETTING_NAMES = {"replicas": "replicas", "lease_ttl": "lease_ttl_s", "put_timeout": "put_timeout_s",
                   "quarantine": "quarantine_s", "high_watermark": "high_watermark",
-                  "low_watermark": "low_watermark", "handoff_ttl": "handoff_ttl_s"}
+                  "low_watermark": "low_watermark", "max_handoff_ttl": "max_handoff_ttl_s"}
 
 
 def _parse_setting(item: str) -> tuple[str, float]:
@@ -316,7 +318,7 @@ def _parse_setting(item: str) -> tuple[str, float]:
 @app.command()
 def settings(set_: Annotated[Optional[list[str]], typer.Option(
                  "--set", help="KEY=VALUE, repeatable: replicas, lease_ttl, put_timeout, quarantine, "
-                               "high_watermark, low_watermark, handoff_ttl")] = None,
+                               "high_watermark, low_watermark, max_handoff_ttl")] = None,
              json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
              cluster: ClusterOpt = None) -> None:
     """Cluster-wide settings (kept in etcd, applied by every leader); --set changes them."""

@@ -225,7 +225,7 @@ class LocalCluster:
                 "--lease-ttl", str(m.lease_ttl), "--put-timeout", str(m.put_timeout),
                 "--quarantine", str(m.quarantine), "--node-ttl", str(m.node_ttl),
                 "--high-watermark", str(m.high_watermark), "--low-watermark", str(m.low_watermark),
-                "--handoff-ttl", str(m.handoff_ttl), "--membership-poll", str(m.membership_poll)]
+                "--max-handoff-ttl", str(m.max_handoff_ttl), "--membership-poll", str(m.membership_poll)]
         if m.metrics_port is not None:
             args += ["--metrics-port", str(m.metrics_port)]
         child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir)

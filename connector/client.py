@@ -194,8 +194,8 @@ class KVPoolClient:
             lay = items[j].layout
             # the first replica's write hashes the bytes as it copies or sends them (checksum
             # None); the others carry 0 and every node gets the real one with the commit
-            ops = [WriteOp(r, bufs[j], g.key, None if k == 0 else 0, lay.encode() if lay else None)
-                   for k, r in enumerate(g.replicas)]
+            ops = [WriteOp(r, bufs[j], g.key, None if k == 0 else 0, lay.encode() if lay else None,
+                           g.replicas_wanted) for k, r in enumerate(g.replicas)]
             ops_of[j] = ops
             for op in ops:
                 by_node[op.ref.node_id].append(op)
@@ -238,7 +238,7 @@ class KVPoolClient:
                         op.checksum = ops_of[j][0].checksum
                         committed[op.ref.node_id].append(op)
             for ops in committed.values():  # acknowledged: make sure the nodes learn it (master failover)
-                self.data.commit(ops, replicas or 0)
+                self.data.commit(ops)
         if in_flight:
             self._await_in_flight(items, idx, in_flight, results)
         return retry

@@ -58,6 +58,7 @@ _ALIAS = 64             # destinations 1..63 bytes ahead of the source, modulo a
 _BOUNCE_MAX = 512 << 10  # ... and copies smaller than this take glibc's slow rep-movsb path
 _GIL_FREE = 1 << 20      # copies at least this big run without the GIL (numpy)
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
+_COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _POPULATE_MAX = 8 << 30  # segments up to this size are mapped with MAP_POPULATE
 _rep_dec = msgspec.msgpack.Decoder(DataReply)
 
@@ -67,10 +68,12 @@ class WriteOp:
     to hash the bytes as it copies or sends them and set :attr:`checksum` (xxh3_64); the
     node learns it from the master's commit."""
 
-    __slots__ = ("ref", "data", "key", "checksum", "layout", "error")
+    __slots__ = ("ref", "data", "key", "checksum", "layout", "error", "replicas")
 
-    def __init__(self, ref: ExtentRef, data: memoryview, key: str, checksum: int | None, layout: bytes | None):
+    def __init__(self, ref: ExtentRef, data: memoryview, key: str, checksum: int | None, layout: bytes | None,
+                 replicas: int = 0):
         self.ref, self.data, self.key, self.checksum, self.layout = ref, data, key, checksum, layout
+        self.replicas = replicas  # the object's wanted replica count (for the writer's commit copy)
         self.error: KVPoolError | None = None
 
 
@@ -182,11 +185,11 @@ class DataPlane:
             c = self._local.conns = {}
         return c
 
-    def _conn(self, addr: str) -> _Stream:
+    def _conn(self, addr: str, connect_timeout_s: float | None = None) -> _Stream:
         conns = self._conns()
         s = conns.get(addr)
         if s is None:
-            sock = transport.connect(addr, self.io_timeout_s)
+            sock = transport.connect(addr, connect_timeout_s or self.io_timeout_s)
             sock.settimeout(self.io_timeout_s)
             s = conns[addr] = _Stream(sock)
             with self._map_lock:
@@ -310,7 +313,7 @@ class DataPlane:
             self._stream_failed(addr, ops, e, "write")
             return None
 
-    def commit(self, ops: Sequence[WriteOp], replicas: int = 0) -> None:
+    def commit(self, ops: Sequence[WriteOp]) -> None:
         """After ``put_end`` committed ``ops`` (all to one node, ``op.checksum`` set): send
         the node one-way ``commit`` frames, so the commit reaches the node's table even if
         the master dies before its own notice leaves (a failover rebuilds from those tables).
@@ -318,10 +321,12 @@ class DataPlane:
         r0 = ops[0].ref
         addr = r0.shm_path if self.uses_shm(r0) else self._stream_addr(r0)
         try:
-            s = self._conn(addr)
+            # no connection from this thread yet (the writes ran in pool threads): do not let an
+            # unreachable node hold up a put that is already acknowledged
+            s = self._conn(addr, connect_timeout_s=min(self.io_timeout_s, _COMMIT_CONNECT_S))
             sendv(s.sock, [b"".join(frame(DataRequest("commit", op.ref.incarnation, op.ref.offset, op.ref.size,
                                                       op.ref.gen, op.key, op.checksum or 0, op.layout, op.ref.token,
-                                                      replicas)) for op in ops)])
+                                                      replicas=op.replicas)) for op in ops)])
         except (OSError, KVPoolError):
             self._drop(addr)
 

@@ -11,9 +11,6 @@ from dataclasses import dataclass
 from protocol import errors as E
 from protocol.messages import HandoffRecord
 
-MAX_HANDOFF_TTL_S = 24 * 3600.0
-
-
 @dataclass
 class Handoff:
     record: HandoffRecord
@@ -30,9 +27,11 @@ class HandoffMixin:
         h = self.handoffs.get(rec.request_id)
         if h is not None and h.status == "open":
             return h.record
-        if not (math.isfinite(rec.deadline) and now < rec.deadline <= now + MAX_HANDOFF_TTL_S):
+        longest = self.s.max_handoff_ttl_s  # cluster setting: how long a producer may hold blocks
+        if not (math.isfinite(rec.deadline) and now < rec.deadline <= now + longest):
             raise E.InvalidRequest(f"hand-off {rec.request_id!r}: ttl must be finite, > 0 and at most "
-                                   f"{MAX_HANDOFF_TTL_S:g}s (deadline {rec.deadline} at now {now:.3f})")
+                                   f"{longest:g}s, the cluster's max_handoff_ttl (deadline {rec.deadline} at now "
+                                   f"{now:.3f})")
         missing = [k for ks in rec.keys.values() for k in ks if k not in self.objects]
         if missing:
             raise E.NotFound(f"hand-off {rec.request_id!r}: {len(missing)} block(s) are not stored "

@@ -22,12 +22,13 @@ def commit_row(obj: Obj, ref: ExtentRef) -> ExtentEntry:
                        obj.layout.encode() if obj.layout is not None else None, True, obj.replicas_wanted)
 
 
-def grant(node: Node, offset: int, size: int) -> ExtentRef:
-    """A write grant for ``[offset, +size)`` on ``node`` with a fresh generation and token."""
+def grant(node: Node, offset: int, size: int, key: str) -> ExtentRef:
+    """A write grant of object ``key`` for ``[offset, +size)`` on ``node``, with a fresh
+    generation and token."""
     d = node.desc
     gen = next(node.next_gen)
     return ExtentRef(d.node_id, d.incarnation, d.data_addr, d.shm_path, d.host_id, offset, size, gen,
-                     grant_token(d.grant_key, d.incarnation, offset, size, gen), d.ucx_addr)
+                     grant_token(d.grant_key, d.incarnation, offset, size, gen, key), d.ucx_addr)
 
 
 class RepairMixin:
@@ -53,7 +54,7 @@ class RepairMixin:
         off = dst.alloc.alloc(obj.size)
         if off is None:
             return
-        ref = grant(dst, off, obj.size)
+        ref = grant(dst, off, obj.size, obj.key)
         src = obj.replicas[0]
         obj.repairing = True
         self.repairs[obj.key] = (ref, self._now)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import secrets
 import signal
@@ -86,6 +87,7 @@ class MasterServer:
                                                                          transport.default_host_id())))))
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
         self.conns = ClientConns(listeners, self.poller, self._handle, self._flush)
+        self._settings_write: Pending | None = None  # the settings change on its way to etcd, if any
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
         self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
 
@@ -270,7 +272,7 @@ class MasterServer:
             cs = msgspec.json.decode(raw, type=M.ClusterSettings).check()
         except (msgspec.DecodeError, msgspec.ValidationError, KVPoolError) as e:
             print(f"master: ignoring the cluster settings in etcd ({e}); using this master's flags. "
-                  "Fix them with `kvpool config --set KEY=VALUE`", file=sys.stderr, flush=True)
+                  "Fix them with `kvpool settings --set KEY=VALUE`", file=sys.stderr, flush=True)
             return
         if cs != _settings_of(self.state.s):
             print(f"master: cluster settings from etcd override this master's flags: {cs}", flush=True)
@@ -285,17 +287,22 @@ class MasterServer:
             raise InvalidRequest(f"unknown setting(s) {', '.join(unknown)}; accepted: {', '.join(cur)}")
         if "replicas" in changes:
             r = changes["replicas"]
-            if r != int(r):
+            if not (math.isfinite(r) and r == int(r)):
                 raise ConfigError(f"replicas: {r!r}; must be a whole number", key="replicas")
             changes = {**changes, "replicas": int(r)}
         new = M.ClusterSettings(**{**cur, **changes}).check()
+        if self._settings_write is not None and not self._settings_write.answered:
+            # built on the settings of now: a change still on its way to etcd would be undone
+            raise EtcdUnavailable("another settings change is being recorded in etcd; nothing was changed, "
+                                  "retry in a moment")
         key, val = self.keys.config, msgspec.json.encode(new)
 
         def apply() -> M.ClusterSettings:
             self.state.s = msgspec.structs.replace(self.state.s, **msgspec.structs.asdict(new))
             return new
 
-        return self.durable.write(key, lambda e: e.put(key, val), "cluster settings", apply)
+        self._settings_write = self.durable.write(key, lambda e: e.put(key, val), "cluster settings", apply)
+        return self._settings_write
 
     def _membership(self, descs: dict[str, M.NodeDesc]) -> None:
         now = time.time()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
@@ -117,7 +118,9 @@ class MasterState(HandoffMixin, RepairMixin):
         self.departed: dict[str, list] = {}  # incarnation -> [forget after, keys dropped since | None]
         self.unpinned: list[str] = []  # pinned keys dropped since take_unpinned(): their etcd records go
         self.counters: dict[str, int] = defaultdict(int)
-        self._put_ids = itertools.count(1)
+        # put ids from a random base per state (per leader): a writer granted by an earlier
+        # leader cannot match another put of its key at the new one (put_end by id)
+        self._put_ids = itertools.count((int.from_bytes(os.urandom(5), "little") << 20) + 1)
         self.leader_addr = ""
         self.repairs: dict[str, tuple[ExtentRef, float]] = {}
         self._now = 0.0  # time of the latest event, for bookkeeping that has no `now` argument
@@ -265,7 +268,7 @@ class MasterState(HandoffMixin, RepairMixin):
         self.pending[key] = obj
         for r in refs:
             self.nodes[r.node_id].keys.add(key)
-        return PutGrant(key, "write", put_id, list(refs))
+        return PutGrant(key, "write", put_id, list(refs), replicas)
 
     def _placeable(self, now: float) -> list[Node]:
         """Nodes new extents may go to: not draining and not suspect (suspects — a client
@@ -320,7 +323,7 @@ class MasterState(HandoffMixin, RepairMixin):
                     f"no room for {key!r} ({size} bytes) on {want} store node(s) even after evicting "
                     "every unleased, unpinned object; wait for leases to lapse, unpin objects "
                     "(`kvpool ls --long`), or add store nodes", key=key, size=size)
-            refs.append(_grant(n, off, size))
+            refs.append(_grant(n, off, size, key))
         return refs
 
     def _alloc_on(self, node: Node, size: int, now: float) -> int | None:

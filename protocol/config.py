@@ -15,6 +15,7 @@ import msgspec
 import yaml
 
 from protocol.errors import ConfigError
+from protocol.messages import ClusterSettings
 from protocol.units import parse_duration, parse_size
 
 MIN_SEGMENT = 1 << 20
@@ -41,7 +42,7 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_ttl: str | float = "3s"
     high_watermark: float = 0.90
     low_watermark: float = 0.80
-    handoff_ttl: str | float = "60s"
+    max_handoff_ttl: str | float = "24h"  # longest hold a hand-off publish may ask for
     membership_poll: str | float = "250ms"
 
 
@@ -73,14 +74,18 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def validate(self) -> "ClusterConfig":
         """Check values; raise ConfigError naming the key and accepted values."""
         m = self.master
-        for key in ("lease_ttl", "put_timeout", "quarantine", "node_ttl", "handoff_ttl", "membership_poll"):
+        for key in ("lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll"):
             parse_duration(getattr(m, key), key=f"master.{key}")
         if not 0 < m.low_watermark <= m.high_watermark <= 1:
             raise ConfigError(
                 "master.low_watermark/high_watermark: need 0 < low <= high <= 1, got "
                 f"{m.low_watermark}/{m.high_watermark}", key="master.high_watermark")
-        if m.replicas < 1:
-            raise ConfigError(f"master.replicas: must be >= 1, got {m.replicas}", key="master.replicas")
+        try:  # the bounds the cluster settings in etcd obey (what the first leader records)
+            ClusterSettings(m.replicas, parse_duration(m.lease_ttl), parse_duration(m.put_timeout),
+                            parse_duration(m.quarantine), m.high_watermark, m.low_watermark,
+                            parse_duration(m.max_handoff_ttl)).check()
+        except ConfigError as e:
+            raise ConfigError(f"master.{e}", key=f"master.{e.fields.get('key', '')}") from None
         for key in ("rpc_timeout", "io_timeout"):
             if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")

@@ -37,8 +37,8 @@ class DataRequest(msgspec.Struct, array_like=True):
     checksum: int = 0
     layout: bytes | None = None
     token: bytes = b""
-    replicas: int = 0  # commit: the object's wanted replica count (0: the cluster default)
     pad: bytes = b""  # filler set by :func:`frame` (frame alignment)
+    replicas: int = 0  # commit: the object's wanted replica count (0: the cluster default)
 
 
 class DataReply(msgspec.Struct, array_like=True):

@@ -58,12 +58,14 @@ class PutItem(msgspec.Struct, frozen=True, array_like=True):
 
 
 class PutGrant(msgspec.Struct, frozen=True, array_like=True, tag="grant"):
-    """``status`` is "write" (write every replica, then put_end) or "exists" (no-op)."""
+    """``status`` is "write" (write every replica, then put_end) or "exists" (no-op).
+    ``replicas_wanted``: the object's replica count (the cluster default resolved)."""
 
     key: str
     status: str
     put_id: int = 0
     replicas: list[ExtentRef] = []
+    replicas_wanted: int = 0
 
 
 class ObjectInfo(msgspec.Struct, frozen=True, array_like=True, tag="obj"):
@@ -227,11 +229,13 @@ class PinRecord(msgspec.Struct, frozen=True, array_like=True):
     checksum: int = 0
 
 
-class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ClusterSettings(msgspec.Struct, frozen=True):
     """Cluster-wide master settings, kept in etcd under ``config`` (JSON) so that every
     leader applies the same ones (DESIGN.md §3): the first leader writes its own, later
-    leaders adopt what is there, ``kvpool config --set`` changes them. Units: seconds and
-    fractions of a node's capacity. ``replicas`` applies to puts made after a change."""
+    leaders adopt what is there, ``kvpool settings --set`` changes them. Units: seconds and
+    fractions of a node's capacity. ``replicas`` applies to puts made after a change;
+    ``max_handoff_ttl_s`` is the longest hold a hand-off publish may ask for. Fields a newer
+    master adds are ignored by older ones (no ``forbid_unknown_fields``)."""
 
     replicas: int = 1
     lease_ttl_s: float = 5.0
@@ -239,17 +243,17 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     quarantine_s: float = 5.0
     high_watermark: float = 0.90
     low_watermark: float = 0.80
-    handoff_ttl_s: float = 60.0
+    max_handoff_ttl_s: float = 24 * 3600.0
 
     def check(self) -> "ClusterSettings":
         """Self, or ConfigError naming the first bad field and what it accepts."""
         if not 1 <= self.replicas <= 16:
             raise ConfigError(f"replicas: {self.replicas}; accepted: 1 to 16", key="replicas")
-        for name in ("lease_ttl_s", "put_timeout_s", "handoff_ttl_s"):
-            if not 0 < getattr(self, name) < 1e7:
-                raise ConfigError(f"{name}: {getattr(self, name)!r}; must be > 0 seconds", key=name)
-        if not 0 <= self.quarantine_s < 1e7:
-            raise ConfigError(f"quarantine_s: {self.quarantine_s!r}; must be >= 0 seconds", key="quarantine_s")
+        for name, low in (("lease_ttl_s", 0.1), ("put_timeout_s", 0.1), ("max_handoff_ttl_s", 1.0),
+                          ("quarantine_s", 0.0)):
+            v = getattr(self, name)
+            if not low <= v <= 1e7:  # also refuses NaN
+                raise ConfigError(f"{name}: {v!r}; accepted: {low:g} to 1e7 seconds", key=name)
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"watermarks: need 0 < low_watermark <= high_watermark <= 1, got "
                               f"{self.low_watermark}/{self.high_watermark}", key="high_watermark")

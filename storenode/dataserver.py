@@ -137,7 +137,8 @@ class DataServer:
                                   f"named {req.incarnation}); look the key up again")
             if req.op in ("write", "written", "commit"):
                 self.table.check_bounds(req.offset, req.size)
-                if not check_token(seg.grant_key, seg.incarnation, req.offset, req.size, req.gen, req.token):
+                if not check_token(seg.grant_key, seg.incarnation, req.offset, req.size, req.gen, req.key,
+                                   req.token):
                     raise InvalidRequest(f"write to [{req.offset}, +{req.size}) gen {req.gen} carries no valid "
                                          "grant from the master; writes need a put_start grant")
                 self.table.check_write(req.offset, req.gen)  # before any byte lands
@@ -158,7 +159,7 @@ class DataServer:
                 self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
             elif req.op == "commit":  # one-way: no reply, whatever happens
                 self.table.commit(ExtentEntry(req.key, req.offset, req.size, req.gen, req.checksum, req.layout,
-                                              True, req.replicas))
+                                              True, req.replicas), writer=True)
                 return 0
             elif req.op == "written":
                 if seg.fd is None:  # nobody can have copied into device memory from outside

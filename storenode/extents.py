@@ -57,15 +57,19 @@ class ExtentTable:
                               "look the key up again", offset=offset, gen=gen)
         return row
 
-    def commit(self, row: ExtentEntry) -> None:
+    def commit(self, row: ExtentEntry, writer: bool = False) -> None:
         """Record the master's committed row (replacing what a network ``write`` recorded;
         same-host writers record nothing). A row of an older generation than the one held
-        at that offset is stale and ignored. Raises InvalidRequest outside the segment."""
+        at that offset is stale and ignored. ``writer``: the writer's copy of the commit,
+        which never replaces a row the master committed already. Raises InvalidRequest
+        outside the segment."""
         self.check_bounds(row.offset, row.size)
         with self._lock:
             cur = self._rows.get(row.offset)
             if row.gen < self._floor.get(row.offset, 0):
                 return  # committed and already freed again (notices arrive in order)
+            if writer and cur is not None and cur.gen == row.gen and cur.committed:
+                return
             if cur is None or cur.gen <= row.gen:
                 self._rows[row.offset] = row if row.committed else msgspec.structs.replace(row, committed=True)
                 self.max_gen = max(self.max_gen, row.gen)

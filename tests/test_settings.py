@@ -49,6 +49,10 @@ def test_settings_are_recorded_changed_and_survive_failover(make_cluster):
 @pytest.mark.parametrize("changes, err, match", [
     ({"replicas": 0}, E.ConfigError, "replicas: 0"),
     ({"replicas": 1.5}, E.ConfigError, "whole number"),
+    ({"replicas": float("nan")}, E.ConfigError, "whole number"),
+    ({"replicas": float("inf")}, E.ConfigError, "whole number"),
+    ({"lease_ttl_s": 1e-6}, E.ConfigError, "lease_ttl_s.*0.1 to"),
+    ({"high_watermark": float("nan")}, E.ConfigError, "watermarks"),
     ({"low_watermark": 0.95}, E.ConfigError, "low_watermark <= high_watermark"),
     ({"lease_ttl_s": 0}, E.ConfigError, "lease_ttl_s"),
     ({"quarantine_s": -1}, E.ConfigError, "quarantine_s"),
@@ -71,11 +75,11 @@ def test_settings_cli(cluster):
     with cluster.client() as c:
         before = c.config()
     try:
-        p = kv("--set", "handoff_ttl=2m", "--set", "high_watermark=0.95")
+        p = kv("--set", "max_handoff_ttl=2m", "--set", "high_watermark=0.95")
         assert p.returncode == 0, p.stderr
-        assert "handoff_ttl" in p.stdout and "120s" in p.stdout and "0.95" in p.stdout
+        assert "max_handoff_ttl" in p.stdout and "120s" in p.stdout and "0.95" in p.stdout
         got = json.loads(kv("--json").stdout)
-        assert got["handoff_ttl_s"] == 120.0 and got["high_watermark"] == 0.95
+        assert got["max_handoff_ttl_s"] == 120.0 and got["high_watermark"] == 0.95
         p = kv("--set", "replicas")
         assert p.returncode == 2 and "KEY=VALUE" in p.stderr
         p = kv("--set", "lease_ttl=soon")
@@ -83,3 +87,64 @@ def test_settings_cli(cluster):
     finally:
         with cluster.client() as c:
             c.set_config(**msgspec.structs.asdict(before))
+
+
+def test_a_change_in_flight_refuses_another_and_lands_whole(make_cluster):
+    """Two changes at once would each be built on the settings of their arrival, and the
+    later would undo the earlier: while one is on its way to etcd, another is refused."""
+    import os
+    import signal
+    import threading
+    import time
+
+    lc = make_cluster(nodes=1, memory="32MiB")
+    with lc.client() as c:
+        before = c.config()
+        got = {}
+        os.kill(lc.etcd.proc.pid, signal.SIGSTOP)  # etcd hangs: the first write stays in flight
+        try:
+            t = threading.Thread(target=lambda: got.setdefault("a", _try(lambda: c.set_config(replicas=2))))
+            t.start()
+            time.sleep(0.5)
+            with lc.client() as c2, pytest.raises(E.EtcdUnavailable, match="another settings change"):
+                c2.set_config(lease_ttl_s=7)
+        finally:
+            os.kill(lc.etcd.proc.pid, signal.SIGCONT)
+        t.join(20)
+        # the first is answered (done, or "outcome unknown" after 3 s) and lands whole
+        assert got["a"] is None or isinstance(got["a"], E.EtcdUnavailable)
+        deadline = time.monotonic() + 10
+        while c.config().replicas != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.config() == msgspec.structs.replace(before, replicas=2) == _record(lc)
+
+
+def _try(fn):
+    try:
+        fn()
+    except E.KVPoolError as e:
+        return e
+    return None
+
+
+def test_max_handoff_ttl_bounds_publishes(cluster):
+    from protocol.layout import LayoutSpec, TensorSpec
+
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("b", (8,), "uint8"),))
+    with cluster.client() as c:
+        before = c.config()
+        c.put("mh/a", bytes(8), lay)
+        try:
+            c.set_config(max_handoff_ttl_s=60)
+            with pytest.raises(E.InvalidRequest, match="at most 60s, the cluster's max_handoff_ttl"):
+                c.handoff_publish("mh-req", {"0": ["mh/a"]}, {"0": lay}, ttl_s=120)
+            assert c.handoff_publish("mh-req", {"0": ["mh/a"]}, {"0": lay}, ttl_s=30).request_id == "mh-req"
+            c.handoff_release("mh-req")
+        finally:
+            c.set_config(**msgspec.structs.asdict(before))
+
+
+def test_master_flags_outside_the_settings_bounds_are_refused():
+    p = subprocess.run([sys.executable, "-m", "cli", "master", "--etcd", "http://127.0.0.1:1", "--replicas", "20"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "replicas: 20; accepted: 1 to 16" in p.stderr

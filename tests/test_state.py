@@ -376,3 +376,28 @@ def test_a_returning_node_does_not_bring_back_what_was_removed_meanwhile():
     assert st.objects["kept"].replicas_wanted == 2 and len(st.objects["kept"].replicas) == 2
     freed = [e for m in st.take_outbox()["n1"] if isinstance(m, NodeFree) for e in m.extents]
     assert freed == [(r.offset, r.gen) for k, r in rows if k == "removed"]
+
+
+def test_writer_commit_copy_never_replaces_the_masters_row():
+    """The writer's copy of a commit (sent for master failover) fills in a missing row but
+    never overrides what the master committed (e.g. the resolved replica count)."""
+    from protocol.messages import ExtentEntry
+    from storenode.extents import ExtentTable
+
+    t = ExtentTable(1 << 20)
+    t.record_write("k", 0, 100, 3, 7, None)
+    t.commit(ExtentEntry("k", 0, 100, 3, 7, None, True, 2))
+    t.commit(ExtentEntry("k", 0, 100, 3, 7, None, True, 0), writer=True)
+    assert [(r.key, r.replicas) for r in t.committed()] == [("k", 2)]
+    t.commit(ExtentEntry("j", 4096, 100, 4, 9, None, True, 0), writer=True)  # the master's notice was lost
+    assert sorted((r.key, r.replicas) for r in t.committed()) == [("j", 0), ("k", 2)]
+    t.commit(ExtentEntry("j", 4096, 100, 4, 9, None, True, 3))  # ... or comes later: it wins
+    assert sorted((r.key, r.replicas) for r in t.committed()) == [("j", 3), ("k", 2)]
+
+
+def test_put_ids_do_not_repeat_across_leaders():
+    a, b = make(), make()
+    ga = a.put_start([PutItem("x", 10, 1)], "h", 1, 0.0)[0]
+    gb = b.put_start([PutItem("x", 10, 1)], "h", 1, 0.0)[0]
+    assert ga.put_id != gb.put_id
+    assert b.put_end(["x"], [ga.put_id], 0.0)[0] is not None  # the other leader's grant is not this put

@@ -148,9 +148,10 @@ def data_node(request, tmp_path, segment):
     srv.stop()
 
 
-def _ref(seg: Segment, addr: str, offset: int, size: int, gen: int) -> ExtentRef:
+def _ref(seg: Segment, addr: str, offset: int, size: int, gen: int, key: str = "") -> ExtentRef:
+    """A grant of ``key`` (tokens name the object) for ``[offset, +size)`` at ``gen``."""
     return ExtentRef("n0", seg.incarnation, addr, "", "other-host", offset, size, gen,
-                     grant_token(seg.grant_key, seg.incarnation, offset, size, gen))
+                     grant_token(seg.grant_key, seg.incarnation, offset, size, gen, key))
 
 
 def test_data_plane_over_transport(data_node):
@@ -161,7 +162,7 @@ def test_data_plane_over_transport(data_node):
         payloads = [os.urandom(n) for n in sizes]
         refs, off = [], 0
         for i, n in enumerate(sizes):
-            refs.append(_ref(seg, addr, off, n, i + 1))
+            refs.append(_ref(seg, addr, off, n, i + 1, f"k{i}"))
             off += (n + 63) // 64 * 64
         ops = [WriteOp(r, memoryview(p), f"k{i}", xxhash.xxh3_64_intdigest(p), None)
                for i, (r, p) in enumerate(zip(refs, payloads))]
@@ -179,11 +180,14 @@ def test_data_plane_over_transport(data_node):
         ok = ReadOp(refs[1], memoryview(bytearray(sizes[1])))
         dp.read([stale, ok])
         assert isinstance(stale.error, E.StaleExtent) and ok.error is None
-        # a write without a valid grant is refused and its payload skipped
+        # a write without a valid grant is refused and its payload skipped; so is a grant
+        # used for another key than the one it was made for
         bad = WriteOp(msgspec.structs.replace(refs[0], token=b"x" * 16), memoryview(payloads[0]), "k0", 0, None)
+        other = WriteOp(refs[1], memoryview(payloads[1]), "not-k1", 0, None)
         good = WriteOp(refs[2], memoryview(payloads[2]), "k2", 0, None)
-        dp.write([bad, good])
-        assert isinstance(bad.error, E.InvalidRequest) and good.error is None
+        dp.write([bad, other, good])
+        assert isinstance(bad.error, E.InvalidRequest) and isinstance(other.error, E.InvalidRequest)
+        assert good.error is None
     finally:
         dp.close()
 
@@ -197,15 +201,15 @@ def test_commit_copy_is_one_way_and_refused_without_grant_or_after_free(data_nod
     dp = DataPlane("this-host", "tcp", 10.0)
     try:
         payload = os.urandom(4096)
-        ref = _ref(seg, addr, 0, 4096, 5)
+        ref = _ref(seg, addr, 0, 4096, 5, "c/k")
         w = WriteOp(ref, memoryview(payload), "c/k", xxhash.xxh3_64_intdigest(payload), None)
         dp.write([w])
         assert w.error is None and table.committed() == []
 
-        def commit(r, token=None):
+        def commit(r, token=None, key="c/k"):
             s = dp._conn(addr)
-            s.sock.sendall(frame(DataRequest("commit", r.incarnation, r.offset, r.size, r.gen, "c/k",
-                                             w.checksum, None, r.token if token is None else token, 2)))
+            s.sock.sendall(frame(DataRequest("commit", r.incarnation, r.offset, r.size, r.gen, key,
+                                             w.checksum, None, r.token if token is None else token, replicas=2)))
 
         def in_step():  # a read after the commits: its reply is the first one (commits send none)
             probe = ReadOp(ref, memoryview(bytearray(4096)))
@@ -213,6 +217,7 @@ def test_commit_copy_is_one_way_and_refused_without_grant_or_after_free(data_nod
             assert probe.error is None and bytes(probe.out) == payload
 
         commit(ref, token=b"forged" * 3)
+        commit(ref, key="victim")  # a real grant, but for another key
         in_step()
         assert table.committed() == []
         commit(ref)
@@ -239,7 +244,7 @@ def test_device_segment_is_not_mapped_and_serves_the_unix_socket(tmp_path):
     try:
         payload = os.urandom(300 << 10)
         ref = ExtentRef("n0", seg.incarnation, "", srv.addrs[0], "this-host", 4096, len(payload), 1,
-                        grant_token(seg.grant_key, seg.incarnation, 4096, len(payload), 1))
+                        grant_token(seg.grant_key, seg.incarnation, 4096, len(payload), 1, "k"))
         assert dp.uses_shm(ref) is False and dp._maps[seg.incarnation] is None
         w = WriteOp(ref, memoryview(payload), "k", xxhash.xxh3_64_intdigest(payload), None)
         dp.write([w])
@@ -289,13 +294,13 @@ def test_device_segment_staging_is_bounded_and_refuses_written(tmp_path):
     try:
         payload = os.urandom(4096)
         for i, dp in enumerate(planes):  # each plane: its own connection and server thread
-            ref = _ref(seg, srv.addrs[0], i * 4096, 4096, i + 1)
+            ref = _ref(seg, srv.addrs[0], i * 4096, 4096, i + 1, f"k{i}")
             w = WriteOp(ref, memoryview(payload), f"k{i}", 0, None)
             dp.write([w])
             assert w.error is None and seg.read(i * 4096, 4096) == payload
         assert seg._made == 1  # one at a time here: the first buffer was reused each time
         assert seg._free.qsize() == 1
-        ref = _ref(seg, srv.addrs[0], 1 << 20, 4096, 99)
+        ref = _ref(seg, srv.addrs[0], 1 << 20, 4096, 99, "x")
         s = transport.connect(srv.addrs[0], 5.0)
         from protocol.dataplane import DataRequest, frame, recv_reply
         s.sendall(frame(DataRequest("written", seg.incarnation, ref.offset, ref.size, ref.gen, "x", 0, None,
