@@ -20,6 +20,7 @@ from rich.table import Table
 from cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, connect, console,
                         fail, state_file)
 from protocol import errors as E
+from protocol import messages as M
 from protocol.units import format_bytes, parse_duration, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -294,9 +295,8 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
     _run(go)
 
 
-_SETTING_NAMES = {"replicas": "replicas", "lease_ttl": "lease_ttl_s", "put_timeout": "put_timeout_s",
-                  "quarantine": "quarantine_s", "high_watermark": "high_watermark",
-                  "low_watermark": "low_watermark", "max_handoff_ttl": "max_handoff_ttl_s"}
+# config-file names (seconds fields without their ``_s``) -> ClusterSettings fields
+_SETTING_NAMES = {f.removesuffix("_s"): f for f in M.ClusterSettings.__struct_fields__}
 
 
 def _parse_setting(item: str) -> tuple[str, float]:

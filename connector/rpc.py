@@ -37,7 +37,6 @@ class _Conn:
 
     def __init__(self, addr: str, timeout_s: float) -> None:
         self.addr = addr
-        self.sock = None
         self.sock = transport.connect(addr, timeout_s)
         self.frames = rpcwire.BlockingFrames(self.sock)
         if addr.startswith("tcp://"):

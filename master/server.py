@@ -276,7 +276,11 @@ class MasterServer:
             return
         if cs != _settings_of(self.state.s):
             print(f"master: cluster settings from etcd override this master's flags: {cs}", flush=True)
+        self._apply_settings(cs)
+
+    def _apply_settings(self, cs: M.ClusterSettings) -> M.ClusterSettings:
         self.state.s = msgspec.structs.replace(self.state.s, **msgspec.structs.asdict(cs))
+        return cs
 
     def _set_settings(self, changes: dict[str, float]) -> Pending:
         """Validate ``changes`` against the current settings, write the result to etcd and
@@ -296,12 +300,8 @@ class MasterServer:
             raise EtcdUnavailable("another settings change is being recorded in etcd; nothing was changed, "
                                   "retry in a moment")
         key, val = self.keys.config, msgspec.json.encode(new)
-
-        def apply() -> M.ClusterSettings:
-            self.state.s = msgspec.structs.replace(self.state.s, **msgspec.structs.asdict(new))
-            return new
-
-        self._settings_write = self.durable.write(key, lambda e: e.put(key, val), "cluster settings", apply)
+        self._settings_write = self.durable.write(key, lambda e: e.put(key, val), "cluster settings",
+                                                  lambda: self._apply_settings(new))
         return self._settings_write
 
     def _membership(self, descs: dict[str, M.NodeDesc]) -> None:
@@ -313,12 +313,18 @@ class MasterServer:
                 self._drop_sock(nid)
         for d in descs.values():
             if d.node_id not in self.state.nodes:
-                self.state.node_up(d, now)
-                if not self._adopt(d, now, timeout_ms=1000):
-                    self.state.node_down(d.node_id, now)  # tried again at the next membership poll
-                else:
-                    self._sock(d.node_id)  # connect now: a first commit notice must not wait for it
+                self._join(d, now, timeout_ms=1000)
         self.state.repair_all()
+
+    def _join(self, d: M.NodeDesc, now: float, timeout_ms: int) -> None:
+        """Take a node in: index what it holds (:meth:`_adopt`) and connect its notice
+        socket now, so a first commit notice does not wait for the connection. A node that
+        does not answer is dropped again; the next membership poll retries it."""
+        self.state.node_up(d, now)
+        if self._adopt(d, now, timeout_ms):
+            self._sock(d.node_id)
+        else:
+            self.state.node_down(d.node_id, now)
 
     def _adopt(self, d: M.NodeDesc, now: float, timeout_ms: int) -> bool:
         """Index a joining node's committed extents (a failover rebuild, or a node whose etcd
@@ -353,11 +359,7 @@ class MasterServer:
         (stale pin records — object gone, soft pin lapsed — are deleted)."""
         now = time.time()
         for d in descs.values():
-            self.state.node_up(d, now)
-            if not self._adopt(d, now, timeout_ms=5000):
-                self.state.node_down(d.node_id, now)  # the membership poll tries it again
-            else:
-                self._sock(d.node_id)
+            self._join(d, now, timeout_ms=5000)
         for rec in handoffs:
             self.state.restore_handoff(rec)
         for pin in pins:

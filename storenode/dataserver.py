@@ -33,8 +33,8 @@ from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
 from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
 from protocol.grants import check_token
 from protocol.messages import ExtentEntry
-from storenode.extents import ExtentTable
 from storenode.device_segment import DeviceSegment
+from storenode.extents import ExtentTable
 from storenode.segment import Segment
 
 _FLUSH_BYTES = 1 << 20

@@ -14,14 +14,13 @@ staging) and on ``cuda:0`` where a GPU is present.
 """
 from __future__ import annotations
 
-import os
 import queue
 import re
 import threading
-import uuid
 
 from protocol.config import DEVICE_RE
 from protocol.errors import ConfigError
+from storenode.segment import Segment
 
 STAGE_BYTES = 4 << 20  # one staging buffer (bytes): the largest piece of one device copy
 STAGE_BUFFERS = 4  # staging buffers per segment, shared by all connections (pinned memory is scarce)
@@ -55,10 +54,7 @@ class DeviceSegment:
         self._lock = threading.Lock()
         self.renew()
 
-    def renew(self) -> None:
-        """A new generation: fresh incarnation id and grant key (old grants stop working)."""
-        self.incarnation = uuid.uuid4().hex[:16]
-        self.grant_key = os.urandom(32)
+    renew = Segment.renew  # the same generation identity as a host segment
 
     def _take(self):
         """A staging buffer (uint8 tensor of STAGE_BYTES, its memoryview); give it back with

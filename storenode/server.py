@@ -30,8 +30,8 @@ from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
 from protocol.errors import KVPoolError
 from protocol.etcd import Etcd, Keys, kept_alive
 from storenode.dataserver import DataServer
-from storenode.extents import ExtentTable
 from storenode.device_segment import DeviceSegment
+from storenode.extents import ExtentTable
 from storenode.segment import Segment
 
 
