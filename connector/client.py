@@ -37,9 +37,11 @@ _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in
 _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
 
 
-def as_buffer(x: Any, writable: bool) -> tuple[memoryview, Callable[[], None] | None]:
-    """A flat unsigned-byte memoryview over ``x`` plus an optional finaliser (for CUDA
-    tensors: copies staged bytes back). Raises InvalidRequest for non-contiguous data."""
+def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
+    """A flat unsigned-byte memoryview over ``x`` plus an optional finaliser; for a CUDA
+    tensor a :class:`~connector.device_buffer.DeviceBuffer` (moved by DMA or staged, see
+    :mod:`connector.dataclient`) whose finaliser copies a staged read into the tensor.
+    Raises InvalidRequest for non-contiguous data."""
     mod = type(x).__module__
     if mod.startswith("torch"):
         import torch
@@ -47,15 +49,10 @@ def as_buffer(x: Any, writable: bool) -> tuple[memoryview, Callable[[], None] | 
         if not x.is_contiguous():
             raise InvalidRequest("tensor is not contiguous; call .contiguous() first")
         if x.device.type != "cpu":
-            host = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8, pin_memory=True)
-            if not writable:
-                host.copy_(x.reshape(-1).view(torch.uint8))
-                return memoryview(host.numpy()), None
+            from connector.device_buffer import DeviceBuffer
 
-            def back() -> None:
-                x.reshape(-1).view(torch.uint8).copy_(host, non_blocking=False)
-
-            return memoryview(host.numpy()), back
+            buf = DeviceBuffer(x)
+            return buf, (buf.finish if writable else None)
         flat = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
         return memoryview(flat.numpy()), None
     if mod.startswith("numpy"):
@@ -88,20 +85,23 @@ class KVPoolClient:
     in parallel (several kernel copies at once, as Mooncake's TCP transport does for big
     transfers). 1 on this project's 2-core VM, where a second stream measured no gain.
     ``read_hook(key)`` runs after bytes land and before validation (fault injection in
-    tests: a slow reader).
+    tests: a slow reader). ``cuda_direct``: CUDA tensors move by DMA to and from same-host
+    segments (registered with CUDA on first use); False stages them through pinned host
+    memory like every other path (see :mod:`connector.device_buffer`).
     """
 
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
                  transport: str = "auto", host_id: str | None = None, rpc_timeout_s: float = 10.0,
                  io_timeout_s: float = 30.0, lease_retries: int = 1, in_flight_wait_s: float = 5.0,
-                 streams_per_node: int = 1, read_hook: Callable[[str], None] | None = None) -> None:
+                 streams_per_node: int = 1, read_hook: Callable[[str], None] | None = None,
+                 cuda_direct: bool = True) -> None:
         if not (isinstance(streams_per_node, int) and 1 <= streams_per_node <= 16):
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")
         self.streams_per_node = streams_per_node
         self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s)
         self.host_id = host_id or default_host_id()
-        self.data = DataPlane(self.host_id, transport, io_timeout_s)
+        self.data = DataPlane(self.host_id, transport, io_timeout_s, cuda_direct)
         self.lease_retries = lease_retries
         self.in_flight_wait_s = in_flight_wait_s
         self.read_hook = read_hook

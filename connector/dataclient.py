@@ -24,6 +24,12 @@ Paths, chosen per replica (``transport="auto"``):
   ``sendmsg`` scatter/gather straight from the caller's buffer: **one copy** (buffer →
   kernel); a put's first replica is sent in 256 KiB pieces, each hashed right after the
   kernel copied it, so the checksum (sent with ``put_end``) needs no pass of its own.
+* **CUDA tensors** (:class:`connector.device_buffer.DeviceBuffer`): on the shared-memory
+  path the segment's mapping is registered with CUDA (``cudaHostRegister``, in 64 MiB
+  windows on first use) and the bytes move in **one DMA copy** between the extent and the
+  tensor, the checksum hashed from the segment's host bytes (during the DMA on gets,
+  after it on puts). Other paths stage through a pinned host buffer (one DMA + the host
+  path's copy). ``cuda_direct=False`` stages always.
 * **UCX** (``transport="ucx"``, nodes started with ``--ucx``): the same frames over a
   ``ucx://`` stream (:mod:`protocol.ucx_transport`); UCX moves the payload (shared memory
   or TCP) straight into the caller's buffer when it fits.
@@ -35,6 +41,7 @@ dead/unreachable), :class:`~protocol.errors.StaleExtent` (extent freed or node r
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import socket
@@ -61,16 +68,18 @@ _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned b
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _POPULATE_MAX = 8 << 30  # segments up to this size are mapped with MAP_POPULATE
 _rep_dec = msgspec.msgpack.Decoder(DataReply)
+log = logging.getLogger("kvpool.data")
 
 
 class WriteOp:
-    """Write ``data`` into the granted extent ``ref``. ``checksum=None`` asks the data plane
+    """Write ``data`` (a byte memoryview, or a :class:`~connector.device_buffer.DeviceBuffer`)
+    into the granted extent ``ref``. ``checksum=None`` asks the data plane
     to hash the bytes as it copies or sends them and set :attr:`checksum` (xxh3_64); the
     node learns it from the master's commit."""
 
     __slots__ = ("ref", "data", "key", "checksum", "layout", "error", "replicas")
 
-    def __init__(self, ref: ExtentRef, data: memoryview, key: str, checksum: int | None, layout: bytes | None,
+    def __init__(self, ref: ExtentRef, data, key: str, checksum: int | None, layout: bytes | None,
                  replicas: int = 0):
         self.ref, self.data, self.key, self.checksum, self.layout = ref, data, key, checksum, layout
         self.replicas = replicas  # the object's wanted replica count (for the writer's commit copy)
@@ -78,13 +87,14 @@ class WriteOp:
 
 
 class ReadOp:
-    """Read ``ref`` into ``out``. With ``digest=True`` the data plane also sets
+    """Read ``ref`` into ``out`` (a writable byte memoryview, or a
+    :class:`~connector.device_buffer.DeviceBuffer`). With ``digest=True`` the data plane also sets
     :attr:`digest` to the xxh3_64 of the bytes as they landed in ``out`` (computed chunk by
     chunk during the copy), so the caller need not hash them again."""
 
     __slots__ = ("ref", "out", "error", "digest")
 
-    def __init__(self, ref: ExtentRef, out: memoryview, digest: bool = False):
+    def __init__(self, ref: ExtentRef, out, digest: bool = False):
         self.ref, self.out = ref, out
         self.error: KVPoolError | None = None
         self.digest: int | bool | None = True if digest else None
@@ -159,11 +169,14 @@ class DataPlane:
     ``unix`` (the node's Unix socket on the same host, else TCP), ``tcp`` (always TCP),
     ``ucx`` (the node's ``ucx://`` address when it serves one — store nodes started with
     ``--ucx`` — else as ``unix``). Raises ConfigError for any other mode.
+    ``cuda_direct``: move CUDA tensors by DMA to and from registered shared mappings
+    (else they stage through pinned host memory on every path).
     """
 
     MODES = ("auto", "shm", "unix", "tcp", "ucx")
 
-    def __init__(self, host_id: str, transport_mode: str = "auto", io_timeout_s: float = 30.0) -> None:
+    def __init__(self, host_id: str, transport_mode: str = "auto", io_timeout_s: float = 30.0,
+                 cuda_direct: bool = True) -> None:
         if transport_mode not in self.MODES:
             raise ConfigError(f"transport {transport_mode!r}; accepted: {', '.join(self.MODES)}", key="transport")
         self.host_id = host_id
@@ -176,6 +189,8 @@ class DataPlane:
         self._all_conns: weakref.WeakSet[_Stream] = weakref.WeakSet()  # live threads' streams
         self._mmaps: dict[str, mmap.mmap] = {}
         self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
+        self.cuda_direct = cuda_direct
+        self._pins = None  # connector.device_buffer.PinnedWindows, made on the first CUDA tensor
 
     # ---- connections ----------------------------------------------------------------------
 
@@ -265,20 +280,27 @@ class DataPlane:
         ``checksum=None`` are hashed chunk by chunk as they are copied (the bytes are still
         in cache), so the checksum costs no separate pass over memory; network writes of
         such ops hash each 256 KiB piece right after sending it (see :func:`_send_hashing`)."""
-        shm, net = [], []
+        shm, net, dma = [], [], []
         for op in ops:
-            (shm if self.uses_shm(op.ref) else net).append(op)
+            local = self.uses_shm(op.ref)
+            if not isinstance(op.data, memoryview):  # a CUDA tensor
+                if local and self._direct(op.ref, op.data):
+                    dma.append(op)
+                else:
+                    op.data = op.data.host(fill=True)
+            (shm if local else net).append(op)
         for op in shm:
             r = op.ref
             if r.offset < 0 or r.offset + r.size > len(self._segment(r)) or len(op.data) != r.size:
                 op.error = KVPoolError(f"grant for {op.key!r} does not fit the mapped segment")
         pending = self._send_writes(shm, notice=True)
         for op in shm:
-            if op.error is None:
+            if op.error is None and isinstance(op.data, memoryview):
                 r = op.ref
                 digest = self._copy_in(r, self._segment(r)[r.offset:r.offset + r.size], op.data, op.checksum is None)
                 if op.checksum is None:
                     op.checksum = digest
+        self._dma([op for op in dma if op.error is None], into_segment=True)
         self._finish_writes(pending)
         self._finish_writes(self._send_writes(net, notice=False))
 
@@ -357,12 +379,19 @@ class DataPlane:
     def read(self, ops: Sequence[ReadOp]) -> None:
         """Read every op (all from one node) into its ``out``; sets ``op.error`` on failure
         (and ``op.digest`` when it was asked for)."""
-        net = []
+        net, dma = [], []
         for op in ops:
-            if self.uses_shm(op.ref):
+            local = self.uses_shm(op.ref)
+            if not isinstance(op.out, memoryview):  # a CUDA tensor
+                if local and self._direct(op.ref, op.out):
+                    dma.append(op)
+                    continue
+                op.out = op.out.host(fill=False)
+            if local:
                 self._copy_out(op)
             else:
                 net.append(op)
+        self._dma(dma, into_segment=False)
         if not net:
             return
         addr = self._stream_addr(net[0].ref)
@@ -443,6 +472,94 @@ class DataPlane:
         if h is not None:
             op.digest = h.intdigest()
 
+    def _direct(self, ref: ExtentRef, buf) -> bool:
+        """True when ``ref`` (a mapped extent) and the CUDA buffer ``buf`` can exchange bytes
+        by DMA: direct transfers are on, the extent fits the mapping, and the mapping's
+        windows that the extent spans are registered with CUDA (registered here on first
+        use; a refusal makes this mapping stage from then on)."""
+        if not self.cuda_direct or not buf.flat.is_cuda:
+            return False
+        seg = self._segment(ref)
+        if seg is None or ref.offset < 0 or ref.offset + ref.size > len(seg):
+            return False  # the staged path reports the bad extent
+        if self._pins is not None and self._pins.ready(ref.incarnation, ref.offset, ref.size):
+            return True
+        with self._map_lock:
+            if self._pins is None:
+                from connector.device_buffer import PinnedWindows
+
+                self._pins = PinnedWindows()
+            if self._maps.get(ref.incarnation) is not seg:
+                return False  # unmapped meanwhile
+            base = self._extent_address(ref) - ref.offset
+            return self._pins.ensure(ref.incarnation, base, len(seg), ref.offset, ref.size)
+
+    def _dma(self, ops: Sequence, into_segment: bool) -> None:
+        """Direct transfers between registered extents and CUDA tensors: every copy is
+        queued on its tensor's current stream, then (gets) each extent is hashed on the
+        host while the copies run, then the streams are synchronised, then (puts) extents
+        that need a checksum are hashed. Bytes are in place when this returns."""
+        if not ops:
+            return
+        import torch
+
+        from connector.device_buffer import window_pieces
+
+        held, devices = [], set()
+        try:
+            for op in ops:
+                r = op.ref
+                buf = op.data if into_segment else op.out
+                if not into_segment and len(buf) < r.size:
+                    op.error = InvalidRequest(f"output tensor of {len(buf)} bytes is smaller than the "
+                                              f"{r.size}-byte extent")
+                    continue
+                src = self._segment(r)[r.offset:r.offset + r.size]
+                if r.size:
+                    host = torch.frombuffer(src, dtype=torch.uint8)
+                    for lo, hi in window_pieces(r.offset, r.size):  # one copy per registration
+                        if into_segment:
+                            host[lo:hi].copy_(buf.flat[lo:hi], non_blocking=True)
+                        else:
+                            buf.flat[lo:hi].copy_(host[lo:hi], non_blocking=True)
+                    held.append(host)
+                    devices.add(buf.flat.device)
+                if not into_segment:
+                    buf.landed_direct()
+                    if op.digest:
+                        op.digest = xxhash.xxh3_64_intdigest(src)
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
+        except RuntimeError as e:  # torch.AcceleratorError: CUDA refused a copy
+            self._dma_failed(ops, into_segment, e)
+            return
+        if into_segment:
+            for op in ops:
+                if op.checksum is None:
+                    r = op.ref
+                    op.checksum = xxhash.xxh3_64_intdigest(self._segment(r)[r.offset:r.offset + r.size])
+
+    def _dma_failed(self, ops: Sequence, into_segment: bool, e: Exception) -> None:
+        """A direct copy failed: stage these mappings from now on and redo ``ops`` through
+        pinned host memory, so the caller sees the bytes moved, only slower."""
+        log.warning("kvpool: a CUDA copy to or from a registered store segment failed (%s); "
+                    "staging CUDA tensors through pinned memory for that segment from now on", e)
+        with self._map_lock:
+            for op in ops:
+                self._pins.refuse(op.ref.incarnation)
+        for op in ops:
+            if op.error is not None:
+                continue
+            r = op.ref
+            if into_segment:
+                op.data = op.data.host(fill=True)
+                digest = self._copy_in(r, self._segment(r)[r.offset:r.offset + r.size], op.data, op.checksum is None)
+                if op.checksum is None:
+                    op.checksum = digest
+            else:
+                op.out = op.out.host(fill=False)
+                self._copy_out(op)
+
     def _extent_address(self, ref: ExtentRef) -> int:
         base = self._bases.get(ref.incarnation)
         if base is None:
@@ -511,7 +628,9 @@ class DataPlane:
     def _unmap(self, incarnation: str) -> None:
         """Caller holds ``_map_lock``."""
         view = self._maps.pop(incarnation, None)
-        self._bases.pop(incarnation, None)
+        base = self._bases.pop(incarnation, None)
+        if self._pins is not None:
+            self._pins.drop(incarnation, base)  # CUDA registration goes before the mapping
         mm = self._mmaps.pop(incarnation, None)
         try:
             if view is not None:

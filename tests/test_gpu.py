@@ -3,6 +3,8 @@ device machine); skipped cleanly where torch sees no CUDA device."""
 import pytest
 import torch
 
+from protocol.errors import ChecksumMismatch, InvalidRequest
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
 
@@ -40,3 +42,73 @@ def test_cuda_segment_node_end_to_end(make_cluster):
         assert c.get_into("gpuseg/big", back) == big.numel() * 4 and torch.equal(back, big)
     with lc.client(transport="tcp") as c:
         assert c.get("gpuseg/big") == big.numpy().tobytes()
+
+
+def _ref(c, key):
+    return c.lookup([key])[0].replicas[0]
+
+
+def test_cuda_tensors_move_by_dma_into_and_out_of_a_same_host_segment(cluster):
+    """Same host: the segment mapping is registered with CUDA in windows on first use and
+    CUDA tensors move by one DMA each way; the checksum is hashed from the segment, so a
+    TCP reader (host bytes, its own checksum check) reads exactly what was DMA'd in. An
+    object spanning two registration windows works; a staged client (cuda_direct=False)
+    reads the same bytes without registering anything."""
+    from connector.device_buffer import PIN_WINDOW
+
+    with cluster.client() as c, cluster.client(transport="tcp") as net, cluster.client(cuda_direct=False) as staged:
+        small = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
+        big = torch.randn(PIN_WINDOW // 4 + 12345, device="cuda")  # more than one window
+        assert c.put("dma/small", small) is True and c.put("dma/big", big) is True
+        for key, t in (("dma/small", small), ("dma/big", big)):
+            ref = _ref(c, key)
+            assert c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
+            assert net.get(key) == t.cpu().numpy().tobytes()
+            out = torch.empty_like(t)
+            assert c.get_into(key, out) == t.numel() * t.element_size() and torch.equal(out, t)
+            back = torch.zeros_like(t)
+            assert staged.get_into(key, back) == t.numel() * t.element_size() and torch.equal(back, t)
+        assert staged.data._pins is None
+        # a mixed batch: CUDA and host buffers, one round trip
+        outs = [torch.empty_like(small), torch.empty(small.shape, dtype=torch.uint8), torch.empty_like(big)]
+        assert c.get_into_batch(["dma/small", "dma/small", "dma/big"], outs) == [small.numel(), small.numel(),
+                                                                                  big.numel() * 4]
+        assert torch.equal(outs[0], small) and torch.equal(outs[1], small.cpu()) and torch.equal(outs[2], big)
+        # an output tensor smaller than the object is a typed error, and the tensor is untouched
+        short = torch.zeros(small.numel() - 1, dtype=torch.uint8, device="cuda")
+        with pytest.raises(InvalidRequest, match="holds .* bytes"):
+            c.get_into("dma/small", short)
+        assert int(short.count_nonzero()) == 0
+
+
+def test_direct_read_of_a_corrupted_extent_is_a_checksum_error(make_cluster):
+    """The direct path verifies the segment bytes it DMA'd: flip a byte in the mapped
+    extent and the read fails with ChecksumMismatch; the master drops the replica, so the
+    key is then a clean miss (a later put stores it again)."""
+    lc = make_cluster(nodes=1)
+    with lc.client(lease_retries=0) as c:
+        t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+        c.put("dma/corrupt", t)
+        ref = _ref(c, "dma/corrupt")
+        seg = c.data._segment(ref)
+        seg[ref.offset + 777] = (seg[ref.offset + 777] + 1) % 256
+        with pytest.raises(ChecksumMismatch):
+            c.get_into("dma/corrupt", torch.empty_like(t))
+        assert c.get_into("dma/corrupt", torch.empty_like(t)) is None
+        assert c.put("dma/corrupt", t) is True
+
+
+def test_forgetting_a_node_unregisters_its_windows(make_cluster):
+    """A node the client forgets (it died, or restarted under a new incarnation) has its
+    mapping unregistered from CUDA before it is unmapped; the next read registers again."""
+    lc = make_cluster(nodes=1)
+    with lc.client() as c:
+        t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+        c.put("dma/again", t)
+        ref = _ref(c, "dma/again")
+        assert c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
+        c.data.forget_node(ref.node_id)
+        assert not c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
+        out = torch.empty_like(t)
+        assert c.get_into("dma/again", out) == t.numel() and torch.equal(out, t)
+        assert c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
