@@ -283,6 +283,9 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
         t.add_row("[bold]total", "", "", "", format_bytes(st.capacity), format_bytes(st.used),
                   f"{100 * st.used / st.capacity if st.capacity else 0:.1f}", str(st.objects), "")
         console.print(t)
+        for nid, wire in sorted(st.refused.items()):
+            console.print(f"[red]store node {nid} is not used: it speaks kvpool wire version {wire}, this "
+                          f"cluster's master {M.WIRE_VERSION}; install this release there and restart it")
         ev = {k: v for k, v in st.counters.items() if k.startswith("evictions_")}
         console.print(f"watermarks high {st.high_watermark:.2f} / low {st.low_watermark:.2f}; pending puts "
                       f"{st.pending}; held {format_bytes(st.held_bytes)}; under-replicated {st.under_replicated}")

@@ -39,23 +39,31 @@ class _Conn:
         self.addr = addr
         self.sock = transport.connect(addr, timeout_s)
         self.frames = rpcwire.BlockingFrames(self.sock)
-        if addr.startswith("tcp://"):
-            self._hello(timeout_s)
+        try:
+            self._hello(timeout_s, switch=addr.startswith("tcp://"))
+        except BaseException:
+            self.sock.close()
+            raise
 
-    def _hello(self, timeout_s: float) -> None:
-        """Ask for the master's same-host alias; switch to it when it is really the master.
-        Errors on the TCP exchange propagate (the connection is unusable); a master that
-        does not know Hello, or an alias that fails the checks, leaves the TCP connection."""
+    def _hello(self, timeout_s: float, switch: bool) -> None:
+        """Check the master's wire version, then (``switch``: a TCP connection) ask for its
+        same-host alias and switch to it when it is really the master. Raises ConfigError
+        for a master of another kvpool version (one that does not know Hello predates
+        versions); other errors on the exchange propagate (the connection is unusable); an
+        alias that fails the checks leaves the TCP connection."""
         self.sock.settimeout(timeout_s)
-        self.sock.sendall(rpcwire.pack(_HELLO_RID, M.encode(M.Hello(default_host_id()))))
+        self.sock.sendall(rpcwire.pack(_HELLO_RID, M.encode(M.Hello(default_host_id(), M.WIRE_VERSION))))
         got, payload = self.frames.read()
         if got != _HELLO_RID:
             raise InvalidRequest(f"master answered request {got} to a Hello")
         rep = M.decode_result(payload, M.Reply)
-        if rep.error is not None:
-            return  # an older master
-        hello = M.decode_result(rep.result, M.HelloReply)
-        if not hello.alias or hello.host_id != default_host_id():
+        hello = None if rep.error is not None else M.decode_result(rep.result, M.HelloReply)
+        wire = 0 if hello is None else hello.wire  # a master that does not know Hello predates versions
+        if wire != M.WIRE_VERSION:
+            raise ConfigError(f"the master at {self.addr} speaks kvpool wire version {wire}, this client "
+                              f"{M.WIRE_VERSION}; run one kvpool version across the cluster (install the "
+                              "same kvpool release on clients, masters and store nodes)", key="master")
+        if not switch or not hello.alias or hello.host_id != default_host_id():
             return
         try:
             alias = transport.connect(hello.alias, timeout_s)
@@ -184,6 +192,8 @@ class MasterRPC:
                 if got == rid:
                     return M.decode_result(payload, M.Reply)
                 # a late reply to an earlier call that timed out: skip it
+        except ConfigError:
+            raise  # a master of another kvpool version: retrying cannot help
         except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
             self._reset()
             return None

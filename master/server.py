@@ -84,7 +84,8 @@ class MasterServer:
             print(f"master: no same-host Unix alias ({e}); local clients use TCP", file=sys.stderr, flush=True)
             alias = ""
         self.hello = M.encode(M.Reply(msgspec.Raw(M.encode(M.HelloReply(alias, os.getpid(),
-                                                                         transport.default_host_id())))))
+                                                                         transport.default_host_id(),
+                                                                         M.WIRE_VERSION)))))
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
         self.conns = ClientConns(listeners, self.poller, self._handle, self._flush)
         self._settings_write: Pending | None = None  # the settings change on its way to etcd, if any
@@ -311,10 +312,19 @@ class MasterServer:
             if d is None or d.incarnation != self.state.nodes[nid].desc.incarnation:
                 self.state.node_down(nid, now)
                 self._drop_sock(nid)
-        for d in descs.values():
+        for d in self._screen(descs):
             if d.node_id not in self.state.nodes:
                 self._join(d, now, timeout_ms=1000)
         self.state.repair_all()
+
+    def _screen(self, descs: dict[str, M.NodeDesc]) -> list[M.NodeDesc]:
+        """The nodes of this master's wire version; others are logged once and not placed on."""
+        ok, refused = self.state.screen(descs.values())
+        for d in refused:
+            print(f"master: store node {d.node_id} ({d.data_addr}) speaks kvpool wire version {d.wire}, this "
+                  f"master {M.WIRE_VERSION}: not placing there. Run one kvpool version across the cluster",
+                  file=sys.stderr, flush=True)
+        return ok
 
     def _join(self, d: M.NodeDesc, now: float, timeout_ms: int) -> None:
         """Take a node in: index what it holds (:meth:`_adopt`) and connect its notice
@@ -358,7 +368,7 @@ class MasterServer:
         """Index from live nodes' committed extents, then hand-off holds and pins from etcd
         (stale pin records — object gone, soft pin lapsed — are deleted)."""
         now = time.time()
-        for d in descs.values():
+        for d in self._screen(descs):
             self._join(d, now, timeout_ms=5000)
         for rec in handoffs:
             self.state.restore_handoff(rec)

@@ -16,6 +16,7 @@ import itertools
 import math
 import os
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -28,7 +29,8 @@ from protocol.errors import ErrorInfo
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec
 from protocol.messages import (ClusterSettings, ClusterStats, EvictReport, EvictSelector, ExtentRef, NodeCommit,
-                               NodeDesc, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem)
+                               NodeDesc, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
+                               WIRE_VERSION)
 
 PENDING, COMMITTED = 0, 1
 MAX_REPLICAS = 16
@@ -122,6 +124,7 @@ class MasterState(HandoffMixin, RepairMixin):
         # leader cannot match another put of its key at the new one (put_end by id)
         self._put_ids = itertools.count((int.from_bytes(os.urandom(5), "little") << 20) + 1)
         self.leader_addr = ""
+        self.refused: dict[str, int] = {}  # node id -> wire version, nodes of another kvpool version
         self.repairs: dict[str, tuple[ExtentRef, float]] = {}
         self._now = 0.0  # time of the latest event, for bookkeeping that has no `now` argument
         self.repair_timeout_s = 30.0
@@ -682,6 +685,20 @@ class MasterState(HandoffMixin, RepairMixin):
                     break
         return out
 
+    def screen(self, descs: Iterable[NodeDesc]) -> tuple[list[NodeDesc], list[NodeDesc]]:
+        """Split published store nodes into those this master may place on (same
+        :data:`~protocol.messages.WIRE_VERSION`) and those newly refused for speaking another
+        version (to report once); :attr:`refused` becomes the refused set of now."""
+        ok, refused = [], {}
+        for d in descs:
+            if d.wire == WIRE_VERSION:
+                ok.append(d)
+            else:
+                refused[d.node_id] = d.wire
+        new = [d for d in descs if d.node_id in refused and self.refused.get(d.node_id) != d.wire]
+        self.refused = refused
+        return ok, new
+
     def stats(self) -> ClusterStats:
         per_node: dict[str, int] = defaultdict(int)
         held = under = 0
@@ -697,7 +714,8 @@ class MasterState(HandoffMixin, RepairMixin):
                  for n in self.nodes.values()]
         return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
                             sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,
-                            self.s.high_watermark, self.s.low_watermark, under, dict(self.counters))
+                            self.s.high_watermark, self.s.low_watermark, under, dict(self.counters),
+                            dict(self.refused))
 
     def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the

@@ -14,6 +14,12 @@ import msgspec
 from protocol.errors import ConfigError, ErrorInfo, InvalidRequest
 from protocol.layout import LayoutSpec
 
+WIRE_VERSION = 1
+"""Version of every message and data frame kvpool processes exchange. Bump it with any
+change an older process would misread. A master does not place on a store node of
+another version (``ClusterStats.refused``); a client refuses a master of another version
+(:class:`HelloReply`). Processes that predate the field publish and answer 0."""
+
 
 class ExtentRef(msgspec.Struct, frozen=True, array_like=True):
     """Where one replica lives: node, its incarnation (segment generation), data-plane
@@ -48,6 +54,7 @@ class NodeDesc(msgspec.Struct, frozen=True):
     device: str = "cpu"
     grant_key: bytes = b""
     ucx_addr: str = ""  # ucx:// data address (``--ucx``), "" when the node serves none
+    wire: int = 0  # the node's WIRE_VERSION (0: predates it)
 
 
 class PutItem(msgspec.Struct, frozen=True, array_like=True):
@@ -121,6 +128,7 @@ class ClusterStats(msgspec.Struct, frozen=True):
     low_watermark: float
     under_replicated: int
     counters: dict[str, int]
+    refused: dict[str, int] = {}  # node id -> wire version of store nodes not placed on (another version)
 
 
 class EvictSelector(msgspec.Struct, frozen=True):
@@ -264,6 +272,7 @@ class Hello(msgspec.Struct, tag="hello"):
     """A client's first request on a new master connection (answered by standbys too)."""
 
     host_id: str = ""
+    wire: int = 0
 
 
 class HelloReply(msgspec.Struct, frozen=True):
@@ -274,6 +283,7 @@ class HelloReply(msgspec.Struct, frozen=True):
     alias: str
     pid: int
     host_id: str
+    wire: int = 0  # the master's WIRE_VERSION (0: predates it)
 
 
 class GetConfig(msgspec.Struct, tag="get_config"):

@@ -74,7 +74,7 @@ class StoreNode:
     def descriptor(self, ctrl_addr: str) -> M.NodeDesc:
         return M.NodeDesc(self.node_id, self.segment.incarnation, self.data.addrs[0], ctrl_addr,
                           self.data.addrs[1], self.host_id, self.segment.capacity, self.s.device,
-                          self.segment.grant_key, self.data.addrs[2] if self.s.ucx else "")
+                          self.segment.grant_key, self.data.addrs[2] if self.s.ucx else "", M.WIRE_VERSION)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

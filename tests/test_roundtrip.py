@@ -72,7 +72,7 @@ def test_alias_is_used_only_when_its_peer_is_the_master(honest):
             while True:
                 rid, body = frames.read()
                 req = M.decode_request(bytes(body))
-                res = (M.HelloReply(name, pid, transport.default_host_id()) if isinstance(req, M.Hello)
+                res = (M.HelloReply(name, pid, transport.default_host_id(), M.WIRE_VERSION) if isinstance(req, M.Hello)
                        else [lst is unix])  # Exists answers True over the alias, False over TCP
                 conn.sendall(rpcwire.pack(rid, M.encode(M.Reply(msgspec.Raw(M.encode(res))))))
         except (OSError, E.KVPoolError):

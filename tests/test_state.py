@@ -401,3 +401,21 @@ def test_put_ids_do_not_repeat_across_leaders():
     gb = b.put_start([PutItem("x", 10, 1)], "h", 1, 0.0)[0]
     assert ga.put_id != gb.put_id
     assert b.put_end(["x"], [ga.put_id], 0.0)[0] is not None  # the other leader's grant is not this put
+
+
+def test_nodes_of_another_wire_version_are_screened_out_and_reported_once():
+    from protocol.messages import WIRE_VERSION
+
+    st = make(nodes=0)
+
+    def desc(nid, wire):
+        return NodeDesc(nid, f"inc-{nid}", "tcp://x:1", "", "", "h0", 10 * MiB, wire=wire)
+
+    same, old, new = desc("same", WIRE_VERSION), desc("old", 0), desc("new", WIRE_VERSION + 1)
+    ok, refused = st.screen([same, old, new])
+    assert ok == [same] and refused == [old, new]
+    assert st.stats().refused == {"old": 0, "new": WIRE_VERSION + 1}
+    ok, refused = st.screen([same, old, new])  # the next membership poll: nothing new to report
+    assert ok == [same] and refused == []
+    ok, refused = st.screen([same, desc("old", WIRE_VERSION)])  # upgraded and restarted; "new" left
+    assert ok == [same, desc("old", WIRE_VERSION)] and refused == [] and st.stats().refused == {}
