@@ -40,6 +40,7 @@ dead/unreachable), :class:`~protocol.errors.StaleExtent` (extent freed or node r
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -286,21 +287,28 @@ class DataPlane:
             if not isinstance(op.data, memoryview):  # a CUDA tensor
                 if local and self._direct(op.ref, op.data):
                     dma.append(op)
-                else:
-                    op.data = op.data.host(fill=True)
+                elif not _stage(op, True):
+                    continue
             (shm if local else net).append(op)
         for op in shm:
             r = op.ref
-            if r.offset < 0 or r.offset + r.size > len(self._segment(r)) or len(op.data) != r.size:
+            seg = self._segment(r)
+            if seg is None:
+                op.error = _gone(r)
+            elif r.offset < 0 or r.offset + r.size > len(seg) or len(op.data) != r.size:
                 op.error = KVPoolError(f"grant for {op.key!r} does not fit the mapped segment")
         pending = self._send_writes(shm, notice=True)
         for op in shm:
             if op.error is None and isinstance(op.data, memoryview):
                 r = op.ref
-                digest = self._copy_in(r, self._segment(r)[r.offset:r.offset + r.size], op.data, op.checksum is None)
+                seg = self._segment(r)
+                if seg is None:
+                    op.error = _gone(r)
+                    continue
+                digest = self._copy_in(r, seg[r.offset:r.offset + r.size], op.data, op.checksum is None)
                 if op.checksum is None:
                     op.checksum = digest
-        self._dma([op for op in dma if op.error is None], into_segment=True)
+        self._dma(dma, into_segment=True)
         self._finish_writes(pending)
         self._finish_writes(self._send_writes(net, notice=False))
 
@@ -386,7 +394,8 @@ class DataPlane:
                 if local and self._direct(op.ref, op.out):
                     dma.append(op)
                     continue
-                op.out = op.out.host(fill=False)
+                if not _stage(op, False):
+                    continue
             if local:
                 self._copy_out(op)
             else:
@@ -429,6 +438,9 @@ class DataPlane:
         slow one. Bigger copies do not suffer it and stay one ``memcpy``."""
         seg = self._segment(op.ref)
         r = op.ref
+        if seg is None:
+            op.error = _gone(r)
+            return
         if r.offset < 0 or r.offset + r.size > len(seg):
             op.error = KVPoolError(f"extent [{r.offset}, +{r.size}) does not fit the mapped segment")
             return
@@ -476,89 +488,112 @@ class DataPlane:
         """True when ``ref`` (a mapped extent) and the CUDA buffer ``buf`` can exchange bytes
         by DMA: direct transfers are on, the extent fits the mapping, and the mapping's
         windows that the extent spans are registered with CUDA (registered here on first
-        use; a refusal makes this mapping stage from then on)."""
+        use; a refusal makes this mapping stage from then on). True also takes a hold on the
+        registration, which :meth:`_dma` gives back."""
         if not self.cuda_direct or not buf.flat.is_cuda:
             return False
         seg = self._segment(ref)
         if seg is None or ref.offset < 0 or ref.offset + ref.size > len(seg):
             return False  # the staged path reports the bad extent
-        if self._pins is not None and self._pins.ready(ref.incarnation, ref.offset, ref.size):
-            return True
         with self._map_lock:
+            if self._maps.get(ref.incarnation) is not seg:
+                return False  # unmapped meanwhile
             if self._pins is None:
                 from connector.device_buffer import PinnedWindows
 
                 self._pins = PinnedWindows()
-            if self._maps.get(ref.incarnation) is not seg:
-                return False  # unmapped meanwhile
-            base = self._extent_address(ref) - ref.offset
-            return self._pins.ensure(ref.incarnation, base, len(seg), ref.offset, ref.size)
+            if not self._pins.ready(ref.incarnation, ref.offset, ref.size):
+                base = self._extent_address(ref) - ref.offset
+                if not self._pins.ensure(ref.incarnation, base, len(seg), ref.offset, ref.size):
+                    return False
+            self._pins.acquire(ref.incarnation)
+            return True
 
     def _dma(self, ops: Sequence, into_segment: bool) -> None:
-        """Direct transfers between registered extents and CUDA tensors: every copy is
-        queued on its tensor's current stream, then (gets) each extent is hashed on the
-        host while the copies run, then the streams are synchronised, then (puts) extents
-        that need a checksum are hashed. Bytes are in place when this returns."""
+        """Direct transfers between registered extents and CUDA tensors (ops :meth:`_direct`
+        accepted; their holds are given back here). Every copy is queued on its tensor's
+        stream (the caller's, see :class:`~connector.device_buffer.DeviceBuffer`), split at
+        registration windows; on gets each extent is hashed on the host while the copies
+        run; then the streams are synchronised; on puts the extents that need a checksum
+        are hashed after. Bytes are in place when this returns, or the op has its error."""
         if not ops:
             return
         import torch
 
         from connector.device_buffer import window_pieces
 
-        held, devices = [], set()
+        held, streams, hashed = [], {}, []
         try:
-            for op in ops:
-                r = op.ref
-                buf = op.data if into_segment else op.out
-                if not into_segment and len(buf) < r.size:
-                    op.error = InvalidRequest(f"output tensor of {len(buf)} bytes is smaller than the "
-                                              f"{r.size}-byte extent")
-                    continue
-                src = self._segment(r)[r.offset:r.offset + r.size]
-                if r.size:
-                    host = torch.frombuffer(src, dtype=torch.uint8)
-                    for lo, hi in window_pieces(r.offset, r.size):  # one copy per registration
-                        if into_segment:
-                            host[lo:hi].copy_(buf.flat[lo:hi], non_blocking=True)
-                        else:
-                            buf.flat[lo:hi].copy_(host[lo:hi], non_blocking=True)
-                    held.append(host)
-                    devices.add(buf.flat.device)
-                if not into_segment:
-                    buf.landed_direct()
-                    if op.digest:
-                        op.digest = xxhash.xxh3_64_intdigest(src)
-            for d in devices:
-                torch.cuda.current_stream(d).synchronize()
-        except RuntimeError as e:  # torch.AcceleratorError: CUDA refused a copy
-            self._dma_failed(ops, into_segment, e)
-            return
-        if into_segment:
-            for op in ops:
-                if op.checksum is None:
+            try:
+                for op in ops:
+                    if op.error is not None:
+                        continue
                     r = op.ref
-                    op.checksum = xxhash.xxh3_64_intdigest(self._segment(r)[r.offset:r.offset + r.size])
+                    buf = op.data if into_segment else op.out
+                    if not into_segment and len(buf) < r.size:
+                        op.error = InvalidRequest(f"output tensor of {len(buf)} bytes is smaller than the "
+                                                  f"{r.size}-byte extent")
+                        continue
+                    try:
+                        src = self._maps[r.incarnation][r.offset:r.offset + r.size]
+                    except (KeyError, TypeError, ValueError):  # unmapped by another thread meanwhile
+                        op.error = _gone(r)
+                        continue
+                    hashed.append((op, src))
+                    if r.size:
+                        host = torch.frombuffer(src, dtype=torch.uint8)
+                        held.append(host)
+                        streams[buf.stream] = buf
+                        with buf.on_stream():
+                            for lo, hi in window_pieces(r.offset, r.size):  # one copy per registration
+                                if into_segment:
+                                    host[lo:hi].copy_(buf.flat[lo:hi], non_blocking=True)
+                                else:
+                                    buf.flat[lo:hi].copy_(host[lo:hi], non_blocking=True)
+                    if not into_segment:
+                        buf.landed_direct()
+                        if op.digest:
+                            op.digest = xxhash.xxh3_64_intdigest(src)
+                for buf in streams.values():
+                    buf.sync()
+            except RuntimeError as e:  # torch.AcceleratorError: CUDA refused a copy
+                self._dma_failed(ops, into_segment, e, streams.values())
+                return
+            if into_segment:
+                for op, src in hashed:
+                    if op.checksum is None:
+                        op.checksum = xxhash.xxh3_64_intdigest(src)
+        finally:
+            with self._map_lock:  # after every copy ended, before the slices in ``held`` go
+                for op in ops:
+                    self._pins.release(op.ref.incarnation)
 
-    def _dma_failed(self, ops: Sequence, into_segment: bool, e: Exception) -> None:
+    def _dma_failed(self, ops: Sequence, into_segment: bool, e: Exception, used) -> None:
         """A direct copy failed: stage these mappings from now on and redo ``ops`` through
-        pinned host memory, so the caller sees the bytes moved, only slower."""
+        pinned host memory, so the caller sees the bytes moved, only slower (or, when CUDA
+        fails on that path too, a typed error per op)."""
         log.warning("kvpool: a CUDA copy to or from a registered store segment failed (%s); "
                     "staging CUDA tensors through pinned memory for that segment from now on", e)
+        for buf in used:  # copies queued before the failure end before the redo
+            with contextlib.suppress(RuntimeError):
+                buf.sync()
         with self._map_lock:
             for op in ops:
                 self._pins.refuse(op.ref.incarnation)
         for op in ops:
-            if op.error is not None:
+            if op.error is not None or not _stage(op, into_segment):
                 continue
             r = op.ref
-            if into_segment:
-                op.data = op.data.host(fill=True)
-                digest = self._copy_in(r, self._segment(r)[r.offset:r.offset + r.size], op.data, op.checksum is None)
-                if op.checksum is None:
-                    op.checksum = digest
-            else:
-                op.out = op.out.host(fill=False)
+            if not into_segment:
                 self._copy_out(op)
+                continue
+            seg = self._segment(r)
+            if seg is None:
+                op.error = _gone(r)
+                continue
+            digest = self._copy_in(r, seg[r.offset:r.offset + r.size], op.data, op.checksum is None)
+            if op.checksum is None:
+                op.checksum = digest
 
     def _extent_address(self, ref: ExtentRef) -> int:
         base = self._bases.get(ref.incarnation)
@@ -639,6 +674,26 @@ class DataPlane:
                 mm.close()
         except BufferError:
             pass  # a slice is still in use by another thread; the OS unmaps it with the object
+
+
+def _gone(r: ExtentRef) -> NodeUnavailable:
+    return NodeUnavailable(f"store node {r.node_id}'s segment went away during a transfer (the node died or "
+                           "restarted); retry", node=r.node_id)
+
+
+def _stage(op, into_segment: bool) -> bool:
+    """Give ``op`` its CUDA tensor's pinned staging view in place of the DeviceBuffer (filled
+    with the tensor's bytes for a write). False, with ``op.error`` set, when CUDA fails."""
+    try:
+        if into_segment:
+            op.data = op.data.host(fill=True)
+        else:
+            op.out = op.out.host(fill=False, size=op.ref.size)
+        return True
+    except RuntimeError as e:
+        op.error = KVPoolError(f"CUDA failed while staging the tensor through pinned host memory ({e}); "
+                               "check the device (nvidia-smi) and the process's pinned memory")
+        return False
 
 
 def _send_hashing(sock, data: memoryview) -> int:

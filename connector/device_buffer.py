@@ -31,54 +31,80 @@ _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA contex
 class DeviceBuffer:
     """The bytes of a contiguous CUDA tensor: ``flat`` is its ``torch.uint8`` view of shape
     ``(nbytes,)``; ``len()`` is ``nbytes``. Thread-safe (replicas of one put are written
-    from several threads)."""
+    from several threads).
 
-    __slots__ = ("flat", "_host", "_filled", "_dirty", "_lock")
+    ``stream`` is the caller's current CUDA stream when the buffer was made: every copy of
+    this tensor, whichever client thread issues it, runs on that stream (:meth:`on_stream`),
+    so it is ordered after the caller's kernels that produce the tensor (puts) or still read
+    it (gets), as a plain ``copy_`` in the caller's thread would be. ``sync`` waits for it."""
+
+    __slots__ = ("flat", "stream", "_host", "_filled", "_dirty", "_lock")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.flat = tensor.reshape(-1).view(torch.uint8)
+        self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
         self._host: torch.Tensor | None = None
         self._filled = False  # the staging buffer holds the tensor's bytes (puts)
-        self._dirty = False  # a staged read landed in the staging buffer (gets): copy back
+        self._dirty = 0  # bytes of a staged read waiting in the staging buffer (gets): copied back by finish
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self.flat.numel()
 
-    def host(self, fill: bool) -> memoryview:
+    def on_stream(self):
+        """A context in which torch copies run on :attr:`stream` (no-op for host tensors)."""
+        return torch.cuda.stream(self.stream)
+
+    def sync(self) -> None:
+        """Wait until every copy queued on :attr:`stream` is done (raises RuntimeError for a
+        CUDA error)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def host(self, fill: bool, size: int | None = None) -> memoryview:
         """The pinned staging buffer as a writable byte memoryview of ``len(self)`` bytes.
         ``fill=True`` (a put): it holds the tensor's bytes (copied once). ``fill=False`` (a
-        get): bytes read into it reach the tensor at :meth:`finish`."""
+        get of ``size`` bytes): the first ``size`` bytes read into it reach the tensor at
+        :meth:`finish`; the tensor's bytes past them are left alone. Raises RuntimeError
+        when CUDA fails (pinned allocation, the copy)."""
         with self._lock:
             if self._host is None:
                 self._host = torch.empty(len(self), dtype=torch.uint8, pin_memory=self.flat.is_cuda)
             if fill and not self._filled:
-                self._host.copy_(self.flat)  # synchronous: the bytes are on the host after it
+                with self.on_stream():
+                    self._host.copy_(self.flat)  # synchronous: the bytes are on the host after it
                 self._filled = True
             if not fill:
-                self._dirty = True
+                self._dirty = len(self) if size is None else size
             return memoryview(self._host.numpy())
 
     def landed_direct(self) -> None:
         """A read DMA'd the bytes straight into the tensor: nothing to copy back."""
-        self._dirty = False
+        self._dirty = 0
 
     def finish(self) -> None:
         """After a successful get: copy a staged read into the tensor (synchronous)."""
-        if self._dirty:
-            self.flat.copy_(self._host)
-            self._dirty = False
+        n = self._dirty
+        if n:
+            with self.on_stream():
+                self.flat[:n].copy_(self._host[:n])
+            self._dirty = 0
 
 
 class PinnedWindows:
     """Which :data:`PIN_WINDOW`-byte windows of each mapped segment (by incarnation) are
-    registered with CUDA. ``ensure`` registers the windows an extent spans (under the
-    caller's lock); a refusal (``cudaHostRegister`` error) disables the direct path for
-    that mapping, which then stages. ``drop`` unregisters before the mapping is closed."""
+    registered with CUDA. ``ensure`` registers the windows an extent spans; a refusal
+    (``cudaHostRegister`` error) disables the direct path for that mapping, which then
+    stages. A direct transfer holds the mapping (``acquire`` … ``release``) while its
+    copies may run; ``drop`` unregisters before the mapping is closed, or, while transfers
+    hold it, when the last one is released (unregistering memory an async copy still uses
+    is undefined in CUDA). Every method but ``ready`` runs under the caller's lock."""
 
     def __init__(self) -> None:
         self._done: dict[str, set[int]] = {}
         self._refused: set[str] = set()
+        self._busy: dict[str, int] = {}  # direct transfers in flight per mapping
+        self._late: dict[str, list[tuple[int, set[int]]]] = {}  # unregistrations waiting for them
 
     def ready(self, incarnation: str, offset: int, size: int) -> bool:
         done = self._done.get(incarnation)
@@ -108,14 +134,33 @@ class PinnedWindows:
             done.add(w)
         return True
 
+    def acquire(self, incarnation: str) -> None:
+        self._busy[incarnation] = self._busy.get(incarnation, 0) + 1
+
+    def release(self, incarnation: str) -> None:
+        left = self._busy[incarnation] - 1
+        if left:
+            self._busy[incarnation] = left
+            return
+        del self._busy[incarnation]
+        for base, done in self._late.pop(incarnation, []):
+            _unregister(base, done)
+
     def drop(self, incarnation: str, base: int | None) -> None:
         done = self._done.pop(incarnation, set())
         self._refused.discard(incarnation)
         if base is None or not done:
             return
-        cudart = torch.cuda.cudart()
-        for w in done:
-            cudart.cudaHostUnregister(base + w * PIN_WINDOW)
+        if self._busy.get(incarnation):
+            self._late.setdefault(incarnation, []).append((base, done))
+        else:
+            _unregister(base, done)
+
+
+def _unregister(base: int, windows: set[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for w in windows:
+        cudart.cudaHostUnregister(base + w * PIN_WINDOW)
 
 
 def window_pieces(offset: int, size: int) -> list[tuple[int, int]]:

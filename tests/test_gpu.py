@@ -112,3 +112,26 @@ def test_forgetting_a_node_unregisters_its_windows(make_cluster):
         out = torch.empty_like(t)
         assert c.get_into("dma/again", out) == t.numel() and torch.equal(out, t)
         assert c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
+
+
+def test_copies_run_on_the_callers_stream(cluster):
+    """A tensor made on a side stream is copied on that stream (whichever client thread
+    issues the copy), so the copy waits for the kernel that produced it: put right after a
+    kernel on the side stream, with no synchronisation by the caller, stores its result."""
+    from connector.device_buffer import DeviceBuffer
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        src = torch.randn(4096, 1024, device="cuda")  # 16 MiB
+        assert DeviceBuffer(src).stream == side
+        t = src * 3 + 1  # queued on the side stream
+        with cluster.client() as c, cluster.client(transport="tcp") as net:
+            assert c.put("stream/t", t) is True and net.put("stream/t-net", t) is True
+            out = torch.empty_like(t)
+            assert c.get_into("stream/t", out) == t.numel() * 4
+    side.synchronize()
+    assert torch.equal(out, src * 3 + 1)
+    back = torch.empty(t.shape)
+    with cluster.client(transport="tcp") as net:
+        net.get_into("stream/t-net", back)
+    assert torch.equal(back, (src * 3 + 1).cpu())

@@ -418,71 +418,151 @@ def test_window_pieces_split_extents_at_registration_windows():
     assert window_pieces(5, 0) == [(0, 0)]
 
 
-def test_direct_transfer_bookkeeping_and_fallback_with_host_tensors(tmp_path, monkeypatch):
-    """The DMA path's logic with host tensors standing in for CUDA ones (the copies are
-    torch ``copy_`` either way; registration and stream sync are the CUDA parts, replaced
-    here): an extent crossing registration windows is copied piece by piece, a put's
-    checksum is hashed from the segment, a get's from the segment while its bytes land in
-    the tensor. When a copy fails, the mapping is staged from then on and the bytes still
-    arrive, with the right checksum."""
-    import types
-
-    import torch
-
+@pytest.fixture
+def host_direct(tmp_path, monkeypatch):
+    """A shared-memory DataServer and a same-host DataPlane whose direct (DMA) path takes
+    host tensors: registration is replaced by a hold on the mapping (as ``_direct`` takes),
+    windows are 64 KiB, and stream sync fails on demand. The copies are torch ``copy_``
+    as on a GPU; only registration and stream sync are CUDA's parts.
+    Yields (segment, data plane, make_ref(offset, size, gen, key), state)."""
     from connector import device_buffer as db
 
     monkeypatch.setattr(db, "PIN_WINDOW", 64 << 10)
-    pieces = []
+    state = {"fail_sync": False, "pieces": [], "before_dma": None}
     real_pieces = db.window_pieces
-    monkeypatch.setattr(db, "window_pieces", lambda o, n: pieces.append(real_pieces(o, n)) or pieces[-1])
-    sync = {"fail": False}
+    monkeypatch.setattr(db, "window_pieces", lambda o, n: state["pieces"].append(real_pieces(o, n)) or state["pieces"][-1])
 
-    def synchronize():
-        if sync["fail"]:
+    def sync(self):
+        if state["fail_sync"]:
             raise RuntimeError("CUDA error: invalid argument")
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=synchronize))
+    monkeypatch.setattr(db.DeviceBuffer, "sync", sync)
     seg = Segment(8 << 20, name="kvpool-test-direct")
     table = ExtentTable(seg.capacity)
     srv = DataServer(seg, table, [f"unix://{tmp_path}/d.sock"])
     srv.start()
     dp = DataPlane("this-host", "auto", 10.0)
     dp._pins = db.PinnedWindows()
-    monkeypatch.setattr(dp, "_direct", lambda ref, buf: ref.incarnation not in dp._pins._refused)
-    try:
-        def ref_at(offset, size, gen, key):
-            return ExtentRef("n0", seg.incarnation, "", srv.addrs[0], "this-host", offset, size, gen,
-                             grant_token(seg.grant_key, seg.incarnation, offset, size, gen, key))
 
-        payload = os.urandom(200 << 10)
-        ref = ref_at((64 << 10) - 4096, len(payload), 1, "k")  # crosses four window edges
-        w = WriteOp(ref, db.DeviceBuffer(torch.frombuffer(bytearray(payload), dtype=torch.uint8)), "k", None, None)
-        dp.write([w])
-        assert w.error is None and seg.read(ref.offset, len(payload)) == payload
-        assert w.checksum == xxhash.xxh3_64_intdigest(payload)
-        assert pieces[-1] == [(0, 4096), (4096, 69632), (69632, 135168), (135168, 200704), (200704, len(payload))]
-        out = db.DeviceBuffer(torch.zeros(len(payload) + 10, dtype=torch.uint8))
-        r = ReadOp(ref, out, digest=True)
-        dp.read([r])
-        assert r.error is None and r.digest == xxhash.xxh3_64_intdigest(payload)
-        assert bytes(out.flat[:len(payload)].numpy()) == payload and out._host is None  # no staging
-        # a failing copy: the same bytes arrive through pinned (here: host) staging
-        sync["fail"] = True
-        out2 = db.DeviceBuffer(torch.zeros(len(payload), dtype=torch.uint8))
-        r2 = ReadOp(ref, out2, digest=True)
-        dp.read([r2])
-        assert r2.error is None and r2.digest == xxhash.xxh3_64_intdigest(payload)
-        out2.finish()
-        assert bytes(out2.flat.numpy()) == payload and seg.incarnation in dp._pins._refused
-        sync["fail"] = False
-        n = len(pieces)
-        other = os.urandom(70 << 10)
-        ref2 = ref_at(1 << 20, len(other), 2, "k2")
-        w2 = WriteOp(ref2, db.DeviceBuffer(torch.frombuffer(bytearray(other), dtype=torch.uint8)), "k2", None, None)
-        dp.write([w2])  # refused mapping: staged, no direct copy attempted
-        assert w2.error is None and seg.read(ref2.offset, len(other)) == other and len(pieces) == n
-        assert w2.checksum == xxhash.xxh3_64_intdigest(other)
-    finally:
-        dp.close()
-        srv.stop()
-        seg.close()
+    def direct(ref, buf):
+        if ref.incarnation in dp._pins._refused or dp._segment(ref) is None:
+            return False
+        with dp._map_lock:
+            dp._pins.acquire(ref.incarnation)
+        if state["before_dma"]:
+            state["before_dma"](ref)
+        return True
+
+    monkeypatch.setattr(dp, "_direct", direct)
+
+    def make_ref(offset, size, gen, key):
+        return ExtentRef("n0", seg.incarnation, "", srv.addrs[0], "this-host", offset, size, gen,
+                         grant_token(seg.grant_key, seg.incarnation, offset, size, gen, key))
+
+    yield seg, dp, make_ref, state
+    dp.close()
+    srv.stop()
+    seg.close()
+
+
+def _dev(data: bytes | int):
+    import torch
+
+    from connector.device_buffer import DeviceBuffer
+
+    t = torch.zeros(data, dtype=torch.uint8) if isinstance(data, int) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return DeviceBuffer(t)
+
+
+def test_direct_transfer_bookkeeping_and_fallback_with_host_tensors(host_direct):
+    """An extent crossing registration windows is copied piece by piece; a put's checksum
+    is hashed from the segment, a get's from the segment while its bytes land in the
+    tensor; every hold on the mapping is given back. When a copy fails, the mapping is
+    staged from then on and the bytes still arrive, with the right checksum."""
+    seg, dp, make_ref, state = host_direct
+    pieces = state["pieces"]
+    payload = os.urandom(200 << 10)
+    ref = make_ref((64 << 10) - 4096, len(payload), 1, "k")  # crosses four window edges
+    w = WriteOp(ref, _dev(payload), "k", None, None)
+    dp.write([w])
+    assert w.error is None and seg.read(ref.offset, len(payload)) == payload
+    assert w.checksum == xxhash.xxh3_64_intdigest(payload)
+    assert pieces[-1] == [(0, 4096), (4096, 69632), (69632, 135168), (135168, 200704), (200704, len(payload))]
+    out = _dev(len(payload) + 10)
+    r = ReadOp(ref, out, digest=True)
+    dp.read([r])
+    assert r.error is None and r.digest == xxhash.xxh3_64_intdigest(payload)
+    assert bytes(out.flat[:len(payload)].numpy()) == payload and out._host is None  # no staging
+    assert dp._pins._busy == {}
+    # a failing copy: the same bytes arrive through pinned (here: host) staging
+    state["fail_sync"] = True
+    out2 = _dev(len(payload))
+    r2 = ReadOp(ref, out2, digest=True)
+    dp.read([r2])
+    assert r2.error is None and r2.digest == xxhash.xxh3_64_intdigest(payload)
+    out2.finish()
+    assert bytes(out2.flat.numpy()) == payload and seg.incarnation in dp._pins._refused
+    state["fail_sync"] = False
+    n = len(pieces)
+    other = os.urandom(70 << 10)
+    ref2 = make_ref(1 << 20, len(other), 2, "k2")
+    w2 = WriteOp(ref2, _dev(other), "k2", None, None)
+    dp.write([w2])  # refused mapping: staged, no direct copy attempted
+    assert w2.error is None and seg.read(ref2.offset, len(other)) == other and len(pieces) == n
+    assert w2.checksum == xxhash.xxh3_64_intdigest(other) and dp._pins._busy == {}
+
+
+def test_staged_read_into_a_bigger_tensor_leaves_its_tail_alone(host_direct):
+    """get_into a tensor larger than the object over a staged path (here: the refused
+    mapping) writes the object's bytes and not one byte past them."""
+    import torch
+
+    seg, dp, make_ref, state = host_direct
+    payload = os.urandom(10000)
+    ref = make_ref(0, len(payload), 1, "k")
+    dp.write([WriteOp(ref, memoryview(payload), "k", 0, None)])
+    dp._pins.refuse(seg.incarnation)
+    out = _dev(len(payload) + 4096)
+    out.flat.fill_(0xAA)
+    r = ReadOp(ref, out, digest=True)
+    dp.read([r])
+    out.finish()
+    assert r.error is None and bytes(out.flat[:len(payload)].numpy()) == payload
+    assert torch.all(out.flat[len(payload):] == 0xAA)
+
+
+def test_a_segment_unmapped_before_its_direct_copy_is_a_typed_error(host_direct):
+    """Another thread forgets the node between the direct-path decision and the copy (it
+    died or restarted): the op fails with NodeUnavailable, nothing raises, the hold is
+    given back."""
+    seg, dp, make_ref, state = host_direct
+    payload = os.urandom(4096)
+    ref = make_ref(0, len(payload), 1, "k")
+    dp.write([WriteOp(ref, memoryview(payload), "k", 0, None)])
+    state["before_dma"] = lambda r: dp.forget_node(r.node_id)
+    r = ReadOp(ref, _dev(len(payload)), digest=True)
+    dp.read([r])
+    assert isinstance(r.error, E.NodeUnavailable) and "went away" in r.error.message
+    assert dp._pins._busy == {}
+
+
+def test_unregistration_waits_for_transfers_in_flight(monkeypatch):
+    """Dropping a mapping that direct transfers still hold defers cudaHostUnregister until
+    the last of them is released (unregistering memory a copy uses is undefined)."""
+    from connector import device_buffer as db
+
+    done = []
+    monkeypatch.setattr(db, "_unregister", lambda base, windows: done.append((base, sorted(windows))))
+    pw = db.PinnedWindows()
+    pw._done["inc"] = {0, 2}
+    pw.acquire("inc")
+    pw.acquire("inc")
+    pw.drop("inc", 4096)
+    assert done == [] and not pw.ready("inc", 0, 1)
+    pw.release("inc")
+    assert done == []
+    pw.release("inc")
+    assert done == [(4096, [0, 2])] and pw._busy == {} and pw._late == {}
+    pw._done["other"] = {1}
+    pw.drop("other", 8192)  # nothing in flight: at once
+    assert done[-1] == (8192, [1])
