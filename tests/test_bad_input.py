@@ -185,3 +185,31 @@ def test_put_rejects_bad_data_types_per_key(client):
     assert client.get("types/ok") == b"fine"
     with pytest.raises(E.InvalidRequest, match="replicas"):
         client.put("types/r", b"x", replicas=-1)
+
+
+def test_buffers_that_cannot_be_stored_are_typed_errors_and_store_nothing(client):
+    """Non-contiguous arrays, tensors and memoryviews, object arrays (pointers, not bytes),
+    non-buffers and read-only outputs are InvalidRequest; nothing is stored for them. Any
+    C-contiguous array of a plain dtype round-trips as its bytes."""
+    import numpy as np
+    import torch
+
+    bad = {"strided-np": np.zeros((4, 4))[:, ::2], "object-np": np.array([object(), 1], dtype=object),
+           "strided-torch": torch.zeros(4, 4).t(), "strided-mv": memoryview(bytearray(16))[::2], "int": 12345}
+    for name, x in bad.items():
+        with pytest.raises(E.InvalidRequest, match="contiguous|object pointers|expected bytes"):
+            client.put(f"badbuf/{name}", x)
+        assert client.exists(f"badbuf/{name}") is False
+    client.put("badbuf/ok", b"12345678")
+    with pytest.raises(E.InvalidRequest, match="read-only"):
+        client.get_into("badbuf/ok", b"\0" * 8)
+    ro = np.zeros(8, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(E.InvalidRequest, match="read-only"):
+        client.get_into("badbuf/ok", ro)
+    assert int(ro.sum()) == 0
+    for i, x in enumerate([np.arange(12, dtype=np.float16).reshape(3, 4), np.array(["2020-01-01"], "datetime64[D]"),
+                           np.array([(1, 2.5), (3, 4.5)], dtype=[("a", "i4"), ("b", "f8")])]):
+        client.put(f"badbuf/good{i}", x)
+        back = np.empty_like(x)
+        assert client.get_into(f"badbuf/good{i}", back) == x.nbytes and back.tobytes() == x.tobytes()
