@@ -76,6 +76,11 @@ class HandoffMixin:
                 if obj is not None and rid in obj.holds:
                     obj.holds.discard(rid)
                     self._lru_add(obj)
+                waiting = self.waiting_holds.get(k)
+                if waiting is not None:
+                    waiting.discard(rid)
+                    if not waiting:
+                        del self.waiting_holds[k]
         self.counters[f"handoffs_{status}"] += 1
 
     def restore_handoff(self, rec: HandoffRecord) -> None:
@@ -87,3 +92,5 @@ class HandoffMixin:
                 if obj is not None:
                     self._lru_remove(obj)
                     obj.holds.add(rec.request_id)
+                else:  # on a node not joined yet: held once its extent comes back
+                    self.waiting_holds.setdefault(k, set()).add(rec.request_id)

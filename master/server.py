@@ -370,10 +370,11 @@ class MasterServer:
         now = time.time()
         for d in self._screen(descs):
             self._join(d, now, timeout_ms=5000)
+        complete = len(self.state.nodes) == len(descs)  # else some objects are not indexed yet
         for rec in handoffs:
             self.state.restore_handoff(rec)
         for pin in pins:
-            if not self.state.restore_pin(pin, now):
+            if not self.state.restore_pin(pin, now, complete):
                 self._etcd_forget(self.keys.pin(pin.key))
 
     def _sock(self, node_id: str) -> zmq.Socket | None:

@@ -114,6 +114,10 @@ class MasterState(HandoffMixin, RepairMixin):
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
         self.handoffs: dict[str, Handoff] = {}
+        # etcd records whose objects were not indexed at the rebuild (a node refused or not
+        # answering then): applied when such a node joins and its extent comes back
+        self.waiting_pins: dict[str, PinRecord] = {}
+        self.waiting_holds: dict[str, set[str]] = {}  # key -> open hand-offs naming it
         self.outbox: dict[str, list] = defaultdict(list)
         # incarnations dropped from the index -> (forget after, keys dropped since): a node
         # that comes back with the same memory must not bring those keys back
@@ -222,7 +226,8 @@ class MasterState(HandoffMixin, RepairMixin):
                         node.desc.host_id, offset, size, gen, ucx_addr=node.desc.ucx_addr)
         node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
         obj = self.objects.get(key)
-        if obj is None:
+        created = obj is None
+        if created:
             obj = Obj(key, size, checksum, layout, [ref], COMMITTED, 0, now, now,
                       replicas_wanted=replicas or self.s.replicas)
             self.objects[key] = obj
@@ -234,7 +239,12 @@ class MasterState(HandoffMixin, RepairMixin):
             self._free_extent(ref)
             return
         node.keys.add(key)
+        if created:
+            obj.holds.update(r for r in self.waiting_holds.pop(key, ()) if r in self.handoffs)
         self._lru_add(obj)
+        rec = self.waiting_pins.pop(key, None) if created else None
+        if rec is not None and not self.restore_pin(rec, now):
+            self.unpinned.append(key)  # another object now, or lapsed: its etcd record goes
 
     # ---- puts ---------------------------------------------------------------------------
 
@@ -717,12 +727,19 @@ class MasterState(HandoffMixin, RepairMixin):
                             self.s.high_watermark, self.s.low_watermark, under, dict(self.counters),
                             dict(self.refused))
 
-    def restore_pin(self, rec: PinRecord, now: float) -> bool:
+    def restore_pin(self, rec: PinRecord, now: float, complete: bool = True) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the
-        object is gone or is another object now, or the soft pin lapsed): delete it."""
+        object is gone or is another object now, or the soft pin lapsed): delete it. With
+        ``complete=False`` (a published store node was refused or did not answer, so its
+        objects are not indexed) a record naming no indexed object waits for that node
+        (:attr:`waiting_pins`, applied when the extent is restored) instead."""
+        if rec.until is not None and rec.until <= now:
+            return False
         obj = self.objects.get(rec.key)
-        if obj is None or (obj.size, obj.checksum) != (rec.size, rec.checksum) or \
-                (rec.until is not None and rec.until <= now):
+        if obj is None and not complete:
+            self.waiting_pins[rec.key] = rec
+            return True
+        if obj is None or (obj.size, obj.checksum) != (rec.size, rec.checksum):
             return False
         self.pin(rec.key, None if rec.until is None else rec.until - now, now)
         return True

@@ -419,3 +419,32 @@ def test_nodes_of_another_wire_version_are_screened_out_and_reported_once():
     assert ok == [same] and refused == []
     ok, refused = st.screen([same, desc("old", WIRE_VERSION)])  # upgraded and restarted; "new" left
     assert ok == [same, desc("old", WIRE_VERSION)] and refused == [] and st.stats().refused == {}
+
+
+def test_records_of_objects_on_a_node_not_joined_yet_wait_for_it():
+    """A rebuild that could not index every published node (one refused for its version
+    or not answering) keeps pin records and hand-off holds whose objects it has not seen,
+    and applies them when that node joins and reports the extents; a record that turns out
+    stale then is reported for deletion. A complete rebuild still drops stale records."""
+    from protocol.messages import PinRecord
+
+    st = make(nodes=1)
+    late = NodeDesc("late", "inc-late", "tcp://x:2", "", "", "h1", 10 * MiB)
+    assert st.restore_pin(PinRecord("p-hard", None, MiB, 7), 10.0, complete=False) is True
+    assert st.restore_pin(PinRecord("p-other", None, MiB, 7), 10.0, complete=False) is True
+    assert st.restore_pin(PinRecord("p-lapsed", 5.0, MiB, 7), 10.0, complete=False) is False
+    assert st.restore_pin(PinRecord("p-missing", None, MiB, 7), 10.0, complete=True) is False
+    st.restore_handoff(HandoffRecord("r1", {"0": ["h-0", "h-1"]}, {}, "p", deadline=100.0))
+    st.restore_handoff(HandoffRecord("r-done", {"0": ["h-1"]}, {}, "p", deadline=100.0))
+    st.handoff_finish("r-done", "acked")
+    st.node_up(late, 11.0)
+    for i, key in enumerate(["p-hard", "p-other", "h-0", "h-1"]):
+        checksum = 8 if key == "p-other" else 7  # p-other: another object under that key now
+        st.restore_extent("late", key, i * MiB, MiB, 1, checksum, None, 11.0)
+    pins = {m.key: m.pin for m in st.list_objects("", 10, 11.0)}
+    assert pins["p-hard"] == "hard" and pins["p-other"] == ""
+    assert st.take_unpinned() == ["p-other"]
+    assert st.objects["h-0"].holds == {"r1"} and st.objects["h-1"].holds == {"r1"}  # not r-done
+    rep = st.evict(EvictSelector(all=True), False, False, 12.0)
+    assert (rep.removed, rep.skipped_pinned, rep.skipped_held) == (1, 1, 2)  # p-other alone goes
+    assert st.waiting_pins == {} and st.waiting_holds == {}

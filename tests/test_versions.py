@@ -7,23 +7,27 @@ import time
 
 import pytest
 
-from cli.cluster import Child, kvpool_argv
+from cli import cluster as cluster_mod
+from connector.client import KVPoolClient
 from protocol import errors as E
 from protocol import messages as M
-from protocol.config import parse_size
+from protocol.layout import LayoutSpec, TensorSpec
 
 from tests.conftest import wait_for
 
 
-def test_a_store_node_of_another_version_is_not_placed_on(make_cluster):
+def _release(wire: int):
+    """``kvpool_argv`` for a release of another wire version: the same code, its version
+    constant changed, as the other processes see it."""
+    code = f"import protocol.messages as M; M.WIRE_VERSION = {wire}; from cli.app import main; main()"
+    return lambda *args: [sys.executable, "-c", code, *args]
+
+
+def test_a_store_node_of_another_version_is_not_placed_on(make_cluster, monkeypatch):
     lc = make_cluster(nodes=1)
-    argv = kvpool_argv("storenode", *lc._common(), "--name", "old-node", "--memory", str(parse_size("64MiB")),
-                       "--run-dir", lc.run_dir)
-    # the same code with its version constant changed: an older release, as the master sees it
-    code = "import sys; import protocol.messages as M; M.WIRE_VERSION = 0; from cli.app import main; main()"
-    old = Child("old-node", [sys.executable, "-c", code, *argv[3:]], lc.run_dir)
-    lc.nodes["old-node"] = old
-    old.wait_line("KVPOOL_READY storenode", 30)
+    monkeypatch.setattr(cluster_mod, "kvpool_argv", _release(0))
+    lc.start_node("old-node", "64MiB")
+    monkeypatch.undo()
     with lc.client() as c:
         st = wait_for(lambda: (s := c.stats()).refused and s, what="the old node to be refused")
         assert st.refused == {"old-node": 0} and [n.node_id for n in st.nodes] == ["node-0"]
@@ -43,3 +47,29 @@ def test_a_client_of_another_version_gets_a_config_error_at_once(make_cluster, m
         with pytest.raises(E.ConfigError, match=r"speaks kvpool wire version 1, this client 2; run one kvpool"):
             c.stats()
     assert time.monotonic() - t0 < 5.0  # refused, not retried until the RPC timeout
+
+
+def test_a_leader_of_another_version_keeps_pins_and_holds_for_the_next(make_cluster, monkeypatch):
+    """A master of another version that wins the election can index no node; it must not
+    delete the pin records of the objects it cannot see, and a later leader of the nodes'
+    version finds the pin and the hand-off hold in force."""
+    lc = make_cluster(nodes=1, memory="64MiB", node_ttl="1s")
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("b", (4096,), "uint8"),))
+    with lc.client() as c:
+        c.put_batch(["pv/pinned", "pv/held", "pv/plain"], [b"p" * 4096, b"h" * 4096, b"x" * 4096], lay)
+        c.pin("pv/pinned")
+        c.handoff_publish("pv-req", {"0": ["pv/held"]}, {"0": lay}, ttl_s=120)
+    monkeypatch.setattr(cluster_mod, "kvpool_argv", _release(M.WIRE_VERSION + 1))
+    newer = lc.start_master(wait_leader=False)
+    monkeypatch.undo()
+    lc.masters[0].kill()
+    newer.wait_line("KVPOOL_LEADER", 20)
+    wait_for(lambda: "store node node-0" in open(newer.log_path).read(), 10, what="the newer leader to refuse node-0")
+    same = lc.start_master(wait_leader=False)
+    newer.kill()
+    same.wait_line("KVPOOL_LEADER", 20)
+    with KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20) as c:
+        wait_for(lambda: c.stats().objects == 3, 10, what="the objects to be indexed again")
+        rep = c.evict(M.EvictSelector(prefix="pv/"))
+        assert (rep.removed, rep.skipped_pinned, rep.skipped_held) == (1, 1, 1)
+        assert c.exists("pv/pinned") and c.handoff_claim("pv-req").keys == {"0": ["pv/held"]}
