@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import zmq.asyncio
 from protocol import messages as M
 from protocol import transport
 from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
-from protocol.errors import KVPoolError
+from protocol.errors import ConfigError, KVPoolError
 from protocol.etcd import Etcd, Keys, kept_alive
 from storenode.dataserver import DataServer
 from storenode.device_segment import DeviceSegment
@@ -87,14 +88,16 @@ class StoreNode:
         port = ctrl.bind_to_random_port(f"tcp://{self.s.host}")
         ctrl_addr = f"tcp://{self.s.host}:{port}"
         ctrl_task = asyncio.create_task(self._control(ctrl))
-        announced = False
+        announced = registered = False
         try:
             async with Etcd(self.s.etcd) as etcd:
                 while not self._stop.is_set():
                     lost = asyncio.Event()
                     async with kept_alive(etcd, self.s.node_ttl_s, lost) as lease:
                         desc = self.descriptor(ctrl_addr)
-                        await etcd.put(self.keys.node(self.node_id), msgspec.msgpack.encode(desc), lease=lease)
+                        if not await self._register(etcd, lease, desc):
+                            break  # stopped while waiting for the name
+                        registered = True
                         if not announced:
                             print(f"KVPOOL_READY storenode {self.node_id} {desc.data_addr}", flush=True)
                             announced = True
@@ -109,8 +112,9 @@ class StoreNode:
                         # committed extents when it sees us join (master/server.py _adopt)
                         print(f"storenode {self.node_id}: etcd lease lost; registering again", flush=True)
                         await asyncio.sleep(0.2)
-                with contextlib.suppress(Exception):
-                    await etcd.delete(self.keys.node(self.node_id))
+                if registered:
+                    with contextlib.suppress(Exception):
+                        await etcd.delete(self.keys.node(self.node_id))
         finally:
             ctrl_task.cancel()
             self.data.stop()
@@ -121,6 +125,39 @@ class StoreNode:
             if self._own_run_dir:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.run_dir)
+
+    async def _register(self, etcd: Etcd, lease, desc: M.NodeDesc) -> bool:
+        """Publish ``desc`` under this node's name only if no other process holds the name.
+        A previous run of this node that died holds it until its lease lapses: waited for,
+        up to 2 × node_ttl + 1 s. A live node keeps its lease alive, so a second process
+        under its name stops with a ConfigError instead of taking the name over (the master
+        would drop the first node and its data). False when asked to stop while waiting."""
+        key, val = self.keys.node(self.node_id), msgspec.msgpack.encode(desc)
+        deadline = time.monotonic() + 2 * self.s.node_ttl_s + 1.0
+        told = False
+        while not await etcd.create_if_absent(key, val, lease):
+            raw = await etcd.get(key)
+            try:
+                other = None if raw is None else msgspec.msgpack.decode(raw, type=M.NodeDesc)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                other = None
+            if other is not None and other.incarnation == desc.incarnation:
+                await etcd.put(key, val, lease=lease)  # our own earlier registration
+                return True
+            where = f"data address {other.data_addr}" if other is not None else "an unreadable record"
+            if time.monotonic() > deadline:
+                raise ConfigError(f"store node name {self.node_id!r} is held by a live node ({where}); start "
+                                  "this one with another --name, or stop that node first", key="name")
+            if not told:
+                print(f"storenode {self.node_id}: the name is registered by another process ({where}); waiting "
+                      f"up to {deadline - time.monotonic():.0f}s for its lease to lapse", flush=True)
+                told = True
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.25)
+                return False
+            except asyncio.TimeoutError:
+                pass
+        return True
 
     async def _control(self, ctrl) -> None:
         while True:

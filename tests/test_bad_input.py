@@ -213,3 +213,33 @@ def test_buffers_that_cannot_be_stored_are_typed_errors_and_store_nothing(client
         client.put(f"badbuf/good{i}", x)
         back = np.empty_like(x)
         assert client.get_into(f"badbuf/good{i}", back) == x.nbytes and back.tobytes() == x.tobytes()
+
+
+def test_a_second_store_node_under_a_live_nodes_name_stops_and_takes_nothing(make_cluster):
+    """The name of a live store node cannot be taken over: a second process started under
+    it waits for the name's lease to lapse (a crashed previous run's would), then stops
+    with a config error; the first node keeps serving and keeps its data."""
+    from cli.cluster import Child, kvpool_argv
+
+    lc = make_cluster(nodes=1, memory="64MiB", node_ttl="1s")
+    with lc.client() as c:
+        c.put("dup/k", b"v" * 1000)
+        inc = c.stats().nodes[0].incarnation
+        dup = Child("dup", kvpool_argv("storenode", *lc._common(), "--name", "node-0", "--memory", "64MiB",
+                                       "--node-ttl", "1s"), lc.run_dir)
+        assert dup.proc.wait(15) == 2
+        log = open(dup.log_path).read() + "\n".join(dup.lines)
+        assert "waiting up to" in log and "is held by a live node" in log and "another --name" in log
+        st = c.stats()
+        assert [(n.node_id, n.incarnation) for n in st.nodes] == [("node-0", inc)]
+        assert c.get("dup/k") == b"v" * 1000
+
+
+def test_a_restarted_store_node_takes_its_name_back_once_the_old_lease_lapses(make_cluster):
+    lc = make_cluster(nodes=1, memory="64MiB", node_ttl="1s")
+    lc.kill_node("node-0")  # SIGKILL: its registration stays until the lease lapses
+    lc.start_node("node-0", "64MiB")
+    lc.wait_nodes(1)
+    with lc.client() as c:
+        c.put("restart/k", b"x")
+        assert c.lookup(["restart/k"])[0].replicas[0].node_id == "node-0"
