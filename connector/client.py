@@ -15,6 +15,7 @@ tensors (contiguous; CPU directly, CUDA through a host staging copy). No interme
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -41,13 +42,29 @@ def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
     """A flat unsigned-byte memoryview over ``x`` plus an optional finaliser; for a CUDA
     tensor a :class:`~connector.device_buffer.DeviceBuffer` (moved by DMA or staged, see
     :mod:`connector.dataclient`) whose finaliser copies a staged read into the tensor.
-    Raises InvalidRequest for non-contiguous data."""
-    mod = type(x).__module__
-    if mod.startswith("torch"):
-        import torch
+    Raises InvalidRequest for anything that is not one contiguous run of plain bytes
+    (strided, sparse, nested, conjugate/negative views, object arrays, meta tensors,
+    released views, non-buffers) and for read-only outputs."""
+    try:
+        return _as_buffer(x, writable)
+    except (TypeError, ValueError, RuntimeError, BufferError) as e:  # whatever the object's own checks raise
+        raise InvalidRequest(f"cannot use a {type(x).__name__} as a byte buffer: {e}") from None
 
+
+def _as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
+    torch = sys.modules.get("torch")  # a tensor means torch is imported already
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.is_nested:
+            raise InvalidRequest("a nested tensor is not one run of bytes; store its components one by one")
+        if x.layout != torch.strided:
+            raise InvalidRequest(f"a {x.layout} tensor is not one run of bytes; call .to_dense() first")
+        if x.is_conj() or x.is_neg():
+            raise InvalidRequest("a lazily conjugated or negated tensor view holds other bytes than it shows; "
+                                 "call .resolve_conj().resolve_neg() first")
         if not x.is_contiguous():
             raise InvalidRequest("tensor is not contiguous; call .contiguous() first")
+        if x.device.type == "meta":
+            raise InvalidRequest("a meta tensor has no data to store or fill")
         if x.device.type != "cpu":
             from connector.device_buffer import DeviceBuffer
 
@@ -55,7 +72,7 @@ def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
             return buf, (buf.finish if writable else None)
         flat = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
         return memoryview(flat.numpy()), None
-    if mod.startswith("numpy"):
+    if type(x).__module__.startswith("numpy"):
         if x.dtype.hasobject:
             raise InvalidRequest(f"a numpy array of dtype {x.dtype} holds Python object pointers, not bytes "
                                  "to store; convert it to a numeric dtype")
@@ -76,10 +93,11 @@ def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
         if not mv.c_contiguous:
             raise InvalidRequest("buffer is not C-contiguous (a strided memoryview?); pass a contiguous copy, "
                                  "e.g. bytes(view) or numpy.ascontiguousarray")
-    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
     if writable and mv.readonly:
         raise InvalidRequest("output buffer is read-only; pass a bytearray, numpy array or tensor")
-    return mv, None
+    if mv.nbytes == 0:
+        return memoryview(bytearray()), None  # an empty view of any shape (cast refuses zero dims)
+    return (mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv), None
 
 
 class KVPoolClient:

@@ -187,6 +187,7 @@ def test_put_rejects_bad_data_types_per_key(client):
         client.put("types/r", b"x", replicas=-1)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: nested and sparse CSR tensors are prototypes
 def test_buffers_that_cannot_be_stored_are_typed_errors_and_store_nothing(client):
     """Non-contiguous arrays, tensors and memoryviews, object arrays (pointers, not bytes),
     non-buffers and read-only outputs are InvalidRequest; nothing is stored for them. Any
@@ -194,12 +195,22 @@ def test_buffers_that_cannot_be_stored_are_typed_errors_and_store_nothing(client
     import numpy as np
     import torch
 
+    released = memoryview(bytearray(8))
+    released.release()
     bad = {"strided-np": np.zeros((4, 4))[:, ::2], "object-np": np.array([object(), 1], dtype=object),
-           "strided-torch": torch.zeros(4, 4).t(), "strided-mv": memoryview(bytearray(16))[::2], "int": 12345}
+           "strided-torch": torch.zeros(4, 4).t(), "strided-mv": memoryview(bytearray(16))[::2], "int": 12345,
+           "released-mv": released, "conj": torch.randn(4, dtype=torch.complex64).conj(),
+           "neg": torch._neg_view(torch.randn(4)), "csr": torch.eye(3).to_sparse_csr(),
+           "nested": torch.nested.as_nested_tensor([torch.ones(2), torch.ones(3)]),
+           "meta": torch.empty(4, device="meta")}
     for name, x in bad.items():
-        with pytest.raises(E.InvalidRequest, match="contiguous|object pointers|expected bytes"):
-            client.put(f"badbuf/{name}", x)
+        res = client.put_batch([f"badbuf/{name}", f"badbuf/next-to-{name}"], [x, b"fine"])
+        assert isinstance(res[0], E.InvalidRequest) and res[1] is None, (name, res)  # the bad one alone fails
         assert client.exists(f"badbuf/{name}") is False
+    good = bytearray(8)
+    client.put("badbuf/eight", b"12345678")
+    res = client.get_into_batch(["badbuf/eight", "badbuf/eight"], [torch.zeros(1, dtype=torch.complex64).conj(), good])
+    assert isinstance(res[0], E.InvalidRequest) and res[1] == 8 and good == b"12345678"
     client.put("badbuf/ok", b"12345678")
     with pytest.raises(E.InvalidRequest, match="read-only"):
         client.get_into("badbuf/ok", b"\0" * 8)
@@ -209,7 +220,8 @@ def test_buffers_that_cannot_be_stored_are_typed_errors_and_store_nothing(client
         client.get_into("badbuf/ok", ro)
     assert int(ro.sum()) == 0
     for i, x in enumerate([np.arange(12, dtype=np.float16).reshape(3, 4), np.array(["2020-01-01"], "datetime64[D]"),
-                           np.array([(1, 2.5), (3, 4.5)], dtype=[("a", "i4"), ("b", "f8")])]):
+                           np.array([(1, 2.5), (3, 4.5)], dtype=[("a", "i4"), ("b", "f8")]), np.zeros((0, 3)),
+                           np.zeros(0, "(2,3)f4")]):
         client.put(f"badbuf/good{i}", x)
         back = np.empty_like(x)
         assert client.get_into(f"badbuf/good{i}", back) == x.nbytes and back.tobytes() == x.tobytes()
