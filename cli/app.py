@@ -3,7 +3,6 @@ ls, rm, pin, unpin), admin (status, evict, drain), demo and bench."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import sys
@@ -17,8 +16,8 @@ import msgspec
 import typer
 from rich.table import Table
 
-from cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, connect, console,
-                        fail, state_file)
+from cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, claim_record, connect,
+                        console, fail, release_record, write_record)
 from protocol import errors as E
 from protocol import messages as M
 from protocol.units import format_bytes, parse_duration, parse_size
@@ -48,13 +47,16 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: stop.set())
-        with console.status("starting etcd, master and store nodes..."):
-            lc = LocalCluster(cfg)
-            lc.__enter__()
+        f = claim_record(cfg.cluster)
         try:
-            f = state_file(cfg.cluster)
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps({"master": lc.master_addr, "etcd": lc.etcd_endpoint, "pid": os.getpid()}))
+            with console.status("starting etcd, master and store nodes..."):
+                lc = LocalCluster(cfg)
+                lc.__enter__()
+        except BaseException:
+            release_record(f)
+            raise
+        try:
+            write_record(f, {"master": lc.master_addr, "etcd": lc.etcd_endpoint})
             console.print(f"[green]cluster {cfg.cluster!r} up[/]: etcd {lc.etcd_endpoint}, master {lc.master_addr}, "
                           f"{len(lc.nodes)} store nodes. Ctrl-C to stop.", soft_wrap=True)
             sys.stdout.flush()  # visible at once when piped to a log
@@ -70,8 +72,8 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
                             sys.stdout.flush()
             except KeyboardInterrupt:
                 pass
-            f.unlink(missing_ok=True)
         finally:
+            release_record(f)
             with console.status("stopping..."):
                 lc.__exit__(None, None, None)
             console.print("cluster stopped")

@@ -35,6 +35,54 @@ def state_file(cluster: str) -> Path:
     return Path(tempfile.gettempdir()) / f"kvpool-{os.getuid()}" / f"{cluster}.json"
 
 
+def _recorded(f: Path) -> dict | None:
+    """The record in ``f`` if the `kvpool up` that wrote it still runs, else None."""
+    import psutil
+
+    try:
+        info = json.loads(f.read_text())
+        return info if psutil.pid_exists(int(info["pid"])) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def claim_record(cluster: str) -> Path:
+    """Claim the local record of ``cluster`` for this `kvpool up` before it starts anything.
+    Raises ConfigError while another live `kvpool up` holds it; a record whose process is
+    gone (killed) is replaced."""
+    f = state_file(cluster)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    mine = json.dumps({"pid": os.getpid()})
+    for _ in range(2):
+        try:
+            with open(f, "x") as fh:
+                fh.write(mine)
+            return f
+        except FileExistsError:
+            info = _recorded(f)
+            if info is not None:
+                raise E.ConfigError(f"cluster {cluster!r} is already up here (kvpool up, pid {info['pid']}); stop it "
+                                    f"first (Ctrl-C there, or kill -TERM {info['pid']}), or start this one with "
+                                    "another --cluster name", key="cluster") from None
+            f.unlink(missing_ok=True)  # its `kvpool up` is gone: a stale record
+    raise E.ConfigError(f"cannot claim {f}; another `kvpool up --cluster {cluster}` is starting", key="cluster")
+
+
+def write_record(f: Path, info: dict) -> None:
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**info, "pid": os.getpid()}))
+    os.replace(tmp, f)
+
+
+def release_record(f: Path) -> None:
+    """Remove ``f`` if this process wrote it (never another `kvpool up`'s record)."""
+    try:
+        if json.loads(f.read_text()).get("pid") == os.getpid():
+            f.unlink()
+    except (OSError, ValueError):
+        pass
+
+
 def build_config(config: Path | None, cluster: str | None = None, etcd: str | None = None) -> ClusterConfig:
     over: dict = {}
     if cluster:
@@ -52,10 +100,11 @@ def connect(config: Path | None, master: str | None, etcd: str | None, cluster: 
     cfg = build_config(config, cluster, etcd)
     if not master and not cfg.etcd.endpoint:
         f = state_file(cfg.cluster)
-        if not f.exists():
-            raise E.ConfigError(f"no running cluster {cfg.cluster!r} found: start one with `kvpool up`, or pass "
-                                "--master tcp://host:port or --etcd http://host:port", key="master")
-        info = json.loads(f.read_text())
+        info = _recorded(f) if f.exists() else None
+        if info is None or "master" not in info:
+            gone = " (the `kvpool up` that recorded it is gone)" if f.exists() else ""
+            raise E.ConfigError(f"no running cluster {cfg.cluster!r} found{gone}: start one with `kvpool up`, or "
+                                "pass --master tcp://host:port or --etcd http://host:port", key="master")
         # follow the leader through etcd (survives a master failover); the recorded master
         # address is the fallback
         return KVPoolClient(None if info.get("etcd") else info["master"], etcd=info.get("etcd"),

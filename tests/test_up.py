@@ -45,3 +45,35 @@ def test_up_status_and_clean_teardown(tmp_path):
                         text=True, timeout=60)
     assert st.returncode == 2 and "kvpool up" in st.stderr
     assert not [f for f in os.listdir("/dev/shm") if "kvpool" in f]
+
+
+def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(tmp_path):
+    """`kvpool up` claims its cluster's local record before starting anything: a second one
+    for the same name fails at once (exit 2, naming the first's pid) and leaves the first's
+    record alone; a record left by a killed `kvpool up` is called gone by other commands and
+    replaced by the next `up`."""
+    from cli.common import state_file
+
+    cluster = f"up2-{uuid.uuid4().hex[:6]}"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"cluster: {cluster}\nstorenodes:\n  - name: a\n    memory: 16MiB\n")
+    base = [sys.executable, "-m", "cli"]
+    rec = state_file(cluster)
+    rec.parent.mkdir(parents=True, exist_ok=True)
+    rec.write_text(json.dumps({"pid": 2 ** 22 + 12345, "master": "tcp://127.0.0.1:1", "etcd": ""}))
+    st = subprocess.run(base + ["status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert st.returncode == 2 and "is gone" in st.stderr and "kvpool up" in st.stderr
+    p = subprocess.Popen(base + ["up", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    try:
+        assert f"cluster '{cluster}' up" in p.stdout.readline()
+        second = subprocess.run(base + ["up", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and f"already up here (kvpool up, pid {p.pid})" in second.stderr
+        assert json.loads(rec.read_text())["pid"] == p.pid
+        st = subprocess.run(base + ["status", "--json", "--config", str(cfg)], capture_output=True, text=True,
+                            timeout=60)
+        assert st.returncode == 0 and [n["node_id"] for n in json.loads(st.stdout)["nodes"]] == ["a"]
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    assert not rec.exists()
