@@ -443,6 +443,8 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
             raise E.ConfigError(f"--baseline {baseline!r}; accepted: redis", key="baseline")
         if not 1 <= streams <= 16:
             raise E.ConfigError(f"--streams {streams}; accepted: 1 to 16", key="streams")
+        if repeat < 1:
+            raise E.ConfigError(f"--repeat {repeat}; at least 1 run per cell", key="repeat")
         cfg = build_config(config)
         rep = run_bench(cfg, [parse_size(s.strip()) for s in sizes.split(",")],
                         [int(c) for c in clients.split(",")], parse_size(total), transport, metadata,

@@ -27,7 +27,8 @@ ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="Cluster na
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts")]
 
 EXIT_CODES: dict[type, int] = {E.NotFound: 3, E.ConfigError: 2, E.InvalidRequest: 2, E.InvalidKey: 2,
-                               E.Timeout: 4, E.EtcdUnavailable: 4, E.NoSpace: 5, E.HasLease: 6, E.Pinned: 6}
+                               E.Timeout: 4, E.EtcdUnavailable: 4, E.NotLeader: 4, E.NoSpace: 5, E.HasLease: 6,
+                               E.Pinned: 6}
 
 
 def state_file(cluster: str) -> Path:

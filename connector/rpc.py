@@ -102,6 +102,8 @@ class MasterRPC:
                               key="master")
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError(f"rpc timeout must be a number of seconds > 0, got {timeout_s!r}", key="rpc_timeout")
+        if master:
+            _check_master_addr(master)
         self.fixed_master = master
         self.etcd = etcd
         self.cluster = cluster
@@ -169,8 +171,8 @@ class MasterRPC:
                     self._reset()
                     if self.fixed_master:  # pointed at a standby: say so, and where the leader is
                         raise NotLeader(f"{self.fixed_master} is a standby master, not the leader; connect to "
-                                        f"{err.fields.get('leader') or 'the leader'} or pass etcd=... to follow "
-                                        "the elected one", **err.fields)
+                                        f"{err.fields.get('leader') or 'the leader'}, or follow the elected one "
+                                        "through etcd (CLI --etcd, client etcd=...)", **err.fields)
                 if not self.fixed_master:
                     self._addr = None
             if time.monotonic() >= deadline:
@@ -225,3 +227,19 @@ class MasterRPC:
             for c in list(self._conns):
                 c.close()
             self._conns.clear()
+
+
+def _check_master_addr(addr: str) -> None:
+    """A master address the user gave: ``tcp://host:port`` with a port in 1..65535 and a
+    host that resolves, or ``unix://...``. Raises ConfigError at once, instead of a
+    connect retried until the RPC timeout."""
+    scheme, rest = transport.split_addr(addr)
+    if scheme == "unix":
+        return
+    host, sep, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"master address {addr!r}: use tcp://host:port (port 1-65535)", key="master")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except OSError as e:  # socket.gaierror
+        raise ConfigError(f"master address {addr!r}: cannot resolve host {host!r} ({e})", key="master") from None

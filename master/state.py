@@ -295,7 +295,9 @@ class MasterState(HandoffMixin, RepairMixin):
             live = self._placeable(now)
         if not live:
             draining = sum(n.draining for n in self.nodes.values())
-            raise E.NoSpace(f"no store node can take {key!r}: {len(self.nodes)} live, {draining} draining; "
+            refused = (f", {len(self.refused)} of another kvpool version ({', '.join(sorted(self.refused))}: "
+                       "install this release there)") if self.refused else ""
+            raise E.NoSpace(f"no store node can take {key!r}: {len(self.nodes)} live, {draining} draining{refused}; "
                             "start one with `kvpool storenode` or check `kvpool status`", key=key)
         need = align_up(max(size, 1))
         fits = [n for n in live if n.alloc.capacity >= need]

@@ -106,3 +106,19 @@ def test_metrics_endpoint(make_cluster):
     assert 'kvpool_node_capacity_bytes{node="node-0"} 3.3554432e+07' in body
     assert 'kvpool_rpc_seconds_count{op="Lookup"} 2.0' in body  # the two gets
     assert 'kvpool_rpc_seconds_bucket{le="+Inf",op="Lookup"} 2.0' in body
+
+
+def test_master_addresses_that_cannot_work_fail_at_once():
+    """A malformed or unresolvable --master is a config error right away (exit 2), not a
+    connect retried until the RPC timeout."""
+    import subprocess
+    import sys
+    import time
+
+    for addr, want in [("tcp://127.0.0.1:99999", "port 1-65535"), ("tcp://no-such-host.invalid:1", "cannot resolve"),
+                       ("127.0.0.1:5000", "no scheme"), ("http://127.0.0.1:1", "use tcp://host:port")]:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "cli", "status", "--master", addr], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and want in r.stderr, (addr, r.stderr)
+        assert time.monotonic() - t0 < 8.0

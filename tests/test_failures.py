@@ -326,3 +326,22 @@ def test_acknowledged_put_survives_an_immediate_failover(make_cluster):
         lc.master_addr = standby.wait_line("KVPOOL_READY master", 5).split()[-1]
         with KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20) as c:
             assert [c.get(f"ack/{i}") for i in range(rnd + 1)] == [b"v%d" % i for i in range(rnd + 1)]
+
+
+def test_a_client_pointed_at_a_standby_is_told_where_the_leader_is(make_cluster):
+    import subprocess
+    import sys
+
+    lc = make_cluster(nodes=1, memory="16MiB")
+    standby = lc.start_master(wait_leader=False)
+    addr = standby.wait_line("KVPOOL_READY master", 10).split()[-1]
+    def told() -> str:
+        with KVPoolClient(addr, rpc_timeout_s=5) as c:
+            with pytest.raises(E.NotLeader, match="is a standby master, not the leader; connect to .*--etcd") as ei:
+                c.stats()
+        return lc.master_addr in str(ei.value)  # once the standby has read the leader key
+
+    wait_for(told, 10, what="the standby to name the leader")
+    r = subprocess.run([sys.executable, "-m", "cli", "status", "--master", addr], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 4 and lc.master_addr in r.stderr

@@ -73,3 +73,14 @@ def test_a_leader_of_another_version_keeps_pins_and_holds_for_the_next(make_clus
         rep = c.evict(M.EvictSelector(prefix="pv/"))
         assert (rep.removed, rep.skipped_pinned, rep.skipped_held) == (1, 1, 1)
         assert c.exists("pv/pinned") and c.handoff_claim("pv-req").keys == {"0": ["pv/held"]}
+
+
+def test_with_only_nodes_of_another_version_a_put_says_so(make_cluster, monkeypatch):
+    lc = make_cluster(nodes=0)
+    monkeypatch.setattr(cluster_mod, "kvpool_argv", _release(0))
+    lc.start_node("old-node", "64MiB")
+    monkeypatch.undo()
+    with lc.client() as c:
+        wait_for(lambda: c.stats().refused, 10, what="the old node to be refused")
+        with pytest.raises(E.NoSpace, match=r"0 live, 0 draining, 1 of another kvpool version \(old-node"):
+            c.put("v/k", b"x")
