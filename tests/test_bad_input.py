@@ -11,6 +11,7 @@ from protocol import errors as E
 from protocol import messages as M
 from protocol import rpcwire
 from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
+from tests.conftest import wait_for
 
 
 def test_bad_keys(client):
@@ -249,9 +250,11 @@ def test_a_second_store_node_under_a_live_nodes_name_stops_and_takes_nothing(mak
 
 def test_a_restarted_store_node_takes_its_name_back_once_the_old_lease_lapses(make_cluster):
     lc = make_cluster(nodes=1, memory="64MiB", node_ttl="1s")
-    lc.kill_node("node-0")  # SIGKILL: its registration stays until the lease lapses
-    lc.start_node("node-0", "64MiB")
-    lc.wait_nodes(1)
     with lc.client() as c:
+        old = c.stats().nodes[0].incarnation
+        lc.kill_node("node-0")  # SIGKILL: its registration stays until the lease lapses
+        lc.start_node("node-0", "64MiB")  # READY once it holds the name
+        wait_for(lambda: [n.incarnation for n in c.stats().nodes] not in ([], [old]), 10,
+                 what="the master to see the new incarnation")
         c.put("restart/k", b"x")
         assert c.lookup(["restart/k"])[0].replicas[0].node_id == "node-0"
