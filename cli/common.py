@@ -61,12 +61,23 @@ def claim_record(cluster: str) -> Path:
             return f
         except FileExistsError:
             info = _recorded(f)
+            if info is None and _fresh(f):  # just created by another `kvpool up`, not written yet
+                break
             if info is not None:
                 raise E.ConfigError(f"cluster {cluster!r} is already up here (kvpool up, pid {info['pid']}); stop it "
                                     f"first (Ctrl-C there, or kill -TERM {info['pid']}), or start this one with "
                                     "another --cluster name", key="cluster") from None
             f.unlink(missing_ok=True)  # its `kvpool up` is gone: a stale record
     raise E.ConfigError(f"cannot claim {f}; another `kvpool up --cluster {cluster}` is starting", key="cluster")
+
+
+def _fresh(f: Path, seconds: float = 5.0) -> bool:
+    import time
+
+    try:
+        return time.time() - f.stat().st_mtime < seconds and not f.read_text().strip()
+    except OSError:
+        return False
 
 
 def write_record(f: Path, info: dict) -> None:

@@ -73,6 +73,9 @@ def _as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
         flat = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
         return memoryview(flat.numpy()), None
     if type(x).__module__.startswith("numpy"):
+        if type(x).__module__.startswith("numpy.ma"):
+            raise InvalidRequest("a masked array's mask would be lost; store .filled(value), or its .data and "
+                                 ".mask as two objects")
         if x.dtype.hasobject:
             raise InvalidRequest(f"a numpy array of dtype {x.dtype} holds Python object pointers, not bytes "
                                  "to store; convert it to a numeric dtype")

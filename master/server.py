@@ -366,15 +366,15 @@ class MasterServer:
     def _rebuild(self, descs: dict[str, M.NodeDesc], handoffs: list[M.HandoffRecord],
                  pins: list[M.PinRecord]) -> None:
         """Index from live nodes' committed extents, then hand-off holds and pins from etcd
-        (stale pin records — object gone, soft pin lapsed — are deleted)."""
+        (stale pin records — another object under the key, soft pin lapsed — are deleted;
+        those of objects not indexed wait for a node to bring them back)."""
         now = time.time()
         for d in self._screen(descs):
             self._join(d, now, timeout_ms=5000)
-        complete = len(self.state.nodes) == len(descs)  # else some objects are not indexed yet
         for rec in handoffs:
             self.state.restore_handoff(rec)
         for pin in pins:
-            if not self.state.restore_pin(pin, now, complete):
+            if not self.state.restore_pin(pin, now):
                 self._etcd_forget(self.keys.pin(pin.key))
 
     def _sock(self, node_id: str) -> zmq.Socket | None:
@@ -473,10 +473,11 @@ class MasterServer:
             return st.stats()
         if isinstance(req, (M.Pin, M.Unpin)):  # durable first: an acknowledged (un)pin survives a failover
             ttl = req.ttl_s if isinstance(req, M.Pin) else None
-            obj = st.check_pin(req.key, ttl)
             key = self.keys.pin(req.key)
             if isinstance(req, M.Unpin):
+                st.check_unpin(req.key)  # a pin waiting for an away node can be cancelled too
                 return self.durable.write(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
+            obj = st.check_pin(req.key, ttl)
             val = M.encode(M.PinRecord(req.key, None if ttl is None else now + ttl, obj.size, obj.checksum))
 
             def pin_same(k=req.key, size=obj.size, checksum=obj.checksum):

@@ -114,10 +114,12 @@ class MasterState(HandoffMixin, RepairMixin):
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
         self.handoffs: dict[str, Handoff] = {}
-        # etcd records whose objects were not indexed at the rebuild (a node refused or not
-        # answering then): applied when such a node joins and its extent comes back
-        self.waiting_pins: dict[str, PinRecord] = {}
-        self.waiting_holds: dict[str, set[str]] = {}  # key -> open hand-offs naming it
+        # pins and hand-off holds of objects that are away with a store node (it left, or was
+        # not indexed at a rebuild): applied when the key is committed again or the node
+        # brings the extent back; pins are forgotten (their etcd record deleted) after
+        # DEPARTED_KEEP_S, holds when their hand-off closes
+        self.waiting_pins: dict[str, tuple[PinRecord, float]] = {}  # key -> (record, forget after)
+        self.waiting_holds: dict[str, set[str]] = {}  # key -> hand-offs naming it
         self.outbox: dict[str, list] = defaultdict(list)
         # incarnations dropped from the index -> (forget after, keys dropped since): a node
         # that comes back with the same memory must not bring those keys back
@@ -169,7 +171,7 @@ class MasterState(HandoffMixin, RepairMixin):
                 self._revoke_pending(obj, now, quarantine=False)
                 continue
             if not obj.replicas:
-                self._drop(obj, reason="node_lost")
+                self._drop(obj, reason="node_lost", away=True)
                 lost.append(key)
         # after the drops above: what the node alone held may come back with it
         self.departed[node.desc.incarnation] = [now + DEPARTED_KEEP_S, set()]
@@ -226,8 +228,7 @@ class MasterState(HandoffMixin, RepairMixin):
                         node.desc.host_id, offset, size, gen, ucx_addr=node.desc.ucx_addr)
         node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
         obj = self.objects.get(key)
-        created = obj is None
-        if created:
+        if obj is None:
             obj = Obj(key, size, checksum, layout, [ref], COMMITTED, 0, now, now,
                       replicas_wanted=replicas or self.s.replicas)
             self.objects[key] = obj
@@ -239,12 +240,23 @@ class MasterState(HandoffMixin, RepairMixin):
             self._free_extent(ref)
             return
         node.keys.add(key)
-        if created:
-            obj.holds.update(r for r in self.waiting_holds.pop(key, ()) if r in self.handoffs)
         self._lru_add(obj)
-        rec = self.waiting_pins.pop(key, None) if created else None
-        if rec is not None and not self.restore_pin(rec, now):
-            self.unpinned.append(key)  # another object now, or lapsed: its etcd record goes
+        self._settle_waiting(obj, now)
+
+    def _settle_waiting(self, obj: Obj, now: float) -> None:
+        """``obj`` is committed under a key whose pin or holds were waiting (see
+        :attr:`waiting_pins`): apply them when the record names these bytes, else the pin
+        record is stale (reported through :meth:`take_unpinned`)."""
+        holds = self.waiting_holds.pop(obj.key, None)
+        if holds:
+            open_ = {r for r in holds if (h := self.handoffs.get(r)) is not None and h.status == "open"}
+            if open_:
+                self._lru_remove(obj)
+                obj.holds.update(open_)
+                self._lru_add(obj)
+        waiting = self.waiting_pins.pop(obj.key, None)
+        if waiting is not None and not self.restore_pin(waiting[0], now):
+            self.unpinned.append(obj.key)
 
     # ---- puts ---------------------------------------------------------------------------
 
@@ -376,6 +388,8 @@ class MasterState(HandoffMixin, RepairMixin):
             for r in obj.replicas:
                 self.outbox[r.node_id].append(NodeCommit([commit_row(obj, r)]))
             self._lru_add(obj)
+            if key in self.waiting_pins or key in self.waiting_holds:
+                self._settle_waiting(obj, now)
             out.append(None)
         self.enforce_watermarks(now)
         return out
@@ -492,15 +506,22 @@ class MasterState(HandoffMixin, RepairMixin):
             return "leased"
         return ""
 
-    def _drop(self, obj: Obj, reason: str) -> None:
+    def _drop(self, obj: Obj, reason: str, away: bool = False) -> None:
+        """Forget ``obj``. ``away``: it left with its store node, which may bring it back
+        (DEPARTED_KEEP_S): its pin and holds wait for it instead of ending."""
         self.objects.pop(obj.key, None)
-        for away in self.departed.values():
-            if away[1] is not None:
-                away[1].add(obj.key)
-                if len(away[1]) > DEPARTED_MAX_KEYS:
-                    away[1] = None
-        if obj.pin:
+        for dep in self.departed.values():
+            if dep[1] is not None:
+                dep[1].add(obj.key)
+                if len(dep[1]) > DEPARTED_MAX_KEYS:
+                    dep[1] = None
+        if away and obj.pin:
+            rec = PinRecord(obj.key, None if obj.pin == "hard" else obj.pin_until, obj.size, obj.checksum)
+            self.waiting_pins[obj.key] = (rec, self._now + DEPARTED_KEEP_S)
+        elif obj.pin:
             self.unpinned.append(obj.key)
+        if away and obj.holds:
+            self.waiting_holds.setdefault(obj.key, set()).update(obj.holds)
         self._lru_remove(obj)
         for r in obj.replicas:
             self._free_extent(r)
@@ -641,7 +662,15 @@ class MasterState(HandoffMixin, RepairMixin):
         self._lru_add(obj)
         self._maybe_repair(obj)
 
+    def check_unpin(self, key: str) -> None:
+        """Raises NotFound unless ``key`` is stored or has a pin waiting for its node."""
+        if key not in self.waiting_pins:
+            self._get(key)
+
     def unpin(self, key: str) -> None:
+        """Unpin ``key``, or cancel its pin waiting for a node that is away."""
+        if self.waiting_pins.pop(key, None) is not None and key not in self.objects:
+            return
         obj = self._get(key)
         self._lru_remove(obj)
         obj.pin, obj.pin_until = "", 0.0
@@ -663,6 +692,10 @@ class MasterState(HandoffMixin, RepairMixin):
             self._revoke_pending(obj, now, quarantine=True)
         for inc in [i for i, (until, _) in self.departed.items() if until <= now]:
             del self.departed[inc]
+        for key in [k for k, (rec, forget) in self.waiting_pins.items()
+                    if forget <= now or (rec.until is not None and rec.until <= now)]:
+            del self.waiting_pins[key]  # its node did not bring it back in time, or the soft pin lapsed
+            self.unpinned.append(key)
         self._now = now
         for node in self.nodes.values():
             self._release_quarantine(node, now)
@@ -729,19 +762,18 @@ class MasterState(HandoffMixin, RepairMixin):
                             self.s.high_watermark, self.s.low_watermark, under, dict(self.counters),
                             dict(self.refused))
 
-    def restore_pin(self, rec: PinRecord, now: float, complete: bool = True) -> bool:
+    def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the
-        object is gone or is another object now, or the soft pin lapsed): delete it. With
-        ``complete=False`` (a published store node was refused or did not answer, so its
-        objects are not indexed) a record naming no indexed object waits for that node
-        (:attr:`waiting_pins`, applied when the extent is restored) instead."""
+        object under the key is another one now, or the soft pin lapsed): delete it. A
+        record naming no indexed object waits (:attr:`waiting_pins`) for a store node to
+        bring it back: one that is away, refused for its version or not answering now."""
         if rec.until is not None and rec.until <= now:
             return False
         obj = self.objects.get(rec.key)
-        if obj is None and not complete:
-            self.waiting_pins[rec.key] = rec
+        if obj is None:
+            self.waiting_pins[rec.key] = (rec, now + DEPARTED_KEEP_S)
             return True
-        if obj is None or (obj.size, obj.checksum) != (rec.size, rec.checksum):
+        if (obj.size, obj.checksum) != (rec.size, rec.checksum):
             return False
         self.pin(rec.key, None if rec.until is None else rec.until - now, now)
         return True

@@ -203,7 +203,7 @@ def test_buffers_that_cannot_be_stored_are_typed_errors_and_store_nothing(client
            "released-mv": released, "conj": torch.randn(4, dtype=torch.complex64).conj(),
            "neg": torch._neg_view(torch.randn(4)), "csr": torch.eye(3).to_sparse_csr(),
            "nested": torch.nested.as_nested_tensor([torch.ones(2), torch.ones(3)]),
-           "meta": torch.empty(4, device="meta")}
+           "meta": torch.empty(4, device="meta"), "masked": np.ma.masked_array([1, 2, 3], mask=[0, 1, 0])}
     for name, x in bad.items():
         res = client.put_batch([f"badbuf/{name}", f"badbuf/next-to-{name}"], [x, b"fine"])
         assert isinstance(res[0], E.InvalidRequest) and res[1] is None, (name, res)  # the bad one alone fails

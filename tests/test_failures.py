@@ -345,3 +345,25 @@ def test_a_client_pointed_at_a_standby_is_told_where_the_leader_is(make_cluster)
     r = subprocess.run([sys.executable, "-m", "cli", "status", "--master", addr], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 4 and lc.master_addr in r.stderr
+
+
+def test_pins_and_holds_return_with_a_node_that_was_away(make_cluster):
+    """A store node paused past its lease (SIGSTOP) is dropped with its objects; when it
+    comes back with its memory, its objects are indexed again with their pin and hand-off
+    hold, and the pin record is still in etcd (a later failover keeps it)."""
+    lc = make_cluster(nodes=2, memory="32MiB", node_ttl="1s")
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("b", (4096,), "uint8"),))
+    with lc.client() as c:
+        c.drain("node-0")  # everything on node-1
+        c.put_batch(["away/pinned", "away/held", "away/plain"], [b"p" * 4096, b"h" * 4096, b"x" * 4096], lay)
+        c.pin("away/pinned")
+        c.handoff_publish("away-req", {"0": ["away/held"]}, {"0": lay}, ttl_s=120)
+        c.drain("node-0", undo=True)
+        lc.nodes["node-1"].kill(signal.SIGSTOP)
+        wait_for(lambda: [n.node_id for n in c.stats().nodes] == ["node-0"], 10, what="node-1 dropped")
+        assert not c.exists("away/pinned")
+        lc.nodes["node-1"].kill(signal.SIGCONT)
+        wait_for(lambda: c.stats().objects == 3, 15, what="node-1's objects indexed again")
+        rep = c.evict(M.EvictSelector(prefix="away/"))
+        assert (rep.removed, rep.skipped_pinned, rep.skipped_held) == (1, 1, 1)
+        assert {m.key: m.pin for m in c.ls("away/")} == {"away/pinned": "hard", "away/held": ""}

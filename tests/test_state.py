@@ -421,30 +421,51 @@ def test_nodes_of_another_wire_version_are_screened_out_and_reported_once():
     assert ok == [same, desc("old", WIRE_VERSION)] and refused == [] and st.stats().refused == {}
 
 
-def test_records_of_objects_on_a_node_not_joined_yet_wait_for_it():
-    """A rebuild that could not index every published node (one refused for its version
-    or not answering) keeps pin records and hand-off holds whose objects it has not seen,
-    and applies them when that node joins and reports the extents; a record that turns out
-    stale then is reported for deletion. A complete rebuild still drops stale records."""
+def test_pins_and_holds_wait_for_a_node_that_is_away():
+    """Objects that leave with their store node keep their pin and hand-off holds waiting
+    (a rebuild does the same for records naming objects it has not indexed): applied when
+    the node brings the extents back or the key is put again with the same bytes; a re-put
+    with other bytes makes the pin record stale; an unpin cancels a waiting pin; a waiting
+    pin is forgotten after DEPARTED_KEEP_S or when its soft pin lapses; closed hand-offs
+    hold nothing."""
+    from master.state import DEPARTED_KEEP_S
     from protocol.messages import PinRecord
 
     st = make(nodes=1)
-    late = NodeDesc("late", "inc-late", "tcp://x:2", "", "", "h1", 10 * MiB)
-    assert st.restore_pin(PinRecord("p-hard", None, MiB, 7), 10.0, complete=False) is True
-    assert st.restore_pin(PinRecord("p-other", None, MiB, 7), 10.0, complete=False) is True
-    assert st.restore_pin(PinRecord("p-lapsed", 5.0, MiB, 7), 10.0, complete=False) is False
-    assert st.restore_pin(PinRecord("p-missing", None, MiB, 7), 10.0, complete=True) is False
-    st.restore_handoff(HandoffRecord("r1", {"0": ["h-0", "h-1"]}, {}, "p", deadline=100.0))
-    st.restore_handoff(HandoffRecord("r-done", {"0": ["h-1"]}, {}, "p", deadline=100.0))
-    st.handoff_finish("r-done", "acked")
-    st.node_up(late, 11.0)
-    for i, key in enumerate(["p-hard", "p-other", "h-0", "h-1"]):
-        checksum = 8 if key == "p-other" else 7  # p-other: another object under that key now
-        st.restore_extent("late", key, i * MiB, MiB, 1, checksum, None, 11.0)
-    pins = {m.key: m.pin for m in st.list_objects("", 10, 11.0)}
-    assert pins["p-hard"] == "hard" and pins["p-other"] == ""
-    assert st.take_unpinned() == ["p-other"]
-    assert st.objects["h-0"].holds == {"r1"} and st.objects["h-1"].holds == {"r1"}  # not r-done
-    rep = st.evict(EvictSelector(all=True), False, False, 12.0)
-    assert (rep.removed, rep.skipped_pinned, rep.skipped_held) == (1, 1, 2)  # p-other alone goes
-    assert st.waiting_pins == {} and st.waiting_holds == {}
+    away = NodeDesc("away", "inc-away", "tcp://x:2", "", "", "h1", 10 * MiB)
+    st.node_up(away, 0.0)
+    keys = ["hard", "soft", "same", "other", "cancel", "held", "closed"]
+    for i, key in enumerate(keys):
+        st.restore_extent("away", key, i * MiB, MiB, 1, 7, None, 0.0)
+    for key in ("hard", "same", "other", "cancel"):
+        st.pin(key, None, 0.0)
+    st.pin("soft", 50.0, 0.0)
+    st.handoff_publish(HandoffRecord("open", {"0": ["held"]}, {}, "p", deadline=1000.0), 0.0)
+    st.handoff_publish(HandoffRecord("done", {"0": ["closed"]}, {}, "p", deadline=1000.0), 0.0)
+    assert sorted(st.node_down("away", 1.0)) == sorted(keys)
+    assert st.take_unpinned() == [] and set(st.waiting_pins) == {"hard", "soft", "same", "other", "cancel"}
+    st.handoff_finish("done", "acked")
+    st.check_unpin("cancel")
+    st.unpin("cancel")
+    for key, checksum in (("same", 7), ("other", 8)):  # put again while the node is away
+        g = st.put_start([PutItem(key, MiB, checksum)], "h0", 1, 2.0)[0]
+        assert st.put_end([key], [g.put_id], 2.0, [checksum]) == [None]
+    assert st.objects["same"].pin == "hard" and st.objects["other"].pin == ""
+    assert st.take_unpinned() == ["other"]
+    st.node_up(away, 3.0)  # back with its memory: the same incarnation
+    for i, key in enumerate(keys):
+        st.restore_extent("away", key, i * MiB, MiB, 1, 7, None, 3.0)
+    pins = {m.key: m.pin for m in st.list_objects("", 20, 3.0)}
+    assert pins == {"hard": "hard", "soft": "soft", "same": "hard", "other": "", "cancel": "", "held": "",
+                    "closed": ""}
+    assert st.objects["held"].holds == {"open"} and st.objects["closed"].holds == set()
+    assert len(st.objects["same"].replicas) == 2 and st.waiting_pins == {} and st.waiting_holds == {}
+    # a rebuild's records: wait, then forgotten after DEPARTED_KEEP_S or when a soft pin lapses
+    assert st.restore_pin(PinRecord("soft", 1.0, MiB, 7), 10.0) is False  # lapsed
+    assert st.restore_pin(PinRecord("hard", None, MiB, 9), 10.0) is False  # other bytes under the key
+    assert st.restore_pin(PinRecord("nowhere", None, MiB, 7), 10.0) is True
+    assert st.restore_pin(PinRecord("brief", 20.0, MiB, 7), 10.0) is True
+    st.tick(21.0)
+    assert st.take_unpinned() == ["brief"] and set(st.waiting_pins) == {"nowhere"}
+    st.tick(10.0 + DEPARTED_KEEP_S)
+    assert st.take_unpinned() == ["nowhere"] and st.waiting_pins == {}
