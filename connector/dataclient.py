@@ -300,14 +300,7 @@ class DataPlane:
         pending = self._send_writes(shm, notice=True)
         for op in shm:
             if op.error is None and isinstance(op.data, memoryview):
-                r = op.ref
-                seg = self._segment(r)
-                if seg is None:
-                    op.error = _gone(r)
-                    continue
-                digest = self._copy_in(r, seg[r.offset:r.offset + r.size], op.data, op.checksum is None)
-                if op.checksum is None:
-                    op.checksum = digest
+                self._write_shm(op)
         self._dma(dma, into_segment=True)
         self._finish_writes(pending)
         self._finish_writes(self._send_writes(net, notice=False))
@@ -583,17 +576,22 @@ class DataPlane:
         for op in ops:
             if op.error is not None or not _stage(op, into_segment):
                 continue
-            r = op.ref
-            if not into_segment:
+            if into_segment:
+                self._write_shm(op)
+            else:
                 self._copy_out(op)
-                continue
-            seg = self._segment(r)
-            if seg is None:
-                op.error = _gone(r)
-                continue
-            digest = self._copy_in(r, seg[r.offset:r.offset + r.size], op.data, op.checksum is None)
-            if op.checksum is None:
-                op.checksum = digest
+
+    def _write_shm(self, op: WriteOp) -> None:
+        """Copy ``op.data`` (a memoryview) into its mapped extent, hashing it on the way
+        when no checksum is set yet; NodeUnavailable on the op when the mapping is gone."""
+        r = op.ref
+        seg = self._segment(r)
+        if seg is None:
+            op.error = _gone(r)
+            return
+        digest = self._copy_in(r, seg[r.offset:r.offset + r.size], op.data, op.checksum is None)
+        if op.checksum is None:
+            op.checksum = digest
 
     def _extent_address(self, ref: ExtentRef) -> int:
         base = self._bases.get(ref.incarnation)

@@ -734,6 +734,7 @@ class MasterState(HandoffMixin, RepairMixin):
         """Split published store nodes into those this master may place on (same
         :data:`~protocol.messages.WIRE_VERSION`) and those newly refused for speaking another
         version (to report once); :attr:`refused` becomes the refused set of now."""
+        descs = list(descs)  # walked twice below
         ok, refused = [], {}
         for d in descs:
             if d.wire == WIRE_VERSION:

@@ -23,11 +23,16 @@ def _release(wire: int):
     return lambda *args: [sys.executable, "-c", code, *args]
 
 
-def test_a_store_node_of_another_version_is_not_placed_on(make_cluster, monkeypatch):
-    lc = make_cluster(nodes=1)
+def _start_old_node(lc, monkeypatch) -> None:
+    """Store node ``old-node`` of wire version 0 (a release from before versions)."""
     monkeypatch.setattr(cluster_mod, "kvpool_argv", _release(0))
     lc.start_node("old-node", "64MiB")
     monkeypatch.undo()
+
+
+def test_a_store_node_of_another_version_is_not_placed_on(make_cluster, monkeypatch):
+    lc = make_cluster(nodes=1)
+    _start_old_node(lc, monkeypatch)
     with lc.client() as c:
         st = wait_for(lambda: (s := c.stats()).refused and s, what="the old node to be refused")
         assert st.refused == {"old-node": 0} and [n.node_id for n in st.nodes] == ["node-0"]
@@ -77,9 +82,7 @@ def test_a_leader_of_another_version_keeps_pins_and_holds_for_the_next(make_clus
 
 def test_with_only_nodes_of_another_version_a_put_says_so(make_cluster, monkeypatch):
     lc = make_cluster(nodes=0)
-    monkeypatch.setattr(cluster_mod, "kvpool_argv", _release(0))
-    lc.start_node("old-node", "64MiB")
-    monkeypatch.undo()
+    _start_old_node(lc, monkeypatch)
     with lc.client() as c:
         wait_for(lambda: c.stats().refused, 10, what="the old node to be refused")
         with pytest.raises(E.NoSpace, match=r"0 live, 0 draining, 1 of another kvpool version \(old-node"):
