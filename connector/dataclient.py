@@ -6,9 +6,11 @@ Paths, chosen per replica (``transport="auto"``):
   its Unix socket (SCM_RIGHTS) and mapped. A get is **one copy** (segment → caller
   buffer); with ``ReadOp(digest=True)`` it goes in 256 KiB chunks, each hashed (xxh3_64,
   streaming) right after it lands, while still in cache, so the checksum costs no second
-  pass over memory. A put is **one copy** (caller buffer → segment), hashed the same way
-  as it goes (the checksum reaches the master with ``put_end``), plus a small ``written``
-  notice; a batch's notices go out in one send before the copies, so the node's round
+  pass over memory; from 4 MiB the source is hashed by a helper thread beside one
+  GIL-free ``memcpy`` instead (:meth:`DataPlane._hash_aside`). A put is **one copy**
+  (caller buffer → segment), hashed the same way as it goes unless the client hashed the
+  buffer while waiting for ``put_start`` (objects up to 4 MiB; the checksum reaches the
+  master with ``put_end``), plus a small ``written`` notice; a batch's notices go out in one send before the copies, so the node's round
   trip overlaps them. Big copies without a hash release the GIL (numpy), so the second
   replica of a put and the per-node threads of a batch copy in parallel; copies hit by 4K
   aliasing are bounced (see :meth:`DataPlane._copy_out`).
@@ -49,6 +51,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -65,6 +68,7 @@ _PAGE = 4096
 _ALIAS = 64             # destinations 1..63 bytes ahead of the source, modulo a page, ...
 _BOUNCE_MAX = 512 << 10  # ... and copies smaller than this take glibc's slow rep-movsb path
 _GIL_FREE = 1 << 20      # copies at least this big run without the GIL (numpy)
+HASH_ASIDE_MIN = 4 << 20  # shm copies at least this big are hashed by a helper thread as they go
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _POPULATE_MAX = 8 << 30  # segments up to this size are mapped with MAP_POPULATE
@@ -192,6 +196,8 @@ class DataPlane:
         self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
         self.cuda_direct = cuda_direct
         self._pins = None  # connector.device_buffer.PinnedWindows, made on the first CUDA tensor
+        self._hasher: ThreadPoolExecutor | None = None  # see _hash_aside
+        self._hasher_free = threading.Lock()
 
     # ---- connections ----------------------------------------------------------------------
 
@@ -454,6 +460,12 @@ class DataPlane:
             if op.digest:
                 op.digest = xxhash.xxh3_64_intdigest(out[:size])
             return
+        if op.digest and size >= HASH_ASIDE_MIN:
+            fut = self._hash_aside(src)
+            if fut is not None:
+                _memcpy(out[:size], src)
+                op.digest = fut.result()
+                return
         if size >= _BOUNCE_MAX and bounce is not None:
             bounce = None  # big copies do not suffer the aliasing: one memcpy (+ one hash pass)
             if op.digest:
@@ -604,6 +616,11 @@ class DataPlane:
         case described in :meth:`_copy_out`). With ``digest``, returns the xxh3_64 of the
         bytes, hashed per 256 KiB chunk right after it is copied (source still in L2)."""
         size = len(dst)
+        if digest and size >= HASH_ASIDE_MIN:
+            fut = self._hash_aside(data)
+            if fut is not None:
+                _memcpy(dst, data)
+                return fut.result()
         bounce = None
         if 2048 < size < _BOUNCE_MAX:
             try:
@@ -626,6 +643,28 @@ class DataPlane:
                 h.update(data[a:b])
         return h.intdigest() if h is not None else None
 
+    def _hash_aside(self, data) -> Future | None:
+        """Start the xxh3_64 of ``data`` on this plane's one helper thread, so that it runs
+        beside the caller's GIL-free ``memcpy`` of the same bytes (the hash trails the copy
+        through the shared cache); None when the helper is busy with another thread's copy
+        (that copy hashes as it goes instead). The bytes must not change until the future
+        is done: a get holds its lease, a put owns its buffer.
+
+        Measured on the project VM (2 vCPUs, same-host get, interleaved A/B): 4 MiB 0.98 →
+        0.86 ms, 16 MiB 3.17 → 2.92 ms, 64 MiB 13.1 → 11.6 ms; at 2 MiB the hand-off to the
+        thread (~0.1 ms wake-up) ate the gain, hence :data:`HASH_ASIDE_MIN`."""
+        if not self._hasher_free.acquire(blocking=False):
+            return None
+        try:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hash")
+            fut = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
+        except BaseException:
+            self._hasher_free.release()
+            raise
+        fut.add_done_callback(lambda _: self._hasher_free.release())
+        return fut
+
     def _bounce_for(self, src: int, dst: int) -> memoryview | None:
         """A bounce buffer half a page from ``src`` when ``dst`` sits 1–63 bytes past
         ``src`` modulo a page (the slow case), else None."""
@@ -639,6 +678,8 @@ class DataPlane:
         return b[0][k:k + _CHUNK]
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False)
         with self._map_lock:
             for s in list(self._all_conns):
                 try:

@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from protocol import messages as M
@@ -146,9 +147,14 @@ class MasterRPC:
             with self._lock:
                 self._conns.discard(c)
 
-    def call(self, req: Any, timeout_s: float | None = None) -> Any:
+    def call(self, req: Any, timeout_s: float | None = None,
+             meanwhile: Callable[[Callable[[], bool]], None] | None = None) -> Any:
         """Send ``req`` and return its decoded result; raise the typed error on failure
-        (:class:`~protocol.errors.Timeout` when no master answered before the deadline)."""
+        (:class:`~protocol.errors.Timeout` when no master answered before the deadline).
+
+        ``meanwhile(answered)``: work to do while the master handles the request, run once,
+        after the first send; ``answered()`` is True when the reply can be read without
+        waiting, so the work can stop there (a put hashes its buffers here)."""
         waited = self.timeout_s if timeout_s is None else timeout_s
         if not waited > 0:
             raise ConfigError(f"call timeout must be > 0 seconds, got {timeout_s!r}", key="timeout_s")
@@ -161,7 +167,8 @@ class MasterRPC:
                 self._resolve()
                 addr = self._addr
             if addr is not None:
-                rep = self._round_trip(addr, body, deadline)
+                rep = self._round_trip(addr, body, deadline, meanwhile)
+                meanwhile = None
                 if rep is not None:
                     if rep.error is None:
                         return M.decode_result(rep.result, typ)
@@ -179,8 +186,9 @@ class MasterRPC:
                 raise Timeout(self._timeout_message(waited), op=type(req).__name__)
             time.sleep(0.05)
 
-    def _round_trip(self, addr: str, body: bytes, deadline: float) -> M.Reply | None:
-        """One send + the matching reply; None when the connection failed (retry)."""
+    def _round_trip(self, addr: str, body: bytes, deadline: float, meanwhile=None) -> M.Reply | None:
+        """One send (then ``meanwhile``, see :meth:`call`) + the matching reply; None when
+        the connection failed (retry)."""
         left = deadline - time.monotonic()
         if left <= 0:
             return None
@@ -189,6 +197,8 @@ class MasterRPC:
             c.sock.settimeout(left)
             rid = next(self._ids)
             c.sock.sendall(rpcwire.pack(rid, body))
+            if meanwhile is not None:
+                meanwhile(c.frames.ready)
             while True:
                 got, payload = c.frames.read()
                 if got == rid:

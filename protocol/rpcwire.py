@@ -15,6 +15,7 @@ share it; :class:`BlockingFrames` is the client's buffered reader.
 """
 from __future__ import annotations
 
+import select
 import struct
 
 from protocol.dataplane import FrameReader
@@ -73,6 +74,15 @@ class BlockingFrames(FrameReader):
 
     __slots__ = ()
     eof_message = "master closed the connection"
+
+    def ready(self) -> bool:
+        """True when a reply (or EOF) can be read without blocking: bytes are buffered or
+        the socket is readable (one zero-timeout ``poll``)."""
+        if self.hi > self.lo:
+            return True
+        p = select.poll()
+        p.register(self.sock, select.POLLIN)
+        return bool(p.poll(0))
 
     def read(self) -> tuple[int, bytes | memoryview]:
         """The next ``(request id, body)``. Raises NodeUnavailable on EOF, InvalidRequest for

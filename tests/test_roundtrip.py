@@ -226,3 +226,48 @@ def test_group_blocks_and_layout_mismatch(client):
     # the wrong byte count for a layout is rejected at put time
     res = store.put_blocks(hashes[3:4], [torch.zeros(10)])
     assert isinstance(res[0], E.LayoutMismatch)
+
+
+@pytest.mark.parametrize("size", [1 << 20, 4 << 20, (6 << 20) + 123])
+def test_checksums_hashed_beside_the_copy_match_the_bytes_and_catch_corruption(make_cluster, size):
+    """Same host: objects up to 4 MiB are hashed while put_start is in flight and copied
+    without a hash; from 4 MiB, a get (and a put too big to prehash) hashes on the helper
+    thread beside its copy. Either way the master's checksum is the xxh3_64 of the bytes,
+    the bytes come back whole, and a byte flipped in the segment afterwards is caught
+    (ChecksumMismatch; the replica is dropped, so the key then misses)."""
+    lc = make_cluster(nodes=1)
+    with lc.client(lease_retries=0) as c:
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        key = f"aside/{size}"
+        assert c.put(key, data) is True
+        info = c.lookup([key])[0]
+        assert info.checksum == xxhash.xxh3_64_intdigest(data)
+        out = np.zeros(size, dtype=np.uint8)
+        assert c.get_into(key, out) == size and np.array_equal(out, data)
+        assert (c.data._hasher is not None) == (size >= 4 << 20)  # the helper hashed the get
+        ref = info.replicas[0]
+        seg = c.data._segment(ref)
+        seg[ref.offset + size - 1] = (seg[ref.offset + size - 1] + 1) % 256
+        with pytest.raises(E.ChecksumMismatch):
+            c.get_into(key, out)
+        assert c.get_into(key, out) is None
+
+
+def test_prehash_stops_when_the_answer_is_in():
+    """The put_start wait hashes host buffers of at most 4 MiB in order and stops at the
+    first look at the socket that finds the answer (it looks every 256 KiB hashed);
+    bigger buffers and device buffers are left to the write."""
+    from connector.client import _PREHASH_POLL, _prehash
+
+    small = [memoryview(bytes([i]) * (100 << 10)) for i in range(5)]  # 3 fit before the first look
+    big = memoryview(bytes(5 << 20))
+    bufs = [small[0], big, object(), *small[1:]]
+    sums = [None] * len(bufs)
+    looks = []
+    _prehash(bufs, sums)(lambda: looks.append(1) or True)
+    hashed = [j for j, s in enumerate(sums) if s is not None]
+    assert hashed == [0, 3, 4] and len(looks) == 1 and 3 * (100 << 10) >= _PREHASH_POLL
+    assert sums[3] == xxhash.xxh3_64_intdigest(small[1])
+    sums = [None] * len(bufs)
+    _prehash(bufs, sums)(lambda: False)
+    assert [j for j, s in enumerate(sums) if s is not None] == [0, 3, 4, 5, 6]
