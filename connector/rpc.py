@@ -153,14 +153,22 @@ class MasterRPC:
         (:class:`~protocol.errors.Timeout` when no master answered before the deadline).
 
         ``meanwhile(answered)``: work to do while the master handles the request, run once,
-        after the first send; ``answered()`` is True when the reply can be read without
-        waiting, so the work can stop there (a put hashes its buffers here)."""
+        after the first send that went out (or before returning, should no send have gone
+        out); ``answered()`` is True when the reply can be read without waiting, so the
+        work can stop there. A put hashes its buffers here; a batch get reads one part
+        while the next part is looked up. It may use :meth:`send_nowait` but not ``call``
+        (RuntimeError). An exception from it propagates (the reply left unread is skipped
+        by the next call)."""
+        if getattr(self._local, "busy", False):
+            raise RuntimeError("MasterRPC.call from inside another call's meanwhile; only send_nowait may be used there")
         waited = self.timeout_s if timeout_s is None else timeout_s
         if not waited > 0:
             raise ConfigError(f"call timeout must be > 0 seconds, got {timeout_s!r}", key="timeout_s")
         deadline = time.monotonic() + waited
         body = M.encode(req)
         typ = M.RESULT_TYPES[type(req)]
+        if meanwhile is not None:
+            meanwhile = _once(meanwhile)
         while True:
             addr = self._addr  # one read: another thread may clear it during a failover
             if addr is None:
@@ -168,9 +176,10 @@ class MasterRPC:
                 addr = self._addr
             if addr is not None:
                 rep = self._round_trip(addr, body, deadline, meanwhile)
-                meanwhile = None
                 if rep is not None:
                     if rep.error is None:
+                        if meanwhile is not None:
+                            meanwhile(lambda: True)  # a no-op when it ran beside the request
                         return M.decode_result(rep.result, typ)
                     err = from_wire(rep.error)
                     if not isinstance(err, NotLeader):
@@ -197,8 +206,19 @@ class MasterRPC:
             c.sock.settimeout(left)
             rid = next(self._ids)
             c.sock.sendall(rpcwire.pack(rid, body))
-            if meanwhile is not None:
+        except ConfigError:
+            raise  # a master of another kvpool version: retrying cannot help
+        except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
+            self._reset()
+            return None
+        if meanwhile is not None:  # outside the try: its errors are its own, not the connection's
+            self._local.busy = True  # a call from inside would take this call's reply for a late one
+            try:
                 meanwhile(c.frames.ready)
+            finally:
+                self._local.busy = False
+            c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
             while True:
                 got, payload = c.frames.read()
                 if got == rid:
@@ -237,6 +257,18 @@ class MasterRPC:
             for c in list(self._conns):
                 c.close()
             self._conns.clear()
+
+
+def _once(fn: Callable[[Callable[[], bool]], None]) -> Callable[[Callable[[], bool]], None]:
+    """``fn`` to be run at most once: beside the first request that got sent, or at the end."""
+    ran = False
+
+    def run(answered: Callable[[], bool]) -> None:
+        nonlocal ran
+        if not ran:
+            ran = True
+            fn(answered)
+    return run
 
 
 def _check_master_addr(addr: str) -> None:

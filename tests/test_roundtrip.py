@@ -271,3 +271,34 @@ def test_prehash_stops_when_the_answer_is_in():
     sums = [None] * len(bufs)
     _prehash(bufs, sums)(lambda: False)
     assert [j for j, s in enumerate(sums) if s is not None] == [0, 3, 4, 5, 6]
+
+
+def test_work_beside_a_master_call_runs_once_and_keeps_its_own_errors(client):
+    """``MasterRPC.call(meanwhile=...)`` runs the work once after the send and returns the
+    reply; the work may send one-way messages but not call (RuntimeError); an error of the
+    work propagates as is (not taken for a broken connection and the request resent), and
+    the reply it left unread does not confuse the next call."""
+    from protocol import messages as M
+
+    runs, nested = [], []
+
+    def work(answered):
+        runs.append(answered() in (True, False))
+        try:
+            client.rpc.call(M.Exists(["beside/x"]))
+        except RuntimeError as e:
+            nested.append(str(e))
+        client.rpc.send_nowait(M.ReleaseLeases(["beside/x"]))
+
+    assert client.rpc.call(M.Exists(["beside/x"]), meanwhile=work) == [False]
+    assert runs == [True] and len(nested) == 1 and "meanwhile" in nested[0]
+
+    def boom(answered):
+        runs.append("boom")
+        raise E.InvalidRequest("the work's own error")
+
+    with pytest.raises(E.InvalidRequest, match="own error"):
+        client.rpc.call(M.Exists(["beside/x"]), meanwhile=boom)
+    assert runs[-1] == "boom" and runs.count("boom") == 1
+    client.put("beside/y", b"y")
+    assert client.rpc.call(M.Exists(["beside/y"])) == [True]
