@@ -56,7 +56,8 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
             release_record(f)
             raise
         try:
-            write_record(f, {"master": lc.master_addr, "etcd": lc.etcd_endpoint})
+            write_record(f, {"master": lc.master_addr, "etcd": lc.etcd_endpoint,
+                             "run_dir": lc.run_dir if lc.owns_run_dir else ""})
             console.print(f"[green]cluster {cfg.cluster!r} up[/]: etcd {lc.etcd_endpoint}, master {lc.master_addr}, "
                           f"{len(lc.nodes)} store nodes. Ctrl-C to stop.", soft_wrap=True)
             sys.stdout.flush()  # visible at once when piped to a log
@@ -331,9 +332,14 @@ def settings(set_: Annotated[Optional[list[str]], typer.Option(
         changes = dict(_parse_setting(item) for item in set_ or [])
         with connect(config, master, etcd, cluster) as c:
             cs = c.set_config(**changes) if changes else c.config()
+            nodes = len(c.stats().nodes) if "replicas" in changes else 0
         if json_:
             print(msgspec.json.encode(cs).decode())
             return
+        if cs.replicas > nodes and "replicas" in changes:
+            console.print(f"[yellow]warning: replicas={cs.replicas} but {nodes} store node(s) are up: new objects "
+                          f"get {nodes} replica(s) until more nodes join (status counts them as "
+                          "under-replicated); start nodes with `kvpool storenode`[/yellow]")
         t = Table("setting", "value", title="cluster settings (etcd: config)" + (" — updated" if changes else ""))
         for name, field in _SETTING_NAMES.items():
             v = getattr(cs, field)

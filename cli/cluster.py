@@ -26,6 +26,7 @@ from protocol.errors import ConfigError, KVPoolError, Timeout
 from protocol.units import parse_size
 
 REPO = Path(__file__).resolve().parent.parent
+RUN_DIR_PREFIX = "kvpool-cluster-"  # a LocalCluster's own run directory under the temp dir
 
 
 def free_port() -> int:
@@ -145,8 +146,8 @@ class LocalCluster:
 
     def __init__(self, cfg: ClusterConfig, run_dir: str | None = None, ready_timeout_s: float = 30.0) -> None:
         self.cfg = cfg
-        self._own_dir = run_dir is None
-        self.run_dir = run_dir or tempfile.mkdtemp(prefix="kvpool-cluster-")
+        self.owns_run_dir = run_dir is None  # made here, removed at stop
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
         self.ready_timeout_s = ready_timeout_s
         self.etcd: Child | None = None
         self.etcd_endpoint = cfg.etcd.endpoint or ""
@@ -286,7 +287,7 @@ class LocalCluster:
         self.nodes.clear()
         self.masters.clear()
         self.etcd = None
-        if self._own_dir:
+        if self.owns_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def pids(self) -> list[int]:

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cli.cluster import RUN_DIR_PREFIX
 from protocol import errors as E
 from protocol.config import ClusterConfig, load_config
 from protocol.units import parse_duration
@@ -67,8 +68,22 @@ def claim_record(cluster: str) -> Path:
                 raise E.ConfigError(f"cluster {cluster!r} is already up here (kvpool up, pid {info['pid']}); stop it "
                                     f"first (Ctrl-C there, or kill -TERM {info['pid']}), or start this one with "
                                     "another --cluster name", key="cluster") from None
-            f.unlink(missing_ok=True)  # its `kvpool up` is gone: a stale record
+            _remove_run_dir(f)  # its `kvpool up` is gone (killed): a stale record, and its files
+            f.unlink(missing_ok=True)
     raise E.ConfigError(f"cannot claim {f}; another `kvpool up --cluster {cluster}` is starting", key="cluster")
+
+
+def _remove_run_dir(f: Path) -> None:
+    """Delete the run directory (etcd data, logs) a killed `kvpool up` recorded in ``f``:
+    only one of LocalCluster's own (``<tmp>/kvpool-cluster-*``), never another path."""
+    import shutil
+
+    try:
+        d = Path(json.loads(f.read_text())["run_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if d.parent == Path(tempfile.gettempdir()) and d.name.startswith(RUN_DIR_PREFIX) and not d.is_symlink():
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _fresh(f: Path, seconds: float = 5.0) -> bool:

@@ -51,11 +51,11 @@ def test_settings_are_recorded_changed_and_survive_failover(make_cluster):
     ({"replicas": 1.5}, E.ConfigError, "whole number"),
     ({"replicas": float("nan")}, E.ConfigError, "whole number"),
     ({"replicas": float("inf")}, E.ConfigError, "whole number"),
-    ({"lease_ttl_s": 1e-6}, E.ConfigError, "lease_ttl_s.*0.1 to"),
+    ({"lease_ttl_s": 1e-6}, E.ConfigError, r"^lease_ttl: 1e-06s; accepted: 0.1s to"),  # the config file's name
     ({"high_watermark": float("nan")}, E.ConfigError, "watermarks"),
     ({"low_watermark": 0.95}, E.ConfigError, "low_watermark <= high_watermark"),
-    ({"lease_ttl_s": 0}, E.ConfigError, "lease_ttl_s"),
-    ({"quarantine_s": -1}, E.ConfigError, "quarantine_s"),
+    ({"lease_ttl_s": 0}, E.ConfigError, "lease_ttl"),
+    ({"quarantine_s": -1}, E.ConfigError, "^quarantine: -1"),
     ({"nonsense": 1}, E.InvalidRequest, "unknown setting.*accepted: replicas"),
     ({"replicas": 2, "high_watermark": 2.0}, E.ConfigError, "watermarks"),  # all or nothing
 ])
@@ -84,6 +84,13 @@ def test_settings_cli(cluster):
         assert p.returncode == 2 and "KEY=VALUE" in p.stderr
         p = kv("--set", "lease_ttl=soon")
         assert p.returncode == 2 and "lease_ttl" in p.stderr
+        p = kv("--set", "put_timeout=0.01s")
+        assert p.returncode == 2 and "put_timeout: 0.01s; accepted: 0.1s" in p.stderr and "_s" not in p.stderr
+        with cluster.client() as c:
+            nodes = len(c.stats().nodes)
+        p = kv("--set", f"replicas={nodes + 1}")
+        assert p.returncode == 0 and f"warning: replicas={nodes + 1} but {nodes} store node(s) are up" in p.stdout
+        assert "warning" not in kv("--set", f"replicas={nodes}").stdout
     finally:
         with cluster.client() as c:
             c.set_config(**msgspec.structs.asdict(before))

@@ -4,7 +4,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 import psutil
 
@@ -52,7 +54,7 @@ def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(
     for the same name fails at once (exit 2, naming the first's pid) and leaves the first's
     record alone; a record left by a killed `kvpool up` is called gone by other commands and
     replaced by the next `up`."""
-    from cli.common import state_file
+    from cli.common import _remove_run_dir, state_file
 
     cluster = f"up2-{uuid.uuid4().hex[:6]}"
     cfg = tmp_path / "c.yaml"
@@ -60,13 +62,24 @@ def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(
     base = [sys.executable, "-m", "cli"]
     rec = state_file(cluster)
     rec.parent.mkdir(parents=True, exist_ok=True)
-    rec.write_text(json.dumps({"pid": 2 ** 22 + 12345, "master": "tcp://127.0.0.1:1", "etcd": ""}))
+    left = Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))  # what a `kvpool up` killed with -9 leaves
+    (left / "etcd.log").write_text("old")
+    mine = tmp_path / "kvpool-cluster-not-a-run-dir"  # a recorded path elsewhere is never deleted
+    mine.mkdir()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"pid": 2 ** 22 + 12345, "run_dir": str(mine)}))
+    _remove_run_dir(other)
+    assert mine.is_dir()
+    rec.write_text(json.dumps({"pid": 2 ** 22 + 12345, "master": "tcp://127.0.0.1:1", "etcd": "",
+                               "run_dir": str(left)}))
     st = subprocess.run(base + ["status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert st.returncode == 2 and "is gone" in st.stderr and "kvpool up" in st.stderr
     p = subprocess.Popen(base + ["up", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     try:
         assert f"cluster '{cluster}' up" in p.stdout.readline()
+        assert not left.exists()  # the killed one's run directory went with its record
+        assert Path(json.loads(rec.read_text())["run_dir"]).is_dir()
         second = subprocess.run(base + ["up", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
         assert second.returncode == 2 and f"already up here (kvpool up, pid {p.pid})" in second.stderr
         assert json.loads(rec.read_text())["pid"] == p.pid
