@@ -332,14 +332,14 @@ def settings(set_: Annotated[Optional[list[str]], typer.Option(
         changes = dict(_parse_setting(item) for item in set_ or [])
         with connect(config, master, etcd, cluster) as c:
             cs = c.set_config(**changes) if changes else c.config()
-            nodes = len(c.stats().nodes) if "replicas" in changes else 0
+            nodes = sum(not n.draining for n in c.stats().nodes) if "replicas" in changes else 0
         if json_:
             print(msgspec.json.encode(cs).decode())
             return
         if cs.replicas > nodes and "replicas" in changes:
-            console.print(f"[yellow]warning: replicas={cs.replicas} but {nodes} store node(s) are up: new objects "
-                          f"get {nodes} replica(s) until more nodes join (status counts them as "
-                          "under-replicated); start nodes with `kvpool storenode`[/yellow]")
+            console.print(f"[yellow]warning: replicas={cs.replicas} but {nodes} store node(s) take new objects (up, "
+                          f"not draining): new objects get {nodes} replica(s) until more nodes join or are undrained "
+                          "(status counts them as under-replicated); start nodes with `kvpool storenode`[/yellow]")
         t = Table("setting", "value", title="cluster settings (etcd: config)" + (" — updated" if changes else ""))
         for name, field in _SETTING_NAMES.items():
             v = getattr(cs, field)

@@ -27,6 +27,28 @@ from protocol.units import parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DIR_PREFIX = "kvpool-cluster-"  # a LocalCluster's own run directory under the temp dir
+RUN_DIR_LOCK = "owner.lock"  # in it: flock'ed by the LocalCluster that made it, for its whole life
+
+
+def lock_run_dir(d: str | Path, wait: bool) -> int | None:
+    """An fd holding the exclusive ``flock`` of run directory ``d``'s owner lock (created
+    when ``wait``, i.e. by the owner itself); None when another process holds it or, with
+    ``wait`` False, when ``d`` has no lock file (then it is not a run directory kvpool
+    made). The lock goes with the fd or the process, so a killed owner frees it, and it
+    holds across PID namespaces that share the directory (a pid check does not)."""
+    import fcntl
+
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if wait else 0)
+    try:
+        fd = os.open(os.path.join(d, RUN_DIR_LOCK), flags, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def free_port() -> int:
@@ -148,6 +170,7 @@ class LocalCluster:
         self.cfg = cfg
         self.owns_run_dir = run_dir is None  # made here, removed at stop
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
+        self._lock_fd = lock_run_dir(self.run_dir, wait=True) if self.owns_run_dir else None
         self.ready_timeout_s = ready_timeout_s
         self.etcd: Child | None = None
         self.etcd_endpoint = cfg.etcd.endpoint or ""
@@ -289,6 +312,9 @@ class LocalCluster:
         self.etcd = None
         if self.owns_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def pids(self) -> list[int]:
         kids = [*self.nodes.values(), *self.masters] + ([self.etcd] if self.etcd else [])

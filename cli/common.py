@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.cluster import RUN_DIR_PREFIX
+from cli.cluster import RUN_DIR_LOCK, RUN_DIR_PREFIX, lock_run_dir
 from protocol import errors as E
 from protocol.config import ClusterConfig, load_config
 from protocol.units import parse_duration
@@ -43,9 +44,17 @@ def _recorded(f: Path) -> dict | None:
 
     try:
         info = json.loads(f.read_text())
-        return info if psutil.pid_exists(int(info["pid"])) else None
+        if psutil.pid_exists(int(info["pid"])):
+            return info
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    d = _own_run_dir(f, info)
+    fd = None if d is None else lock_run_dir(d, wait=False)
+    if d is not None and fd is None and (d / RUN_DIR_LOCK).exists():
+        return info  # its pid is not visible here (another PID namespace) but it holds its run dir
+    if fd is not None:
+        os.close(fd)
+    return None
 
 
 def claim_record(cluster: str) -> Path:
@@ -73,17 +82,39 @@ def claim_record(cluster: str) -> Path:
     raise E.ConfigError(f"cannot claim {f}; another `kvpool up --cluster {cluster}` is starting", key="cluster")
 
 
+def _own_run_dir(f: Path, info: dict) -> Path | None:
+    """The run directory named in record ``f`` (parsed: ``info``) when it can be one of this
+    user's LocalCluster run directories: ``<tmp>/kvpool-cluster-*``, a real directory, and
+    both it and the record owned by this uid; else None."""
+    try:
+        d = Path(info["run_dir"])
+        if not (d.parent == Path(tempfile.gettempdir()) and d.name.startswith(RUN_DIR_PREFIX)):
+            return None
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or os.lstat(f).st_uid != os.getuid():
+            return None
+        return d
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _remove_run_dir(f: Path) -> None:
     """Delete the run directory (etcd data, logs) a killed `kvpool up` recorded in ``f``:
-    only one of LocalCluster's own (``<tmp>/kvpool-cluster-*``), never another path."""
+    only a LocalCluster run directory of this user (:func:`_own_run_dir`) whose owner lock
+    nobody holds any more (its `kvpool up` is gone, whatever its pid namespace)."""
     import shutil
 
     try:
-        d = Path(json.loads(f.read_text())["run_dir"])
-    except (OSError, ValueError, KeyError, TypeError):
+        d = _own_run_dir(f, json.loads(f.read_text()))
+    except (OSError, ValueError):
         return
-    if d.parent == Path(tempfile.gettempdir()) and d.name.startswith(RUN_DIR_PREFIX) and not d.is_symlink():
+    fd = None if d is None else lock_run_dir(d, wait=False)
+    if fd is None:
+        return
+    try:
         shutil.rmtree(d, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def _fresh(f: Path, seconds: float = 5.0) -> bool:

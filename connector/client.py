@@ -417,8 +417,10 @@ class KVPoolClient:
             except KVPoolError as e:
                 results[i] = e
                 continue
-            order = sorted(info.replicas, key=lambda r: r.host_id != self.host_id)
-            if not order:
+            order = info.replicas
+            if len(order) > 1:
+                order = sorted(order, key=lambda r: r.host_id != self.host_id)
+            elif not order:
                 results[i] = None  # every replica was lost: a clean miss
                 continue
             pending[i] = (info, order)
@@ -441,6 +443,7 @@ class KVPoolClient:
                 op_of[i] = op
                 by_node[op.ref.node_id].append(op)
             self._parallel(self.data.read, by_node)
+            done = time.monotonic()  # every read of this round has finished
             nxt = {}
             for i, op in op_of.items():
                 info, order = pending[i]
@@ -448,7 +451,8 @@ class KVPoolClient:
                 if err is None:
                     if self.read_hook is not None:
                         self.read_hook(info.key)
-                    if info.lease_ttl_s and time.monotonic() > t_sent + info.lease_ttl_s * LEASE_MARGIN:
+                        done = time.monotonic()
+                    if info.lease_ttl_s and done > t_sent + info.lease_ttl_s * LEASE_MARGIN:
                         err = LeaseExpired(f"read of {info.key!r} finished after its {info.lease_ttl_s:g}s lease "
                                            "lapsed; the bytes were discarded. Retry, or raise master.lease_ttl "
                                            "for slow readers", key=info.key)

@@ -6,11 +6,13 @@ Paths, chosen per replica (``transport="auto"``):
   its Unix socket (SCM_RIGHTS) and mapped. A get is **one copy** (segment → caller
   buffer); with ``ReadOp(digest=True)`` it goes in 256 KiB chunks, each hashed (xxh3_64,
   streaming) right after it lands, while still in cache, so the checksum costs no second
-  pass over memory; from 4 MiB the source is hashed by a helper thread beside one
-  GIL-free ``memcpy`` instead (:meth:`DataPlane._hash_aside`). A put is **one copy**
-  (caller buffer → segment), hashed the same way as it goes unless the client hashed the
-  buffer while waiting for ``put_start`` (objects up to 4 MiB; the checksum reaches the
-  master with ``put_end``), plus a small ``written`` notice; a batch's notices go out in one send before the copies, so the node's round
+  pass over memory. The hash is of the bytes delivered, read back from ``out``, never of
+  the segment: a force-removed extent can be reused under a reader, and a hash of what
+  landed catches that torn read. A put is **one copy** (caller buffer →
+  segment), hashed as it goes, unless the client hashed the buffer while waiting for
+  ``put_start`` (objects up to 4 MiB) or a helper thread hashes it beside one GIL-free
+  ``memcpy`` (bigger ones, :meth:`DataPlane._hash_aside`); the checksum reaches the master
+  with ``put_end``. Plus a small ``written`` notice; a batch's notices go out in one send before the copies, so the node's round
   trip overlaps them. Big copies without a hash release the GIL (numpy), so the second
   replica of a put and the per-node threads of a batch copy in parallel; copies hit by 4K
   aliasing are bounced (see :meth:`DataPlane._copy_out`).
@@ -29,9 +31,11 @@ Paths, chosen per replica (``transport="auto"``):
 * **CUDA tensors** (:class:`connector.device_buffer.DeviceBuffer`): on the shared-memory
   path the segment's mapping is registered with CUDA (``cudaHostRegister``, in 64 MiB
   windows on first use) and the bytes move in **one DMA copy** between the extent and the
-  tensor, the checksum hashed from the segment's host bytes (during the DMA on gets,
-  after it on puts). Other paths stage through a pinned host buffer (one DMA + the host
-  path's copy). ``cuda_direct=False`` stages always.
+  tensor, the checksum hashed from the segment's host bytes after the DMA ended (the
+  tensor's bytes are not on the host; a byte the DMA read from a reused extent is the new
+  one or a later one by then, so a torn read fails the check unless the extent was
+  rewritten with the very bytes it held). Other paths stage through a pinned host buffer
+  (one DMA + the host path's copy). ``cuda_direct=False`` stages always.
 * **UCX** (``transport="ucx"``, nodes started with ``--ucx``): the same frames over a
   ``ucx://`` stream (:mod:`protocol.ucx_transport`); UCX moves the payload (shared memory
   or TCP) straight into the caller's buffer when it fits.
@@ -68,7 +72,7 @@ _PAGE = 4096
 _ALIAS = 64             # destinations 1..63 bytes ahead of the source, modulo a page, ...
 _BOUNCE_MAX = 512 << 10  # ... and copies smaller than this take glibc's slow rep-movsb path
 _GIL_FREE = 1 << 20      # copies at least this big run without the GIL (numpy)
-HASH_ASIDE_MIN = 4 << 20  # shm copies at least this big are hashed by a helper thread as they go
+HASH_ASIDE_MIN = 4 << 20  # shm put copies at least this big are hashed by a helper thread beside them
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _POPULATE_MAX = 8 << 30  # segments up to this size are mapped with MAP_POPULATE
@@ -387,9 +391,12 @@ class DataPlane:
         """Read every op (all from one node) into its ``out``; sets ``op.error`` on failure
         (and ``op.digest`` when it was asked for)."""
         net, dma = [], []
+        local_of: dict[str, bool] = {}  # per node incarnation (one, but for a restart mid-batch)
         for op in ops:
-            local = self.uses_shm(op.ref)
-            if not isinstance(op.out, memoryview):  # a CUDA tensor
+            local = local_of.get(op.ref.incarnation)
+            if local is None:
+                local = local_of[op.ref.incarnation] = self.uses_shm(op.ref)
+            if type(op.out) is not memoryview:  # a CUDA tensor
                 if local and self._direct(op.ref, op.out):
                     dma.append(op)
                     continue
@@ -460,12 +467,6 @@ class DataPlane:
             if op.digest:
                 op.digest = xxhash.xxh3_64_intdigest(out[:size])
             return
-        if op.digest and size >= HASH_ASIDE_MIN:
-            fut = self._hash_aside(src)
-            if fut is not None:
-                _memcpy(out[:size], src)
-                op.digest = fut.result()
-                return
         if size >= _BOUNCE_MAX and bounce is not None:
             bounce = None  # big copies do not suffer the aliasing: one memcpy (+ one hash pass)
             if op.digest:
@@ -518,9 +519,10 @@ class DataPlane:
         """Direct transfers between registered extents and CUDA tensors (ops :meth:`_direct`
         accepted; their holds are given back here). Every copy is queued on its tensor's
         stream (the caller's, see :class:`~connector.device_buffer.DeviceBuffer`), split at
-        registration windows; on gets each extent is hashed on the host while the copies
-        run; then the streams are synchronised; on puts the extents that need a checksum
-        are hashed after. Bytes are in place when this returns, or the op has its error."""
+        registration windows; then the streams are synchronised and each extent is hashed
+        on the host (on puts those that need a checksum; on gets every one, after the DMA
+        so that a torn read of a reused extent is caught, see the comment there). Bytes
+        are in place when this returns, or the op has its error."""
         if not ops:
             return
         import torch
@@ -557,17 +559,20 @@ class DataPlane:
                                     buf.flat[lo:hi].copy_(host[lo:hi], non_blocking=True)
                     if not into_segment:
                         buf.landed_direct()
-                        if op.digest:
-                            op.digest = xxhash.xxh3_64_intdigest(src)
                 for buf in streams.values():
                     buf.sync()
             except RuntimeError as e:  # torch.AcceleratorError: CUDA refused a copy
                 self._dma_failed(ops, into_segment, e, streams.values())
                 return
-            if into_segment:
-                for op, src in hashed:
+            for op, src in hashed:
+                if into_segment:
                     if op.checksum is None:
                         op.checksum = xxhash.xxh3_64_intdigest(src)
+                elif op.digest:
+                    # after the DMA ended: a byte it read from a reused (force-removed) extent
+                    # is the new bytes or later ones here, so the torn read fails the check
+                    # (hashing during the DMA could read the old bytes before the copy did)
+                    op.digest = xxhash.xxh3_64_intdigest(src)
         finally:
             with self._map_lock:  # after every copy ended, before the slices in ``held`` go
                 for op in ops:
@@ -644,21 +649,26 @@ class DataPlane:
         return h.intdigest() if h is not None else None
 
     def _hash_aside(self, data) -> Future | None:
-        """Start the xxh3_64 of ``data`` on this plane's one helper thread, so that it runs
-        beside the caller's GIL-free ``memcpy`` of the same bytes (the hash trails the copy
-        through the shared cache); None when the helper is busy with another thread's copy
-        (that copy hashes as it goes instead). The bytes must not change until the future
-        is done: a get holds its lease, a put owns its buffer.
+        """Start the xxh3_64 of a put's buffer ``data`` on this plane's one helper thread,
+        so that it runs beside the caller's GIL-free ``memcpy`` of the same bytes into the
+        segment; None when the helper is busy with another thread's copy or shut down
+        (``close()``, interpreter exit): that copy hashes as it goes instead. Puts only: the
+        caller owns the buffer, so its bytes are the stored ones. A get must hash what
+        landed in its output, not the segment (see the module docstring).
 
-        Measured on the project VM (2 vCPUs, same-host get, interleaved A/B): 4 MiB 0.98 →
-        0.86 ms, 16 MiB 3.17 → 2.92 ms, 64 MiB 13.1 → 11.6 ms; at 2 MiB the hand-off to the
-        thread (~0.1 ms wake-up) ate the gain, hence :data:`HASH_ASIDE_MIN`."""
+        Measured on the project VM (2 vCPUs, interleaved A/B, same-host 16 MiB put p50):
+        3.04 ms against 3.57 ms hashing as it copies; at 4 MiB and below the put hashes
+        while ``put_start`` is in flight instead, and the ~0.1 ms hand-off to a thread
+        ate the gain at 2 MiB, hence :data:`HASH_ASIDE_MIN`."""
         if not self._hasher_free.acquire(blocking=False):
             return None
         try:
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hash")
             fut = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
+        except RuntimeError:  # shut down (close(), or the interpreter is exiting): hash inline
+            self._hasher_free.release()
+            return None
         except BaseException:
             self._hasher_free.release()
             raise

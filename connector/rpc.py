@@ -217,8 +217,9 @@ class MasterRPC:
                 meanwhile(c.frames.ready)
             finally:
                 self._local.busy = False
-            c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
+            if meanwhile is not None:
+                c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
             while True:
                 got, payload = c.frames.read()
                 if got == rid:

@@ -262,7 +262,7 @@ class ClusterSettings(msgspec.Struct, frozen=True):
             v = getattr(self, name)
             if not low <= v <= 1e7:  # also refuses NaN
                 user = name.removesuffix("_s")  # the name config files and `settings --set` use
-                raise ConfigError(f"{user}: {v!r}s; accepted: {low:g}s to 1e7s", key=user)
+                raise ConfigError(f"{user}: {v:g} seconds; accepted: {low:g} to 1e7 seconds", key=user)
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"watermarks: need 0 < low_watermark <= high_watermark <= 1, got "
                               f"{self.low_watermark}/{self.high_watermark}", key="high_watermark")

@@ -80,9 +80,12 @@ class BlockingFrames(FrameReader):
         the socket is readable (one zero-timeout ``poll``)."""
         if self.hi > self.lo:
             return True
-        p = select.poll()
-        p.register(self.sock, select.POLLIN)
-        return bool(p.poll(0))
+        try:
+            p = select.poll()
+            p.register(self.sock, select.POLLIN)
+            return bool(p.poll(0))
+        except (OSError, ValueError):  # closed meanwhile: the read that follows reports it
+            return True
 
     def read(self) -> tuple[int, bytes | memoryview]:
         """The next ``(request id, body)``. Raises NodeUnavailable on EOF, InvalidRequest for

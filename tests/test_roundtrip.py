@@ -231,20 +231,20 @@ def test_group_blocks_and_layout_mismatch(client):
 @pytest.mark.parametrize("size", [1 << 20, 4 << 20, (6 << 20) + 123])
 def test_checksums_hashed_beside_the_copy_match_the_bytes_and_catch_corruption(make_cluster, size):
     """Same host: objects up to 4 MiB are hashed while put_start is in flight and copied
-    without a hash; from 4 MiB, a get (and a put too big to prehash) hashes on the helper
-    thread beside its copy. Either way the master's checksum is the xxh3_64 of the bytes,
-    the bytes come back whole, and a byte flipped in the segment afterwards is caught
-    (ChecksumMismatch; the replica is dropped, so the key then misses)."""
+    without a hash; bigger ones are hashed on the helper thread beside their copy. Either
+    way the master's checksum is the xxh3_64 of the bytes, the bytes come back whole, and a
+    byte flipped in the segment afterwards is caught (ChecksumMismatch; the replica is
+    dropped, so the key then misses)."""
     lc = make_cluster(nodes=1)
     with lc.client(lease_retries=0) as c:
         data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
         key = f"aside/{size}"
         assert c.put(key, data) is True
+        assert (c.data._hasher is not None) == (size > 4 << 20)  # the helper hashed the put
         info = c.lookup([key])[0]
         assert info.checksum == xxhash.xxh3_64_intdigest(data)
         out = np.zeros(size, dtype=np.uint8)
         assert c.get_into(key, out) == size and np.array_equal(out, data)
-        assert (c.data._hasher is not None) == (size >= 4 << 20)  # the helper hashed the get
         ref = info.replicas[0]
         seg = c.data._segment(ref)
         seg[ref.offset + size - 1] = (seg[ref.offset + size - 1] + 1) % 256
@@ -302,3 +302,34 @@ def test_work_beside_a_master_call_runs_once_and_keeps_its_own_errors(client):
     assert runs[-1] == "boom" and runs.count("boom") == 1
     client.put("beside/y", b"y")
     assert client.rpc.call(M.Exists(["beside/y"])) == [True]
+
+
+def test_a_big_put_after_close_hashes_inline(cluster):
+    """close() shuts the put-hashing helper thread down (so does interpreter exit, for the
+    threads still running then): a later big put hashes as it copies instead of failing
+    with the executor's untyped RuntimeError."""
+    data = np.random.default_rng(5).integers(0, 256, (6 << 20) + 1, dtype=np.uint8)
+    c = cluster.client()
+    assert c.put("inline/a", data) is True and c.data._hasher is not None
+    c.close()
+    assert c.put("inline/b", data) is True
+    assert c.lookup(["inline/b"])[0].checksum == xxhash.xxh3_64_intdigest(data)
+    c.remove_batch(["inline/a", "inline/b"])
+    c.close()
+
+
+def test_reply_ready_on_a_closed_connection_says_read_it():
+    """BlockingFrames.ready() on a socket closed meanwhile answers True (the read that
+    follows raises the connection error the caller handles), not an untyped OSError."""
+    import socket
+
+    from protocol.rpcwire import BlockingFrames
+
+    a, b = socket.socketpair()
+    frames = BlockingFrames(a)
+    assert frames.ready() is False
+    b.sendall(b"x")
+    assert frames.ready() is True
+    a.close()
+    assert frames.ready() is True
+    b.close()

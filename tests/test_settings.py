@@ -51,7 +51,7 @@ def test_settings_are_recorded_changed_and_survive_failover(make_cluster):
     ({"replicas": 1.5}, E.ConfigError, "whole number"),
     ({"replicas": float("nan")}, E.ConfigError, "whole number"),
     ({"replicas": float("inf")}, E.ConfigError, "whole number"),
-    ({"lease_ttl_s": 1e-6}, E.ConfigError, r"^lease_ttl: 1e-06s; accepted: 0.1s to"),  # the config file's name
+    ({"lease_ttl_s": 1e-6}, E.ConfigError, r"^lease_ttl: 1e-06 seconds; accepted: 0.1 to"),  # the config file's name
     ({"high_watermark": float("nan")}, E.ConfigError, "watermarks"),
     ({"low_watermark": 0.95}, E.ConfigError, "low_watermark <= high_watermark"),
     ({"lease_ttl_s": 0}, E.ConfigError, "lease_ttl"),
@@ -85,12 +85,18 @@ def test_settings_cli(cluster):
         p = kv("--set", "lease_ttl=soon")
         assert p.returncode == 2 and "lease_ttl" in p.stderr
         p = kv("--set", "put_timeout=0.01s")
-        assert p.returncode == 2 and "put_timeout: 0.01s; accepted: 0.1s" in p.stderr and "_s" not in p.stderr
+        assert p.returncode == 2 and "put_timeout: 0.01 seconds; accepted: 0.1 to" in p.stderr and "_s" not in p.stderr
         with cluster.client() as c:
             nodes = len(c.stats().nodes)
         p = kv("--set", f"replicas={nodes + 1}")
-        assert p.returncode == 0 and f"warning: replicas={nodes + 1} but {nodes} store node(s) are up" in p.stdout
+        assert p.returncode == 0 and f"warning: replicas={nodes + 1} but {nodes} store node(s) take" in p.stdout
         assert "warning" not in kv("--set", f"replicas={nodes}").stdout
+        with cluster.client() as c:
+            c.drain("node-1")  # a draining node takes no new objects
+            try:
+                assert f"warning: replicas={nodes} but {nodes - 1} store node(s)" in kv("--set", f"replicas={nodes}").stdout
+            finally:
+                c.drain("node-1", undo=True)
     finally:
         with cluster.client() as c:
             c.set_config(**msgspec.structs.asdict(before))

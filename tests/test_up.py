@@ -1,6 +1,7 @@
 """`kvpool up` in the foreground: commands find it without flags; SIGINT tears it down."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(
     for the same name fails at once (exit 2, naming the first's pid) and leaves the first's
     record alone; a record left by a killed `kvpool up` is called gone by other commands and
     replaced by the next `up`."""
+    from cli.cluster import lock_run_dir
     from cli.common import _remove_run_dir, state_file
 
     cluster = f"up2-{uuid.uuid4().hex[:6]}"
@@ -62,8 +64,21 @@ def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(
     base = [sys.executable, "-m", "cli"]
     rec = state_file(cluster)
     rec.parent.mkdir(parents=True, exist_ok=True)
+    # a record whose pid is not visible here (another PID namespace) but whose run directory
+    # is still locked by its owner: that cluster is up, so this one is refused, nothing deleted
+    held = Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
+    fd = lock_run_dir(held, wait=True)
+    rec.write_text(json.dumps({"pid": 2 ** 22 + 12345, "master": "tcp://127.0.0.1:1", "etcd": "",
+                               "run_dir": str(held)}))
+    try:
+        r = subprocess.run(base + ["up", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "already up here" in r.stderr and held.is_dir()
+    finally:
+        os.close(fd)
+        shutil.rmtree(held, ignore_errors=True)
     left = Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))  # what a `kvpool up` killed with -9 leaves
     (left / "etcd.log").write_text("old")
+    (left / "owner.lock").touch()  # its lock file, no longer held by anyone
     mine = tmp_path / "kvpool-cluster-not-a-run-dir"  # a recorded path elsewhere is never deleted
     mine.mkdir()
     other = tmp_path / "other.json"
