@@ -428,13 +428,15 @@ def host_direct(tmp_path, monkeypatch):
     from connector import device_buffer as db
 
     monkeypatch.setattr(db, "PIN_WINDOW", 64 << 10)
-    state = {"fail_sync": False, "pieces": [], "before_dma": None}
+    state = {"fail_sync": False, "pieces": [], "before_dma": None, "on_sync": None}
     real_pieces = db.window_pieces
     monkeypatch.setattr(db, "window_pieces", lambda o, n: state["pieces"].append(real_pieces(o, n)) or state["pieces"][-1])
 
     def sync(self):
         if state["fail_sync"]:
             raise RuntimeError("CUDA error: invalid argument")
+        if state["on_sync"]:
+            state["on_sync"]()
 
     monkeypatch.setattr(db.DeviceBuffer, "sync", sync)
     seg = Segment(8 << 20, name="kvpool-test-direct")
@@ -476,8 +478,8 @@ def _dev(data: bytes | int):
 
 def test_direct_transfer_bookkeeping_and_fallback_with_host_tensors(host_direct):
     """An extent crossing registration windows is copied piece by piece; a put's checksum
-    is hashed from the segment, a get's from the segment while its bytes land in the
-    tensor; every hold on the mapping is given back. When a copy fails, the mapping is
+    is hashed from the segment, a get's from the segment once the DMA is known done;
+    every hold on the mapping is given back. When a copy fails, the mapping is
     staged from then on and the bytes still arrive, with the right checksum."""
     seg, dp, make_ref, state = host_direct
     pieces = state["pieces"]
@@ -566,3 +568,24 @@ def test_unregistration_waits_for_transfers_in_flight(monkeypatch):
     pw._done["other"] = {1}
     pw.drop("other", 8192)  # nothing in flight: at once
     assert done[-1] == (8192, [1])
+
+
+def test_direct_get_hashes_the_segment_only_after_the_dma_ended(host_direct):
+    """The direct path cannot hash the bytes that landed in the tensor (device memory), so
+    it hashes the extent after the streams are synchronised: an extent rewritten (a forced
+    remove and reuse) before the copies are known done fails the check, as a torn read
+    must. Hashing while the copies ran, as before, passed it."""
+    seg, dp, make_ref, state = host_direct
+    payload = os.urandom(100 << 10)
+    ref = make_ref(0, len(payload), 1, "k")
+    w = WriteOp(ref, _dev(payload), "k", None, None)
+    dp.write([w])
+    assert w.error is None
+    def reuse():  # the extent is rewritten under the reader
+        seg.view[ref.offset:ref.offset + len(payload)] = bytes(len(payload))
+
+    state["on_sync"] = reuse
+    r = ReadOp(ref, _dev(len(payload)), digest=True)
+    dp.read([r])
+    assert r.error is None and r.digest != xxhash.xxh3_64_intdigest(payload)  # the caller reports ChecksumMismatch
+    assert r.digest == xxhash.xxh3_64_intdigest(b"\x00" * len(payload))
