@@ -51,6 +51,8 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
         try:
             with console.status("starting etcd, master and store nodes..."):
                 lc = LocalCluster(cfg)
+                if lc.owns_run_dir:  # named from the start: a kill -9 while starting leaves nothing behind
+                    write_record(f, {"run_dir": lc.run_dir})
                 lc.__enter__()
         except BaseException:
             release_record(f)

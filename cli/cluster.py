@@ -14,6 +14,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,25 +31,48 @@ RUN_DIR_PREFIX = "kvpool-cluster-"  # a LocalCluster's own run directory under t
 RUN_DIR_LOCK = "owner.lock"  # in it: flock'ed by the LocalCluster that made it, for its whole life
 
 
-def lock_run_dir(d: str | Path, wait: bool) -> int | None:
-    """An fd holding the exclusive ``flock`` of run directory ``d``'s owner lock (created
-    when ``wait``, i.e. by the owner itself); None when another process holds it or, with
-    ``wait`` False, when ``d`` has no lock file (then it is not a run directory kvpool
-    made). The lock goes with the fd or the process, so a killed owner frees it, and it
-    holds across PID namespaces that share the directory (a pid check does not)."""
+def lock_run_dir(d: str | Path) -> int:
+    """Create run directory ``d``'s owner lock and hold it exclusively (``flock``); the fd.
+    The lock goes with the fd or the process, so a killed owner frees it, and it holds
+    across PID namespaces that share the directory (a pid check does not)."""
     import fcntl
 
-    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if wait else 0)
-    try:
-        fd = os.open(os.path.join(d, RUN_DIR_LOCK), flags, 0o600)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except OSError:
-        os.close(fd)
-        return None
+    fd = os.open(os.path.join(d, RUN_DIR_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
+
+
+def probe_run_dir(d: str | Path, take: bool = False) -> tuple[str, int | None]:
+    """The state of run directory ``d``'s owner lock: ``("held", None)`` while its owner
+    lives, ``("free", fd)`` when nobody holds it, ``("none", None)`` when ``d`` has no
+    regular lock file (not a run directory kvpool made, or one from before the lock).
+    A probe takes the lock shared (two probes never block each other); ``take`` asks for
+    it exclusively, as the remover of a dead owner's directory does, retried for up to
+    0.2 s so that a concurrent probe is not mistaken for the owner. The caller closes a
+    returned fd."""
+    import errno
+    import fcntl
+
+    path = os.path.join(d, RUN_DIR_LOCK)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return "none", None
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return "none", None
+    deadline = time.monotonic() + (0.2 if take else 0.0)
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if take else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            return "free", fd
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                return "none", None
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return "held", None
+            time.sleep(0.01)
 
 
 def free_port() -> int:
@@ -170,7 +194,7 @@ class LocalCluster:
         self.cfg = cfg
         self.owns_run_dir = run_dir is None  # made here, removed at stop
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
-        self._lock_fd = lock_run_dir(self.run_dir, wait=True) if self.owns_run_dir else None
+        self._lock_fd = lock_run_dir(self.run_dir) if self.owns_run_dir else None
         self.ready_timeout_s = ready_timeout_s
         self.etcd: Child | None = None
         self.etcd_endpoint = cfg.etcd.endpoint or ""

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.cluster import RUN_DIR_LOCK, RUN_DIR_PREFIX, lock_run_dir
+from cli.cluster import RUN_DIR_PREFIX, probe_run_dir
 from protocol import errors as E
 from protocol.config import ClusterConfig, load_config
 from protocol.units import parse_duration
@@ -39,28 +39,34 @@ def state_file(cluster: str) -> Path:
 
 
 def _recorded(f: Path) -> dict | None:
-    """The record in ``f`` if the `kvpool up` that wrote it still runs, else None."""
+    """The record in ``f`` if the `kvpool up` that wrote it still runs, else None. Its run
+    directory's owner lock decides when there is one (held: up, even if its pid is not
+    visible from here; free: gone, even if its pid was reused); else its pid does."""
     import psutil
 
     try:
         info = json.loads(f.read_text())
-        if psutil.pid_exists(int(info["pid"])):
-            return info
-    except (OSError, ValueError, KeyError, TypeError):
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
+        return None
+    if not isinstance(info, dict):
         return None
     d = _own_run_dir(f, info)
-    fd = None if d is None else lock_run_dir(d, wait=False)
-    if d is not None and fd is None and (d / RUN_DIR_LOCK).exists():
-        return info  # its pid is not visible here (another PID namespace) but it holds its run dir
+    state, fd = probe_run_dir(d) if d is not None else ("none", None)
     if fd is not None:
         os.close(fd)
-    return None
+    if state != "none":
+        return info if state == "held" else None
+    try:
+        return info if psutil.pid_exists(pid) else None
+    except (OverflowError, ValueError):
+        return None
 
 
 def claim_record(cluster: str) -> Path:
     """Claim the local record of ``cluster`` for this `kvpool up` before it starts anything.
-    Raises ConfigError while another live `kvpool up` holds it; a record whose process is
-    gone (killed) is replaced."""
+    Raises ConfigError while another live `kvpool up` holds it; a record whose `kvpool up`
+    is gone (killed) is replaced, and the run directory it names removed."""
     f = state_file(cluster)
     f.parent.mkdir(parents=True, exist_ok=True)
     mine = json.dumps({"pid": os.getpid()})
@@ -73,11 +79,11 @@ def claim_record(cluster: str) -> Path:
             info = _recorded(f)
             if info is None and _fresh(f):  # just created by another `kvpool up`, not written yet
                 break
-            if info is not None:
-                raise E.ConfigError(f"cluster {cluster!r} is already up here (kvpool up, pid {info['pid']}); stop it "
-                                    f"first (Ctrl-C there, or kill -TERM {info['pid']}), or start this one with "
+            if info is not None or not _remove_run_dir(f):
+                pid = info["pid"] if info is not None else "unknown"
+                raise E.ConfigError(f"cluster {cluster!r} is already up here (kvpool up, pid {pid}); stop it "
+                                    f"first (Ctrl-C there, or kill -TERM {pid}), or start this one with "
                                     "another --cluster name", key="cluster") from None
-            _remove_run_dir(f)  # its `kvpool up` is gone (killed): a stale record, and its files
             f.unlink(missing_ok=True)
     raise E.ConfigError(f"cannot claim {f}; another `kvpool up --cluster {cluster}` is starting", key="cluster")
 
@@ -98,23 +104,29 @@ def _own_run_dir(f: Path, info: dict) -> Path | None:
         return None
 
 
-def _remove_run_dir(f: Path) -> None:
-    """Delete the run directory (etcd data, logs) a killed `kvpool up` recorded in ``f``:
-    only a LocalCluster run directory of this user (:func:`_own_run_dir`) whose owner lock
-    nobody holds any more (its `kvpool up` is gone, whatever its pid namespace)."""
+def _remove_run_dir(f: Path) -> bool:
+    """Delete the run directory (etcd data, logs) that the dead `kvpool up` of record ``f``
+    left: only a LocalCluster run directory of this user (:func:`_own_run_dir`), taken with
+    its owner lock (or, for one without a lock file, whose recorded pid is gone). False
+    when the lock is held after all: its owner lives, keep the record."""
     import shutil
 
     try:
-        d = _own_run_dir(f, json.loads(f.read_text()))
+        info = json.loads(f.read_text())
+        d = _own_run_dir(f, info) if isinstance(info, dict) else None
     except (OSError, ValueError):
-        return
-    fd = None if d is None else lock_run_dir(d, wait=False)
-    if fd is None:
-        return
+        return True
+    if d is None:
+        return True
+    state, fd = probe_run_dir(d, take=True)
+    if state == "held":
+        return False
     try:
-        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)  # "none": a run dir from before the lock; the pid was checked
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
+    return True
 
 
 def _fresh(f: Path, seconds: float = 5.0) -> bool:

@@ -67,7 +67,7 @@ def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(
     # a record whose pid is not visible here (another PID namespace) but whose run directory
     # is still locked by its owner: that cluster is up, so this one is refused, nothing deleted
     held = Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
-    fd = lock_run_dir(held, wait=True)
+    fd = lock_run_dir(held)
     rec.write_text(json.dumps({"pid": 2 ** 22 + 12345, "master": "tcp://127.0.0.1:1", "etcd": "",
                                "run_dir": str(held)}))
     try:
@@ -105,3 +105,46 @@ def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(
         p.send_signal(signal.SIGINT)
         p.communicate(timeout=60)
     assert not rec.exists()
+
+
+def test_local_records_are_judged_by_their_run_dirs_lock(tmp_path):
+    """Whether a recorded `kvpool up` still runs: its run directory's owner lock decides
+    (held: up, whatever its pid looks like from here; free: gone, even if the pid now
+    belongs to another process); a run dir without a lock file falls back to the pid.
+    Probes share the lock, so a probe never makes a concurrent claim think the owner
+    lives; odd records raise nothing."""
+    import threading
+
+    from cli.cluster import RUN_DIR_LOCK, lock_run_dir, probe_run_dir
+    from cli.common import _recorded, _remove_run_dir
+
+    dead = 2 ** 22 + 12345
+    rec = tmp_path / "c.json"
+
+    def record(pid, d):
+        rec.write_text(json.dumps({"pid": pid, "run_dir": str(d)}))
+        return rec
+
+    d = Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
+    try:
+        fd = lock_run_dir(d)
+        assert _recorded(record(dead, d)) is not None  # pid invisible, lock held: up
+        assert _remove_run_dir(rec) is False and d.is_dir()
+        os.close(fd)
+        assert _recorded(record(os.getpid(), d)) is None  # a live pid, but the lock is free: gone
+        state, shared = probe_run_dir(d)
+        state2, other = probe_run_dir(d)
+        assert state == state2 == "free"  # probes do not block each other
+        os.close(other)
+        threading.Timer(0.05, os.close, [shared]).start()
+        assert _remove_run_dir(rec) is True and not d.exists()  # waited out the probe, then removed
+        d.mkdir()  # no lock file (a run dir from before the lock): the pid decides
+        assert _recorded(record(os.getpid(), d)) is not None and _recorded(record(dead, d)) is None
+        (d / RUN_DIR_LOCK).mkdir()  # not a regular file: no lock, the pid decides
+        assert probe_run_dir(d) == ("none", None) and _recorded(record(dead, d)) is None
+        assert _remove_run_dir(record(dead, d)) is True and not d.exists()
+        for odd in ({"pid": 1e30, "run_dir": str(d)}, {"pid": "x"}, [1, 2], {"pid": dead, "run_dir": 7}):
+            rec.write_text(json.dumps(odd))
+            assert _recorded(rec) is None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
