@@ -417,10 +417,8 @@ class KVPoolClient:
             except KVPoolError as e:
                 results[i] = e
                 continue
-            order = info.replicas
-            if len(order) > 1:
-                order = sorted(order, key=lambda r: r.host_id != self.host_id)
-            elif not order:
+            order = sorted(info.replicas, key=lambda r: r.host_id != self.host_id)
+            if not order:
                 results[i] = None  # every replica was lost: a clean miss
                 continue
             pending[i] = (info, order)
@@ -443,7 +441,6 @@ class KVPoolClient:
                 op_of[i] = op
                 by_node[op.ref.node_id].append(op)
             self._parallel(self.data.read, by_node)
-            done = time.monotonic()  # every read of this round has finished
             nxt = {}
             for i, op in op_of.items():
                 info, order = pending[i]
@@ -451,8 +448,7 @@ class KVPoolClient:
                 if err is None:
                     if self.read_hook is not None:
                         self.read_hook(info.key)
-                        done = time.monotonic()
-                    if info.lease_ttl_s and done > t_sent + info.lease_ttl_s * LEASE_MARGIN:
+                    if info.lease_ttl_s and time.monotonic() > t_sent + info.lease_ttl_s * LEASE_MARGIN:
                         err = LeaseExpired(f"read of {info.key!r} finished after its {info.lease_ttl_s:g}s lease "
                                            "lapsed; the bytes were discarded. Retry, or raise master.lease_ttl "
                                            "for slow readers", key=info.key)
@@ -569,9 +565,8 @@ def _prehash(bufs: Sequence, sums: list) -> Callable[[Callable[[], bool]], None]
     as one GIL-free ``memcpy``), so most of the hash leaves the put's critical path.
     Measured on the project VM (interleaved A/B, same-host 4 MiB put, median of the
     runs' p50s, three sessions of 6–10 runs): 1.04, 1.25, 1.33 ms against 1.16, 1.44,
-    1.38 ms with the hash fused into the copy. Bigger buffers
-    are hashed beside their copy instead (:meth:`DataPlane._hash_aside`): hashing them
-    here would outlast the wait by far."""
+    1.38 ms with the hash fused into the copy. Bigger buffers are hashed beside their copy
+    instead (:meth:`DataPlane._hash_aside`): hashing them here would outlast the wait."""
     def work(answered: Callable[[], bool]) -> None:
         since = 0  # bytes hashed since the last look at the socket
         for j, b in enumerate(bufs):

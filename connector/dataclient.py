@@ -8,12 +8,12 @@ Paths, chosen per replica (``transport="auto"``):
   streaming) right after it lands, while still in cache, so the checksum costs no second
   pass over memory. The hash is of the bytes delivered, read back from ``out``, never of
   the segment: a force-removed extent can be reused under a reader, and a hash of what
-  landed catches that torn read. A put is **one copy** (caller buffer →
-  segment), hashed as it goes, unless the client hashed the buffer while waiting for
-  ``put_start`` (objects up to 4 MiB) or a helper thread hashes it beside one GIL-free
-  ``memcpy`` (bigger ones, :meth:`DataPlane._hash_aside`); the checksum reaches the master
-  with ``put_end``. Plus a small ``written`` notice; a batch's notices go out in one send before the copies, so the node's round
-  trip overlaps them. Big copies without a hash release the GIL (numpy), so the second
+  landed catches that torn read. A put is **one copy** (caller buffer → segment), hashed
+  as it goes, unless the client hashed the buffer while waiting for ``put_start``
+  (objects up to 4 MiB) or a helper thread hashes it beside one GIL-free ``memcpy``
+  (bigger ones, :meth:`DataPlane._hash_aside`); the checksum reaches the master with
+  ``put_end``. Plus a small ``written`` notice; a batch's notices go out in one send
+  before the copies, so the node's round trip overlaps them. Big copies without a hash release the GIL (numpy), so the second
   replica of a put and the per-node threads of a batch copy in parallel; copies hit by 4K
   aliasing are bounced (see :meth:`DataPlane._copy_out`).
 * **same host, Unix socket** (``transport="unix"``, or when the segment cannot be mapped)
@@ -391,12 +391,9 @@ class DataPlane:
         """Read every op (all from one node) into its ``out``; sets ``op.error`` on failure
         (and ``op.digest`` when it was asked for)."""
         net, dma = [], []
-        local_of: dict[str, bool] = {}  # per node incarnation (one, but for a restart mid-batch)
         for op in ops:
-            local = local_of.get(op.ref.incarnation)
-            if local is None:
-                local = local_of[op.ref.incarnation] = self.uses_shm(op.ref)
-            if type(op.out) is not memoryview:  # a CUDA tensor
+            local = self.uses_shm(op.ref)
+            if not isinstance(op.out, memoryview):  # a CUDA tensor
                 if local and self._direct(op.ref, op.out):
                     dma.append(op)
                     continue

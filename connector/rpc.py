@@ -153,12 +153,12 @@ class MasterRPC:
         (:class:`~protocol.errors.Timeout` when no master answered before the deadline).
 
         ``meanwhile(answered)``: work to do while the master handles the request, run once,
-        after the first send that went out (or before returning, should no send have gone
-        out); ``answered()`` is True when the reply can be read without waiting, so the
-        work can stop there. A put hashes its buffers here; a batch get reads one part
-        while the next part is looked up. It may use :meth:`send_nowait` but not ``call``
-        (RuntimeError). An exception from it propagates (the reply left unread is skipped
-        by the next call)."""
+        after the first send that went out (a resend after a broken connection does not
+        run it again; no reply is returned without a send, so it has always run by then);
+        ``answered()`` is True when the reply can be read without waiting, so the work can
+        stop there. A put hashes its buffers here. It may use :meth:`send_nowait` but not
+        ``call`` (RuntimeError). An exception from it propagates (the reply left unread is
+        skipped by the next call)."""
         if getattr(self._local, "busy", False):
             raise RuntimeError("MasterRPC.call from inside another call's meanwhile; only send_nowait may be used there")
         waited = self.timeout_s if timeout_s is None else timeout_s
@@ -178,8 +178,6 @@ class MasterRPC:
                 rep = self._round_trip(addr, body, deadline, meanwhile)
                 if rep is not None:
                     if rep.error is None:
-                        if meanwhile is not None:
-                            meanwhile(lambda: True)  # a no-op when it ran beside the request
                         return M.decode_result(rep.result, typ)
                     err = from_wire(rep.error)
                     if not isinstance(err, NotLeader):
@@ -261,7 +259,7 @@ class MasterRPC:
 
 
 def _once(fn: Callable[[Callable[[], bool]], None]) -> Callable[[Callable[[], bool]], None]:
-    """``fn`` to be run at most once: beside the first request that got sent, or at the end."""
+    """``fn`` to be run at most once: beside the first send of a call that may resend."""
     ran = False
 
     def run(answered: Callable[[], bool]) -> None:
