@@ -38,18 +38,25 @@ def state_file(cluster: str) -> Path:
     return Path(tempfile.gettempdir()) / f"kvpool-{os.getuid()}" / f"{cluster}.json"
 
 
+def _load_record(f: Path) -> dict | None:
+    """The JSON object in record ``f``; None when it is missing, unreadable or not an object."""
+    try:
+        info = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def _recorded(f: Path) -> dict | None:
     """The record in ``f`` if the `kvpool up` that wrote it still runs, else None. Its run
     directory's owner lock decides when there is one (held: up, even if its pid is not
     visible from here; free: gone, even if its pid was reused); else its pid does."""
     import psutil
 
+    info = _load_record(f)
     try:
-        info = json.loads(f.read_text())
         pid = int(info["pid"])
-    except (OSError, ValueError, KeyError, TypeError, OverflowError):
-        return None
-    if not isinstance(info, dict):
+    except (KeyError, TypeError, ValueError, OverflowError):  # None (no record) is a TypeError
         return None
     d = _own_run_dir(f, info)
     state, fd = probe_run_dir(d) if d is not None else ("none", None)
@@ -111,11 +118,8 @@ def _remove_run_dir(f: Path) -> bool:
     when the lock is held after all: its owner lives, keep the record."""
     import shutil
 
-    try:
-        info = json.loads(f.read_text())
-        d = _own_run_dir(f, info) if isinstance(info, dict) else None
-    except (OSError, ValueError):
-        return True
+    info = _load_record(f)
+    d = None if info is None else _own_run_dir(f, info)
     if d is None:
         return True
     state, fd = probe_run_dir(d, take=True)
@@ -146,11 +150,11 @@ def write_record(f: Path, info: dict) -> None:
 
 def release_record(f: Path) -> None:
     """Remove ``f`` if this process wrote it (never another `kvpool up`'s record)."""
-    try:
-        if json.loads(f.read_text()).get("pid") == os.getpid():
+    if (_load_record(f) or {}).get("pid") == os.getpid():
+        try:
             f.unlink()
-    except (OSError, ValueError):
-        pass
+        except OSError:
+            pass
 
 
 def build_config(config: Path | None, cluster: str | None = None, etcd: str | None = None) -> ClusterConfig:
