@@ -194,6 +194,28 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sched is not None:
             self.sched.update_connector_output(connector_output)
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """False: when vLLM's local full-attention hit reaches deeper than the local
+        recurrent state, vLLM reconciles to the boundary every group agrees on and kvpool
+        extends the hit from there (the store holds checkpoints on block boundaries, so a
+        lagging state is restored from kvpool only at a boundary it was saved at)."""
+        return False
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """Every group kvpool stores (vLLM's prefix-cacheable transfer groups): a load
+        restores each of them to the hit boundary, so vLLM skips zeroing their blocks."""
+        if self.sched is not None:
+            return self.sched.loaded_group_ids()
+        return super().get_loaded_kv_cache_group_ids(request)
+
+    def register_finished_partial_tail(self, request: "Request", block_ids: tuple[list[int], ...],
+                                       partial_tail_offloads: list[tuple[int, int, int]]) -> bool:
+        """Declined (False): kvpool stores full blocks and block-aligned state checkpoints;
+        the state after a prompt's sub-block tail (fewer than ``block_size`` tokens) is
+        recomputed by the next engine, and no block is held past the request for it."""
+        return False
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 

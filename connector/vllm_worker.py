@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from connector.vllm_meta import (
     monotonic,
 )
 from protocol.errors import ConfigError, KVPoolError
+from protocol.layout import DTYPE_BYTES
 
 log = logging.getLogger("kvpool.vllm")
 
@@ -63,6 +65,9 @@ class _LoadResult:
     n_ok: int
     nbytes: int
     seconds: float
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    group_bytes: dict[int, int] = field(default_factory=dict)
 
 
 class KVPoolWorker:
@@ -78,7 +83,7 @@ class KVPoolWorker:
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, self.rank)
         self.multi_group = len(kv_cache_config.kv_cache_groups) > 1
         self.client = client if client is not None else settings.make_client()
-        self.caches: dict[str, torch.Tensor] = {}      # layer -> [num_blocks, H, N, C] view
+        self.caches: dict[str, list] = {}  # layer -> views per sub-tensor ([blocks, H, N, C] for attention)
         self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group index, byte offset)
         self.meta: KVPoolConnectorMetadata | None = None
         self.staged: list[_Staged] = []
@@ -104,12 +109,27 @@ class KVPoolWorker:
                 if t is None:
                     raise ConfigError(f"kvpool: layer {name} of cache group {g.group_id} has no KV cache "
                                       "tensor on this worker", key="kv_caches")
-                self.caches[name] = self._block_view(name, t, g)
+                views = self._state_views(name, t, g) if g.is_state else [self._block_view(name, t, g)]
+                self.caches[name] = views
                 self.layer_pos[name] = (gi, off)
                 off += g.layer_nbytes
-                self.pin = self.pin or t.is_cuda
-        log.info("kvpool: registered %d layers in %d group(s); %d bytes per block; rank %d",
-                 len(self.caches), len(self.groups), sum(g.layout.nbytes for g in self.groups), self.rank)
+                self.pin = self.pin or any(v.device.type == "cuda" for v in views)
+        log.info("kvpool: registered %d layers in %d group(s) (%s); %d bytes per block; rank %d",
+                 len(self.caches), len(self.groups), ", ".join(g.layout.kind for g in self.groups),
+                 sum(g.layout.nbytes for g in self.groups), self.rank)
+
+    def _state_views(self, name: str, t, g: GroupLayout) -> list[torch.Tensor]:
+        """A state layer's cache: one ``[blocks, *shape]`` tensor per sub-state (conv
+        history, recurrent state), as ``MambaSpec.shapes`` and ``dtypes`` declare."""
+        parts = list(t) if isinstance(t, (list, tuple)) else [t]
+        if len(parts) != len(g.parts):
+            raise ConfigError(f"kvpool: state layer {name} has {len(parts)} cache tensors, its spec declares "
+                              f"{len(g.parts)}", key="kv_caches")
+        for v, (shape, dtype) in zip(parts, g.parts):
+            if v.dtype != _TORCH_DTYPES[dtype] or tuple(v.shape[1:]) != tuple(shape) or v.shape[0] < self.num_blocks:
+                raise ConfigError(f"kvpool: state layer {name} cache is {tuple(v.shape)} {v.dtype}, the spec says "
+                                  f"[{self.num_blocks}, {', '.join(map(str, shape))}] {dtype}", key="kv_caches")
+        return parts
 
     def _block_view(self, name: str, t: torch.Tensor, g: GroupLayout) -> torch.Tensor:
         if isinstance(t, (list, tuple)):
@@ -143,24 +163,29 @@ class KVPoolWorker:
 
     # ---- metadata ---------------------------------------------------------------------------
 
+    def _mine(self, g: GroupLayout) -> bool:
+        """Whether this rank stores ``g`` (one copy of a replicated layout serves every rank)."""
+        return not (g.replicated and self.rank != 0)
+
     def bind(self, meta) -> None:
         self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
         self.staged = []
         if self.meta is None or not self.meta.saves:
             return
         for job in self.meta.saves:
-            if self.rank != 0 and all(g.replicated for g in self.groups):
-                continue  # one copy of a replicated layout serves every rank
-            n = len(job.hashes)
-            bufs = [self._staging(n, g) for g in self.groups]
+            if not any(self._mine(g) and gb.positions for g, gb in zip(self.groups, job.groups)):
+                continue
+            bufs = [self._staging(len(gb.positions), g) for g, gb in zip(self.groups, job.groups)]
             self.staged.append(_Staged(job, bufs))
 
     def _staging(self, n: int, g: GroupLayout) -> torch.Tensor:
         """A ``[n, layout.nbytes]`` uint8 host buffer for ``n`` blocks of group ``g``: pinned
         (torch's caching host allocator) when the caches are on a GPU, so the gather and
-        scatter copies are DMA at full link speed — measured 41–54 GB/s on an H200 host
-        against 7–13 GB/s for pageable memory (``benchmarks/gpu_paths.py``)."""
+        scatter copies are DMA at full link speed (``benchmarks/gpu_paths.py``)."""
         return torch.empty((n, g.layout.nbytes), dtype=torch.uint8, pin_memory=self.pin)
+
+    def _keys(self, g: GroupLayout, first: int, hashes: list[bytes], positions: list[int]) -> list[str]:
+        return [keys_for(self.s, g, [hashes[p - first]], self.rank, p)[0] for p in positions]
 
     def clear(self) -> None:
         self.meta = None
@@ -177,54 +202,78 @@ class KVPoolWorker:
             self.loads[job.req_id] = self.loader.submit(self._load, job)
 
     def _load(self, job: LoadJob) -> _LoadResult:
+        """Fetch every group's blocks of the hit into staging, then scatter them. A paged
+        group loads a prefix: from its first unloadable block on, nothing of the request
+        counts as loaded (with one group vLLM recomputes from there; with several, the
+        whole request is reported failed)."""
         t0 = monotonic()
-        n = len(job.block_ids[0]) if job.block_ids else 0
-        ok_upto = n
-        failed: set[int] = set()
-        nbytes = 0
-        if job.error is not None or not job.hashes:
-            ok_upto = 0
-            reason = job.error or "no blocks"
-        else:
-            reason = ""
-            staged = []
-            for g in self.groups:
-                buf = self._staging(n, g)
-                keys = keys_for(self.s, g, job.hashes, self.rank)
-                try:
-                    res = self.client.get_into_batch(keys, [buf[i] for i in range(n)], g.layout)
-                except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
-                    res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * n
-                for i, r in enumerate(res):
-                    if not isinstance(r, int) and i < ok_upto:
-                        ok_upto = i
-                        reason = "missing" if r is None else f"{type(r).__name__}: {r}"
+        n = max((len(gb.positions) for gb in job.groups), default=0)
+        reason = job.error or ("" if n else "no blocks")
+        ok_upto = 0 if reason else n  # loaded blocks of the single-group case, in load order
+        failed_groups: dict[int, int] = {}
+        staged = []
+        if not reason:
+            for g, gb in zip(self.groups, job.groups):
+                m = len(gb.positions)
+                buf = self._staging(m, g)
                 staged.append(buf)
-            for gi, g in enumerate(self.groups):
-                if ok_upto:
-                    self._scatter(g, staged[gi][:ok_upto], job.block_ids[gi][:ok_upto])
-                    nbytes += ok_upto * g.layout.nbytes
-        if ok_upto < n:
-            # everything from the first unloadable block on holds no valid KV
-            for gi in range(len(self.groups)):
-                failed.update(job.block_ids[gi][ok_upto:])
+                if not m:
+                    continue
+                keys = self._keys(g, job.first, job.hashes, gb.positions)
+                try:
+                    res = self.client.get_into_batch(keys, [buf[i] for i in range(m)], g.layout)
+                except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
+                    res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * m
+                for i, r in enumerate(res):
+                    if not isinstance(r, int):
+                        failed_groups[g.group_id] = m - i
+                        ok_upto = min(ok_upto, i)
+                        reason = reason or ("missing" if r is None else f"{type(r).__name__}: {r}")
+                        break
+        nbytes, per_group = 0, {}
+        if not reason or (len(self.groups) == 1 and ok_upto):
+            for (g, gb), buf in zip(zip(self.groups, job.groups), staged):
+                k = len(gb.positions) if not reason else ok_upto
+                self._scatter(g, buf[:k], gb.block_ids[:k])
+                nbytes += k * g.layout.nbytes
+                per_group[g.group_id] = k * g.layout.nbytes
+        failed: set[int] = set()
+        n_failed = 0
+        if reason:
+            if len(self.groups) == 1:
+                failed.update(job.groups[0].block_ids[ok_upto:])
+                n_failed = n - ok_upto
+            else:
+                n_failed = n
+                ok_upto = 0
             level = logging.ERROR if self.s.policy == "fail" else logging.WARNING
-            log.log(level, "kvpool: request %s: %d of %d blocks could not be loaded (first failure: %s)%s; "
-                    "policy=%s", job.req_id, n - ok_upto, n, reason,
+            log.log(level, "kvpool: request %s: %d of %d blocks could not be loaded (first failure: %s%s)%s; "
+                    "policy=%s", job.req_id, n_failed, n, reason,
+                    f" in cache group {min(failed_groups)}" if failed_groups else "",
                     f" from hand-off {job.handoff_id}" if job.handoff_id else "", self.s.policy)
-        return _LoadResult(job.req_id, failed, n - ok_upto, ok_upto, nbytes, monotonic() - t0)
+        bs = self.groups[0].layout.tokens_per_block
+        recomputed = job.tokens if (reason and len(self.groups) > 1) else n_failed * bs
+        return _LoadResult(job.req_id, failed, n_failed, n - n_failed, nbytes, monotonic() - t0,
+                           job.tokens - recomputed, recomputed, per_group)
 
     def _scatter(self, g: GroupLayout, buf: torch.Tensor, block_ids: list[int]) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        n = len(block_ids)
-        dtype = _TORCH_DTYPES[g.dtype]
-        off = 0
+        if not block_ids:
+            return
         for name in g.layer_names:
-            cache = self.caches[name]
-            src = buf[:, off:off + g.layer_nbytes].view(dtype).view(n, *g.page_shape)
-            dev = cache.device
-            cache.index_copy_(0, idx.to(dev), src.to(dev, non_blocking=False))
-            off += g.layer_nbytes
+            for view, lo, hi, shape, dtype in self._parts(g, name):
+                src = buf[:, lo:hi].view(_TORCH_DTYPES[dtype]).view(len(block_ids), *shape)
+                dev = view.device
+                idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+                view.index_copy_(0, idx, src.to(dev, non_blocking=False))
+
+    def _parts(self, g: GroupLayout, name: str):
+        """``(cache view, byte offset, end, shape, dtype)`` of each sub-tensor of layer
+        ``name`` inside one stored block of ``g``."""
+        off = self.layer_pos[name][1]
+        for view, (shape, dtype) in zip(self.caches[name], g.parts):
+            nb = math.prod(shape) * DTYPE_BYTES[dtype]
+            yield view, off, off + nb, shape, dtype
+            off += nb
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished loads, failed loads) completed since the last call."""
@@ -252,6 +301,10 @@ class KVPoolWorker:
                 self.stats.add("blocks_loaded", r.n_ok)
                 self.stats.add("blocks_load_failed", r.n_failed)
                 self.stats.add("bytes_loaded", r.nbytes)
+                self.stats.add("loaded_tokens", r.loaded_tokens)
+                self.stats.add("recomputed_tokens", r.recomputed_tokens)
+                for gid, nb in r.group_bytes.items():
+                    self.stats.add_group(gid, "bytes_loaded", nb)
         return done, failed
 
     def take_invalid(self) -> set[int]:
@@ -261,22 +314,22 @@ class KVPoolWorker:
     # ---- saves ------------------------------------------------------------------------------
 
     def save_layer(self, layer_name: str) -> None:
-        pos = self.layer_pos.get(layer_name)
-        if pos is None or not self.staged:
+        if layer_name not in self.layer_pos or not self.staged:
             return
         for st in self.staged:
             if layer_name not in st.done_layers:
-                self._gather(st, layer_name, pos)
+                self._gather(st, layer_name)
 
-    def _gather(self, st: _Staged, layer_name: str, pos: tuple[int, int]) -> None:
-        gi, off = pos
+    def _gather(self, st: _Staged, layer_name: str) -> None:
+        gi = self.layer_pos[layer_name][0]
         g = self.groups[gi]
-        ids = st.job.block_ids[gi]
-        cache = self.caches[layer_name]
-        idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
-        pages = cache.index_select(0, idx)
-        dst = st.bufs[gi][:, off:off + g.layer_nbytes].view(_TORCH_DTYPES[g.dtype]).view(len(ids), *g.page_shape)
-        dst.copy_(pages)  # synchronous for CPU caches (and device->host copies)
+        ids = st.job.groups[gi].block_ids
+        if ids and self._mine(g):
+            for view, lo, hi, shape, dtype in self._parts(g, layer_name):
+                idx = torch.tensor(ids, dtype=torch.long, device=view.device)
+                pages = view.index_select(0, idx)
+                dst = st.bufs[gi][:, lo:hi].view(_TORCH_DTYPES[dtype]).view(len(ids), *shape)
+                dst.copy_(pages)  # synchronous for CPU caches (and device->host copies)
         st.done_layers.add(layer_name)
 
     def wait_for_save(self) -> None:
@@ -285,16 +338,16 @@ class KVPoolWorker:
             return
         sync = []
         for st in staged:
-            for name, pos in self.layer_pos.items():
+            for name in self.layer_pos:
                 if name not in st.done_layers:
-                    self._gather(st, name, pos)
+                    self._gather(st, name)
             if st.job.sync:
                 sync.append(st)
             else:
                 self._throttle()
                 self.saves.append(self.saver.submit(self._put, st))
         if sync:
-            # a producer's last prompt chunk: every earlier chunk and this one are committed
+            # a producer's last prompt step: every earlier save and this one are committed
             # before the step ends, so the scheduler can publish the hand-off right away
             self.flush(timeout_s=self.s.io_timeout_s)
             for st in sync:
@@ -308,13 +361,17 @@ class KVPoolWorker:
 
     def _put(self, st: _Staged) -> None:
         job = st.job
-        n = len(job.hashes)
         failed = 0
         nbytes = 0
+        n_paged = 0
         for gi, g in enumerate(self.groups):
-            if g.replicated and self.rank != 0:
+            gb = job.groups[gi]
+            n = len(gb.positions)
+            if not g.is_state:
+                n_paged = max(n_paged, n)
+            if not n or not self._mine(g):
                 continue
-            keys = keys_for(self.s, g, job.hashes, self.rank)
+            keys = self._keys(g, job.first, job.hashes, gb.positions)
             buf = st.bufs[gi]
             try:
                 res = self.client.put_batch(keys, [buf[i] for i in range(n)], g.layout)
@@ -324,15 +381,22 @@ class KVPoolWorker:
             errs = [r for r in res if r is not None]
             failed = max(failed, len(errs))
             nbytes += (n - len(errs)) * g.layout.nbytes
+            with self.lock:
+                self.stats.add_group(g.group_id, "bytes_saved", (n - len(errs)) * g.layout.nbytes)
+                if g.is_state:
+                    self.stats.add("states_saved", n - len(errs))
             if errs:
                 kind = type(errs[0]).__name__
                 if kind not in self.warned:
                     self.warned.add(kind)
-                    log.warning("kvpool: %d of %d blocks of request %s were not saved (%s: %s); they will "
-                                "be recomputed by whoever needs them", len(errs), n, job.req_id, kind, errs[0])
+                    log.warning("kvpool: %d of %d blocks of cache group %d of request %s were not saved (%s: %s); "
+                                "they will be recomputed by whoever needs them", len(errs), n, g.group_id,
+                                job.req_id, kind, errs[0])
+        first = next((gb.positions[0] for g, gb in zip(self.groups, job.groups)
+                      if not g.is_state and gb.positions), job.first)
         with self.lock:
-            self.report.saves.append((job.req_id, job.first_block, n - failed, failed))
-            self.stats.add("blocks_saved", n - failed)
+            self.report.saves.append((job.req_id, first, n_paged - min(failed, n_paged), failed))
+            self.stats.add("blocks_saved", n_paged - min(failed, n_paged))
             self.stats.add("blocks_save_failed", failed)
             self.stats.add("bytes_saved", nbytes)
 

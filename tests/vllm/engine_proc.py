@@ -2,7 +2,8 @@
 
 Run as ``python tests/vllm/engine_proc.py '<json config>'`` with the repo on PYTHONPATH. The
 config: ``model`` (path), ``kv_transfer_config`` (dict or null), ``multiprocess``
-(bool: vLLM's default engine-core process, else in-process), ``seed``, ``log_stats``.
+(bool: vLLM's default engine-core process, else in-process), ``seed``, ``log_stats``,
+``engine_kwargs`` (``LLM(...)`` arguments over the defaults below).
 
 Commands, one JSON object per line on stdin; each answer is one stdout line starting
 with ``KVPOOL_ENGINE `` followed by JSON (vLLM's own logs go to stderr):
@@ -46,6 +47,7 @@ def main() -> None:
     kwargs = dict(model=cfg["model"], dtype="float32", block_size=32, enforce_eager=True,
                   max_model_len=1024, seed=cfg.get("seed", 0), kv_cache_memory_bytes=64 << 20,
                   max_num_seqs=16, disable_log_stats=not cfg.get("log_stats"))
+    kwargs.update(cfg.get("engine_kwargs") or {})  # per-architecture overrides (dtype, block size, ...)
     if cfg.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = cfg["kv_transfer_config"]
     llm = LLM(**kwargs)

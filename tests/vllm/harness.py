@@ -35,11 +35,12 @@ class Engine:
     """One vLLM engine process. ``generate`` returns the engine's JSON outputs."""
 
     def __init__(self, name: str, model: str, log_dir: str, kv_transfer_config: dict | None = None,
-                 multiprocess: bool = False, log_stats: bool = False, startup_timeout_s: float = 240.0) -> None:
+                 multiprocess: bool = False, log_stats: bool = False, startup_timeout_s: float = 240.0,
+                 engine_kwargs: dict | None = None) -> None:
         self.name = name
         self.log_path = os.path.join(log_dir, f"engine-{name}.log")
         cfg = {"model": model, "kv_transfer_config": kv_transfer_config, "multiprocess": multiprocess,
-               "log_stats": log_stats}
+               "log_stats": log_stats, "engine_kwargs": engine_kwargs or {}}
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         self._log = open(self.log_path, "w")

@@ -114,8 +114,41 @@ def test_layouts_from_vllm_specs():
     (gm,) = group_layouts(_vllm_config({"master": "x"}, tp=4), _cache_config(mla), tp_rank=3)
     assert (gm.layout.kind, gm.replicated, gm.page_shape) == ("mla", True, (1, 32, 576))
     swa = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32, sliding_window=128)
-    with pytest.raises(ConfigError):
-        group_layouts(_vllm_config({"master": "x"}), _cache_config(full, swa))
+    gf2, gs = group_layouts(_vllm_config({"master": "x"}), _cache_config(full, swa))
+    assert (gs.layout.kind, gs.layout.sliding_window, gs.rule.kind, gs.rule.window_blocks) == \
+        ("sliding_window", 128, "sliding_window", 4)  # ceil(127 / 32)
+    assert gs.layout.fingerprint() != gf2.layout.fingerprint() and gf2.rule.kind == "full_attention"
+    # without the hybrid manager vLLM keeps every block of a windowed layer: full attention,
+    # but a window-aware fingerprint (never aliased with a true full-attention group)
+    hma_off = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32, sliding_window=128)
+    (go,) = group_layouts(_vllm_config({"master": "x"}), _cache_config(hma_off))
+    assert go.rule.kind == "full_attention" and go.layout.sliding_window == 128
+    assert go.layout.fingerprint() != gf.layout.fingerprint()
+
+
+def test_state_group_layouts_and_refusals():
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec
+
+    from connector.vllm_meta import group_layouts
+    from protocol.errors import ConfigError
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.bfloat16)
+    gdn = MambaSpec(block_size=32, shapes=((3, 768), (4, 128, 128)), dtypes=(torch.bfloat16, torch.bfloat16),
+                    mamba_cache_mode="align")
+    ga, gm = group_layouts(_vllm_config({"master": "x"}), _cache_config(full, gdn))
+    assert gm.is_state and gm.layout.kind == "mamba" and gm.parts == (((3, 768), "bfloat16"), ((4, 128, 128), "bfloat16"))
+    assert [t.name for t in gm.layout.tensors] == ["conv/l1.a", "ssm/l1.a", "conv/l1.b", "ssm/l1.b"]
+    assert gm.layout.nbytes == 2 * (3 * 768 + 4 * 128 * 128) * 2
+    for bad, what in ((MambaSpec(block_size=32, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="none"),
+                       "mamba_cache_mode"),
+                      (MambaSpec(block_size=64, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"),
+                       "block size 64"),
+                      (ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32,
+                                                 attention_chunk_size=64), "ChunkedLocalAttentionSpec")):
+        with pytest.raises(ConfigError, match=what) as ei:
+            group_layouts(_vllm_config({"master": "x"}), _cache_config(full, bad))
+        assert "cache group 1" in str(ei.value), ei.value
 
 
 def test_stats_aggregate_and_reduce():
