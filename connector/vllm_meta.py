@@ -443,7 +443,6 @@ _COUNTERS = {
     "states_saved": "Recurrent-state checkpoints (Mamba / gated delta net / KDA) put into kvpool",
     "state_lookups": "Lookups of a model with state groups that probed a checkpoint",
     "state_hits": "Of those, lookups that found a checkpoint to restore",
-    "held_requests": "Finished requests whose blocks vLLM kept for a pending save",
 }
 _GROUP_COUNTERS = {
     "bytes_loaded": "Bytes loaded from kvpool, per cache group",

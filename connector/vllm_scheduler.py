@@ -61,6 +61,7 @@ class _Req:
     handoff_id: str | None = None  # consumer: claimed record to ack
     handoff_done: bool = False
     planned: bool = False
+    synced: bool = False          # producer: the sync save of the prompt's last step is planned
     cacheable: bool = True        # False for prompt-embedding inputs (no token ids to hash)
 
 
@@ -324,8 +325,14 @@ class KVPoolScheduler:
             if tokens % bs or not 0 < tokens <= st.num_prompt_tokens or b <= st.save_from or block_id == NULL_BLOCK:
                 continue
             states.setdefault(gid, []).append((b - 1, int(block_id)))
+        # a producer's prompt ends this step: its saves must be committed before the hand-off
+        # is published when the request finishes (a sync job, empty if nothing is left to save)
+        sync = self.s.producer and done_tokens >= st.num_prompt_tokens and not st.synced
+        st.synced = st.synced or sync
         if upto <= first and not states:
             st.saved_upto = max(st.saved_upto, upto)
+            if sync:
+                meta.saves.append(SaveJob(req_id, 0, [], [GroupBlocks([], []) for _ in self.groups], sync=True))
             return
         ids = self.kv_cache_manager.get_block_ids(req_id)
         groups, lo, hi = [], None, 0
@@ -342,12 +349,13 @@ class KVPoolScheduler:
                 hi = max(hi, pairs[-1][0] + 1)
         st.saved_upto = max(st.saved_upto, upto)
         if lo is None:
+            if sync:
+                meta.saves.append(SaveJob(req_id, 0, [], groups, sync=True))
             return
         for g, gb in zip(self.groups, groups):
             if g.is_state:
                 st.states.update(p + 1 for p in gb.positions)
         hashes = st.hashes.upto(st.request.all_token_ids, hi, bs)[lo:hi]
-        sync = self.s.producer and done_tokens >= st.num_prompt_tokens
         meta.saves.append(SaveJob(req_id, lo, hashes, groups, sync=sync))
 
     def update_connector_output(self, connector_output) -> None:

@@ -83,10 +83,11 @@ class KVPoolWorker:
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, self.rank)
         self.multi_group = len(kv_cache_config.kv_cache_groups) > 1
         self.client = client if client is not None else settings.make_client()
-        self.caches: dict[str, list] = {}  # layer -> views per sub-tensor ([blocks, H, N, C] for attention)
+        self.caches: dict[str, list] = {}  # layer -> (view, shape, dtype) per sub-tensor of a block
         self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group index, byte offset)
         self.meta: KVPoolConnectorMetadata | None = None
         self.staged: list[_Staged] = []
+        self.barrier = False  # a producer's prompt ended this step: commit queued saves in wait_for_save
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
         self.loads: dict[str, Future] = {}
@@ -109,27 +110,37 @@ class KVPoolWorker:
                 if t is None:
                     raise ConfigError(f"kvpool: layer {name} of cache group {g.group_id} has no KV cache "
                                       "tensor on this worker", key="kv_caches")
-                views = self._state_views(name, t, g) if g.is_state else [self._block_view(name, t, g)]
-                self.caches[name] = views
+                parts = self._state_views(name, t, g) if g.is_state else \
+                    [(self._block_view(name, t, g), g.page_shape, g.dtype)]
+                self.caches[name] = parts
                 self.layer_pos[name] = (gi, off)
                 off += g.layer_nbytes
-                self.pin = self.pin or any(v.device.type == "cuda" for v in views)
+                self.pin = self.pin or any(v.device.type == "cuda" for v, _, _ in parts)
         log.info("kvpool: registered %d layers in %d group(s) (%s); %d bytes per block; rank %d",
                  len(self.caches), len(self.groups), ", ".join(g.layout.kind for g in self.groups),
                  sum(g.layout.nbytes for g in self.groups), self.rank)
 
-    def _state_views(self, name: str, t, g: GroupLayout) -> list[torch.Tensor]:
-        """A state layer's cache: one ``[blocks, *shape]`` tensor per sub-state (conv
-        history, recurrent state), as ``MambaSpec.shapes`` and ``dtypes`` declare."""
-        parts = list(t) if isinstance(t, (list, tuple)) else [t]
-        if len(parts) != len(g.parts):
-            raise ConfigError(f"kvpool: state layer {name} has {len(parts)} cache tensors, its spec declares "
+    def _state_views(self, name: str, t, g: GroupLayout) -> list:
+        """A state layer's cache as ``(view, shape, dtype)`` parts: either one
+        ``[blocks, *shape]`` tensor per sub-state (conv history, recurrent state) as
+        ``MambaSpec.shapes``/``dtypes`` declare, or the raw per-block page vLLM registers
+        for connectors (``[blocks, 1, 1, bytes]`` int8, the sub-states back to back in
+        that order), moved as bytes."""
+        if not isinstance(t, (list, tuple)):
+            raw = t.view(torch.uint8) if t.dtype in (torch.int8, torch.uint8) else None
+            if raw is None or raw.shape[0] < self.num_blocks or math.prod(raw.shape[1:]) != g.layer_nbytes:
+                raise ConfigError(f"kvpool: state layer {name} cache is {tuple(t.shape)} {t.dtype}; expected "
+                                  f"{g.layer_nbytes} bytes per block ({', '.join(str(s) for s, _ in g.parts)})",
+                                  key="kv_caches")
+            return [(raw.reshape(raw.shape[0], g.layer_nbytes), (g.layer_nbytes,), "uint8")]
+        if len(t) != len(g.parts):
+            raise ConfigError(f"kvpool: state layer {name} has {len(t)} cache tensors, its spec declares "
                               f"{len(g.parts)}", key="kv_caches")
-        for v, (shape, dtype) in zip(parts, g.parts):
+        for v, (shape, dtype) in zip(t, g.parts):
             if v.dtype != _TORCH_DTYPES[dtype] or tuple(v.shape[1:]) != tuple(shape) or v.shape[0] < self.num_blocks:
                 raise ConfigError(f"kvpool: state layer {name} cache is {tuple(v.shape)} {v.dtype}, the spec says "
                                   f"[{self.num_blocks}, {', '.join(map(str, shape))}] {dtype}", key="kv_caches")
-        return parts
+        return [(v, shape, dtype) for v, (shape, dtype) in zip(t, g.parts)]
 
     def _block_view(self, name: str, t: torch.Tensor, g: GroupLayout) -> torch.Tensor:
         if isinstance(t, (list, tuple)):
@@ -170,10 +181,12 @@ class KVPoolWorker:
     def bind(self, meta) -> None:
         self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
         self.staged = []
+        self.barrier = False
         if self.meta is None or not self.meta.saves:
             return
         for job in self.meta.saves:
             if not any(self._mine(g) and gb.positions for g, gb in zip(self.groups, job.groups)):
+                self.barrier = self.barrier or job.sync  # nothing to stage, but earlier saves must land
                 continue
             bufs = [self._staging(len(gb.positions), g) for g, gb in zip(self.groups, job.groups)]
             self.staged.append(_Staged(job, bufs))
@@ -270,7 +283,7 @@ class KVPoolWorker:
         """``(cache view, byte offset, end, shape, dtype)`` of each sub-tensor of layer
         ``name`` inside one stored block of ``g``."""
         off = self.layer_pos[name][1]
-        for view, (shape, dtype) in zip(self.caches[name], g.parts):
+        for view, shape, dtype in self.caches[name]:
             nb = math.prod(shape) * DTYPE_BYTES[dtype]
             yield view, off, off + nb, shape, dtype
             off += nb
@@ -334,6 +347,9 @@ class KVPoolWorker:
 
     def wait_for_save(self) -> None:
         staged, self.staged = self.staged, []
+        if self.barrier and not any(st.job.sync for st in staged):
+            self.flush(timeout_s=self.s.io_timeout_s)
+        self.barrier = False
         if not staged:
             return
         sync = []
