@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 POLICIES = ("fail", "recompute")
 PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
 _EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
-               "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves"}
+               "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves",
+               "lookup_timeout_s"}
 
 
 # ---- settings -------------------------------------------------------------------------
@@ -50,7 +51,9 @@ class ConnectorSettings:
     (default: the model path/name with ``/`` replaced by ``--``); ``load_failure_policy``
     (``fail`` | ``recompute``) overrides ``kv_transfer_config.kv_load_failure_policy``;
     ``handoff_ttl_s`` bounds how long a producer's blocks stay held for the consumer;
-    ``max_inflight_saves`` bounds the background save queue (saves beyond it wait).
+    ``max_inflight_saves`` bounds the background save queue (saves beyond it wait);
+    ``lookup_timeout_s`` bounds how long a request waits for its prefix lookup before it
+    proceeds as a miss (the scheduler step itself never waits on the network).
     """
 
     master: str | None
@@ -66,6 +69,7 @@ class ConnectorSettings:
     io_timeout_s: float
     max_inflight_saves: int
     engine_id: str
+    lookup_timeout_s: float = 2.0
 
     @staticmethod
     def from_vllm(vllm_config: "VllmConfig") -> "ConnectorSettings":
@@ -107,7 +111,8 @@ class ConnectorSettings:
             policy=policy, role=str(ktc.kv_role), handoff_ttl_s=num("handoff_ttl_s", 60.0, 0.001),
             transport=transport, rpc_timeout_s=num("rpc_timeout_s", 10.0, 0.001),
             io_timeout_s=num("io_timeout_s", 30.0, 0.001),
-            max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id))
+            max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
+            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001))
 
     @property
     def loads(self) -> bool:
@@ -438,6 +443,7 @@ _COUNTERS = {
     "handoffs_acked": "P/D hand-offs loaded and acknowledged by this consumer",
     "handoffs_released": "P/D hand-offs released unused or after a failed load",
     "handoff_errors": "Hand-offs that could not be published or claimed",
+    "lookups_timed_out": "Lookups not answered within lookup_timeout_s (the request ran as a miss)",
     "loaded_tokens": "Tokens restored from kvpool by finished loads",
     "recomputed_tokens": "Tokens found in kvpool whose load failed, recomputed by the engine",
     "states_saved": "Recurrent-state checkpoints (Mamba / gated delta net / KDA) put into kvpool",
@@ -450,18 +456,21 @@ _GROUP_COUNTERS = {
     "hit_tokens": "External hit tokens, per cache group (sliding-window groups count only the window)",
 }
 GROUP_PREFIX = "group/"  # stats keys "group/<gid>/<counter>"
-MAX_LATENCIES = 1024  # load latencies kept per collection interval
+MAX_LATENCIES = 1024  # latencies of each kind kept per collection interval
+LATENCIES = {"load_s": "Latency of one request's load from kvpool (seconds)",
+             "save_s": "Latency of one save job's puts into kvpool, from staging to commit (seconds)"}
 
 
 @dataclass
 class KVPoolConnectorStats(KVConnectorStats):
     """Counters since the last collection, plus the latency (seconds) of each finished
-    load (``load_s``, at most MAX_LATENCIES per interval)."""
+    load and save job (``load_s``, ``save_s``: at most MAX_LATENCIES each per interval)."""
 
     def __post_init__(self) -> None:
         for k in _COUNTERS:
             self.data.setdefault(k, 0)
-        self.data.setdefault("load_s", [])
+        for k in LATENCIES:
+            self.data.setdefault(k, [])
 
     def add(self, key: str, v: float = 1) -> None:
         self.data[key] = self.data.get(key, 0) + v
@@ -470,13 +479,16 @@ class KVPoolConnectorStats(KVConnectorStats):
         if v:
             self.add(f"{GROUP_PREFIX}{group_id}/{key}", v)
 
-    def observe_load(self, seconds: float) -> None:
-        if len(self.data["load_s"]) < MAX_LATENCIES:
-            self.data["load_s"].append(float(seconds))
+    def observe(self, kind: str, seconds: float) -> None:
+        """Record one job's latency; ``kind`` in LATENCIES."""
+        lat = self.data.setdefault(kind, [])
+        if len(lat) < MAX_LATENCIES:
+            lat.append(float(seconds))
 
     def reset(self) -> None:
         self.data = {k: 0 for k in _COUNTERS}
-        self.data["load_s"] = []
+        for k in LATENCIES:
+            self.data[k] = []
 
     def aggregate(self, other: KVConnectorStats) -> "KVPoolConnectorStats":
         for k, v in (other.data or {}).items():
@@ -488,18 +500,21 @@ class KVPoolConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
-        lat = sorted(self.data.get("load_s") or [])
-        d["avg_load_ms"] = round(1000.0 * sum(lat) / len(lat), 3) if lat else 0.0
-        d["p99_load_ms"] = round(1000.0 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else 0.0
+        for kind in LATENCIES:
+            lat = sorted(self.data.get(kind) or [])
+            op = kind[:-2]
+            d[f"avg_{op}_ms"] = round(1000.0 * sum(lat) / len(lat), 3) if lat else 0.0
+            d[f"p99_{op}_ms"] = round(1000.0 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else 0.0
         return d
 
     def is_empty(self) -> bool:
-        return not any(v for k, v in self.data.items() if not isinstance(v, list)) and not self.data.get("load_s")
+        return not any(v for v in self.data.values())
 
 
 class KVPoolPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvpool_<counter>_total`` counters and the ``vllm:kvpool_load_seconds``
-    histogram, per engine, fed from :class:`KVPoolConnectorStats`."""
+    """``vllm:kvpool_<counter>_total`` counters, per-group counters with a ``group``
+    label, and the ``vllm:kvpool_{load,save}_seconds`` histograms, per engine, fed from
+    :class:`KVPoolConnectorStats`."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -507,11 +522,12 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
         for key, doc in _COUNTERS.items():
             c = self._counter_cls(name=f"vllm:kvpool_{key}_total", documentation=doc, labelnames=labelnames)
             self.counters[key] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
-        h = self._histogram_cls(name="vllm:kvpool_load_seconds",
-                                documentation="Latency of one request's load from kvpool (seconds)",
-                                labelnames=labelnames,
-                                buckets=(1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0))
-        self.load_hist = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self.hists = {}
+        for kind, doc in LATENCIES.items():
+            h = self._histogram_cls(name=f"vllm:kvpool_{kind[:-2]}_seconds", documentation=doc,
+                                    labelnames=labelnames,
+                                    buckets=(1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0))
+            self.hists[kind] = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
         self.group_counters = {
             key: self._counter_cls(name=f"vllm:kvpool_group_{key}_total", documentation=doc,
                                    labelnames=[*labelnames, "group"])
@@ -530,10 +546,11 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             c = self.group_counters.get(name)
             if c is not None:
                 c.labels(*self.labelvalues[engine_idx], gid).inc(v)
-        hist = self.load_hist.get(engine_idx)
-        if hist is not None:
-            for s in transfer_stats_data.get("load_s") or ():
-                hist.observe(s)
+        for kind, per_engine in self.hists.items():
+            hist = per_engine.get(engine_idx)
+            if hist is not None:
+                for s in transfer_stats_data.get(kind) or ():
+                    hist.observe(s)
 
 
 def monotonic() -> float:

@@ -3,13 +3,17 @@
 Per request it keeps the chained block hashes (extended as tokens append), where its
 load came from and how far its prompt has been saved. One step:
 
-* ``get_num_new_matched_tokens``: side-effect free. With hand-off params (consumer) it
-  claims the record (a read) and compares the record's keys with its own; otherwise it
-  asks the master which keys exist (``exists_batch``: no lease, no LRU touch). Only
-  whole blocks beyond ``num_computed_tokens`` count; loads are asynchronous.
+* ``get_num_new_matched_tokens``: never blocks on the network. It starts the lookup on a
+  background thread and answers "not yet" (None) until it is back, or treats it as a miss
+  after ``lookup_timeout_s``; a request's lookup is counted once. With hand-off params
+  (consumer) the lookup claims the record (a read) and compares the record's keys with
+  its own; otherwise it asks the master which keys exist (``exists_batch``: no lease, no
+  LRU touch). The hit is the common boundary of every stored group
+  (:mod:`connector.vllm_plan`); loads are asynchronous.
 * ``update_state_after_alloc``: turns a positive match into a :class:`LoadJob`.
 * ``build_connector_meta``: hands pending loads to the workers and adds a
-  :class:`SaveJob` for every prompt block that becomes complete in this step.
+  :class:`SaveJob` for every prompt block that becomes complete in this step, and for
+  each state checkpoint vLLM offers this step (``boundary_state_offloads``).
 * ``update_connector_output``: acks (or releases) hand-offs once their loads finish.
 * ``request_finished_all_groups``: a producer publishes the hand-off and returns the
   ``kv_transfer_params`` the router passes to the consumer. Blocks are never held back
@@ -20,6 +24,7 @@ load came from and how far its prompt has been saved. One step:
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +43,7 @@ from connector.vllm_meta import (
     handoff_group_names,
     keys_for,
     no_load_reason,
+    monotonic,
     request_extra,
 )
 from connector.vllm_plan import NULL_BLOCK, find_hit, needed
@@ -66,6 +72,16 @@ class _Req:
 
 
 @dataclass
+class _Pending:
+    """A lookup running on the scheduler's lookup thread: the local hit it was started
+    for (blocks), its future (-> _Match) and the monotonic deadline for its answer."""
+
+    start: int
+    future: Future
+    deadline: float
+
+
+@dataclass
 class _Match:
     """Cached outcome of one lookup (so update_state_after_alloc needs no second RPC):
     the local hit ``start`` and the hit boundary, both in blocks."""
@@ -74,6 +90,7 @@ class _Match:
     boundary: int
     handoff_id: str | None = None
     error: str | None = None
+    handoff_failed: bool = False  # the named hand-off could not be claimed or used
 
     @property
     def n(self) -> int:
@@ -98,6 +115,8 @@ class KVPoolScheduler:
         self.pending_loads: dict[str, LoadJob] = {}
         self.stats = KVPoolConnectorStats()
         self.counted: set[str] = set()  # requests whose lookup was counted (vLLM may ask again)
+        self.lookups: dict[str, _Pending] = {}  # background lookups not yet taken
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-lookup")
         kec = getattr(vllm_config, "kv_events_config", None)
         self.emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
         self.events: list[Any] = []
@@ -185,8 +204,15 @@ class KVPoolScheduler:
 
     # ---- vLLM hooks ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        self.matches.pop(request.request_id, None)
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Never blocks on the network: the first call for a request starts its lookup
+        (existence checks, or a hand-off claim) on a background thread and answers None
+        (vLLM's "not yet": the request is asked again next step); a later call takes the
+        result. A lookup not back within ``lookup_timeout_s`` seconds counts as a miss, so
+        a master that does not answer costs a request at most that delay."""
+        rid = request.request_id
+        self.matches.pop(rid, None)
         if not self.s.loads or self.no_loads or request.prompt_token_ids is None \
                 or getattr(request, "prompt_embeds", None) is not None:
             return 0, False
@@ -197,8 +223,46 @@ class KVPoolScheduler:
         top = (request.num_tokens - 1) // bs  # vLLM computes at least the last token itself
         if start >= top:
             return 0, False
-        hashes = self._hashes(request, top)
-        params = self._params(request)
+        pend = self.lookups.get(rid)
+        if pend is None or pend.start != start:
+            hashes = self._hashes(request, top)
+            fut = self.pool.submit(self._match, request, hashes, start, top, self._params(request))
+            self.lookups[rid] = pend = _Pending(start, fut, monotonic() + self.s.lookup_timeout_s)
+        if not pend.future.done():
+            if monotonic() < pend.deadline:
+                return None, False
+            if rid not in self.counted:
+                self.stats.add("lookups_timed_out")
+                log.warning("kvpool: lookup for request %s took over %.3gs; computing it locally",
+                            rid, self.s.lookup_timeout_s)
+            m = _Match(start, start)
+        else:
+            try:
+                m = pend.future.result()
+            except Exception as e:  # noqa: BLE001 - a broken lookup is a miss, never a scheduler crash
+                log.exception("kvpool: lookup for request %s crashed (%s); computing it locally", rid, e)
+                m = _Match(start, start)
+        del self.lookups[rid]
+        if rid not in self.counted:  # vLLM may ask again for one request
+            self.counted.add(rid)
+            self.stats.add("lookups")
+            self.stats.add("handoff_errors", int(m.handoff_failed))
+            self.stats.add("hit_tokens", m.n * bs)
+            self.stats.add("miss_tokens", max(0, request.num_tokens - num_computed_tokens - m.n * bs))
+            for g in self.groups:
+                self.stats.add_group(g.group_id, "hit_tokens", len(needed(g.rule, m.start, m.boundary)) * bs)
+            if self.has_state:
+                self.stats.add("state_lookups")
+                self.stats.add("state_hits", int(m.n > 0))
+        if m.n > 0 or m.handoff_id:
+            self.matches[rid] = m  # a memo for update_state_after_alloc
+        if m.n <= 0:
+            return 0, False
+        return m.n * bs, True
+
+    def _match(self, request: "Request", hashes: list[bytes], start: int, top: int, params: dict | None) -> _Match:
+        """The lookup itself (background thread): claim the hand-off named by ``params``
+        or probe kvpool; never raises (a failed lookup is a miss)."""
         handoff_id = params.get("handoff_id") if params else None
         if handoff_id:
             try:
@@ -207,7 +271,6 @@ class KVPoolScheduler:
                     n = self._hit(hashes, start, n) if n > start else start
                 m = _Match(start, max(start, n), handoff_id)
             except KVPoolError as e:
-                self.stats.add("handoff_errors")
                 want = min(int(params.get("num_blocks", 0) or 0), top)
                 if self.s.policy == "fail" and want > start:
                     log.error("kvpool: request %s cannot use hand-off %s (%s: %s); policy=fail, the "
@@ -217,23 +280,10 @@ class KVPoolScheduler:
                     log.warning("kvpool: request %s cannot use hand-off %s (%s: %s); recomputing what "
                                 "kvpool does not hold", request.request_id, handoff_id, type(e).__name__, e)
                     m = self._lookup(request, hashes, start, top)
+                m.handoff_failed = True
         else:
             m = self._lookup(request, hashes, start, top)
-        if request.request_id not in self.counted:  # vLLM may ask again for one request
-            self.counted.add(request.request_id)
-            self.stats.add("lookups")
-            self.stats.add("hit_tokens", m.n * bs)
-            self.stats.add("miss_tokens", max(0, request.num_tokens - num_computed_tokens - m.n * bs))
-            for g in self.groups:
-                self.stats.add_group(g.group_id, "hit_tokens", len(needed(g.rule, m.start, m.boundary)) * bs)
-            if self.has_state:
-                self.stats.add("state_lookups")
-                self.stats.add("state_hits", int(m.n > 0))
-        if m.n > 0 or m.handoff_id:
-            self.matches[request.request_id] = m  # a memo for update_state_after_alloc
-        if m.n <= 0:
-            return 0, False
-        return m.n * bs, True
+        return m
 
     def _lookup(self, request: "Request", hashes: list[bytes], start: int, top: int) -> _Match:
         try:
@@ -389,6 +439,9 @@ class KVPoolScheduler:
         self.matches.pop(request.request_id, None)
         self.pending_loads.pop(request.request_id, None)
         self.counted.discard(request.request_id)
+        pend = self.lookups.pop(request.request_id, None)
+        if pend is not None:
+            pend.future.cancel()
         st = self.reqs.pop(request.request_id, None)
         params = self._params(request) if self.s.loads else None
         if params and params.get("handoff_id") and not (st is not None and st.handoff_done):
@@ -464,4 +517,5 @@ class KVPoolScheduler:
         return st
 
     def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()

@@ -310,7 +310,7 @@ class KVPoolWorker:
             with self.lock:
                 self.report.loads[req_id] = r.n_failed
                 self.stats.add("loads")
-                self.stats.observe_load(r.seconds)
+                self.stats.observe("load_s", r.seconds)
                 self.stats.add("blocks_loaded", r.n_ok)
                 self.stats.add("blocks_load_failed", r.n_failed)
                 self.stats.add("bytes_loaded", r.nbytes)
@@ -376,6 +376,7 @@ class KVPoolWorker:
             self.saves = [f for f in self.saves if not f.done()]
 
     def _put(self, st: _Staged) -> None:
+        t0 = monotonic()
         job = st.job
         failed = 0
         nbytes = 0
@@ -412,6 +413,7 @@ class KVPoolWorker:
                       if not g.is_state and gb.positions), job.first)
         with self.lock:
             self.report.saves.append((job.req_id, first, n_paged - min(failed, n_paged), failed))
+            self.stats.observe("save_s", monotonic() - t0)
             self.stats.add("blocks_saved", n_paged - min(failed, n_paged))
             self.stats.add("blocks_save_failed", failed)
             self.stats.add("bytes_saved", nbytes)

@@ -8,6 +8,7 @@ etcd is unreachable (:class:`~protocol.errors.EtcdUnavailable`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -144,10 +145,18 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
 
 
 def read_key_sync(endpoint: str, key: str, timeout_s: float = 5.0) -> bytes | None:
-    """Blocking read of one key (for CLI and client bootstrap)."""
+    """Blocking read of one key (for CLI and client bootstrap). Safe to call from inside a
+    running asyncio loop (a proxy, a notebook): the read then runs on its own loop in a
+    helper thread, since ``asyncio.run`` refuses to nest. Raises what the read raises;
+    ``TimeoutError`` if the helper thread is not back within ``2 * timeout_s + 1`` s."""
 
     async def go() -> bytes | None:
         async with Etcd(endpoint, timeout_s) as e:
             return await e.get(key)
 
-    return asyncio.run(go())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(go())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-etcd") as ex:
+        return ex.submit(asyncio.run, go()).result(timeout=2 * timeout_s + 1)

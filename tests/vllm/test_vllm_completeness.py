@@ -157,7 +157,12 @@ def test_stats_aggregate_and_reduce():
     a = KVPoolConnector.build_kv_connector_stats()
     assert a.is_empty()
     a.add("hit_tokens", 64)
-    a.observe_load(0.002)
+    a.observe("load_s", 0.002)
     b = KVPoolConnector.build_kv_connector_stats(dict(hit_tokens=32, load_s=[0.004], blocks_loaded=3))
+    a.observe("save_s", 0.010)
+    a.add_group(1, "bytes_loaded", 4096)
+    a.add_group(1, "bytes_loaded", 0)  # zero adds nothing
     r = a.aggregate(b).reduce()
     assert r["hit_tokens"] == 96 and r["blocks_loaded"] == 3 and r["avg_load_ms"] == pytest.approx(3.0)
+    assert r["avg_save_ms"] == pytest.approx(10.0) and r["group/1/bytes_loaded"] == 4096
+    assert not KVPoolConnector.build_kv_connector_stats({"group/0/hit_tokens": 32}).is_empty()
