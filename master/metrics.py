@@ -1,4 +1,5 @@
-"""Prometheus metrics for the master (``/metrics``), read from the state on each scrape.
+"""Prometheus metrics for the master (``/metrics``): one snapshot of the state per scrape,
+taken on the RPC thread.
 
 The RPC latency histogram is kept in plain lists by the RPC thread and turned into a
 histogram family only when scraped: ``prometheus_client.Histogram.labels().observe``
@@ -20,7 +21,7 @@ class _StateCollector:
         self.owner = owner
 
     def collect(self):
-        st = self.owner.state.stats()
+        st, rpc_hist = self.owner.snapshot()
         objs = GaugeMetricFamily("kvpool_objects", "Committed objects in the index")
         objs.add_metric([], st.objects)
         yield objs
@@ -44,24 +45,37 @@ class _StateCollector:
         yield ops
         yield ev
         rpc = HistogramMetricFamily("kvpool_rpc_seconds", "Master RPC handling latency (seconds)", labels=["op"])
-        for op, (counts, total) in list(self.owner.rpc.items()):
-            counts = list(counts)  # a snapshot: the RPC thread keeps counting
+        for op, (counts, total) in rpc_hist.items():
             cum, buckets = 0, []
             for le, n in zip((*map(str, BUCKETS), "+Inf"), counts):
                 cum += n
                 buckets.append((le, cum))
-            rpc.add_metric([op], buckets, total[0])
+            rpc.add_metric([op], buckets, total)
         yield rpc
 
 
 class Metrics:
-    """Owns a private registry: RPC latency histogram plus gauges/counters from the state."""
+    """Owns a private registry: RPC latency histogram plus gauges/counters from the state.
 
-    def __init__(self, state) -> None:
+    A scrape never reads the state from the HTTP thread while the RPC thread changes it:
+    ``ask(fn)`` runs ``fn`` on the RPC thread and returns its result (the server posts it
+    between two polls), so every scrape is one consistent snapshot. Without ``ask`` (a
+    state with no RPC thread, as in unit tests) the snapshot is taken in place.
+    """
+
+    def __init__(self, state, ask=None) -> None:
         self.state = state
+        self.ask = ask
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(self))
         self.rpc: dict[str, tuple[list[int], list[float]]] = {}  # op -> (per-bucket counts, [sum of seconds])
+
+    def _take(self):
+        return self.state.stats(), {op: (list(c), t[0]) for op, (c, t) in self.rpc.items()}
+
+    def snapshot(self):
+        """``(ClusterStats, {op: (bucket counts, seconds)})`` taken on the RPC thread."""
+        return self.ask(self._take) if self.ask is not None else self._take()
 
     def observe(self, op: str, seconds: float) -> None:
         """Count one request of ``op`` that took ``seconds`` (RPC thread only)."""

@@ -20,6 +20,7 @@ tables plus the hand-off records in etcd (DESIGN.md §8). Readiness is one stdou
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import os
@@ -62,7 +63,7 @@ class MasterServer:
         self.s = s
         self.keys = Keys(s.cluster)
         self.state = MasterState(s.state, s.cluster)
-        self.metrics = Metrics(self.state)
+        self.metrics = Metrics(self.state, ask=self._on_rpc_thread)
         self.leading = False
         self.leader_addr = ""
         self.ctx = zmq.Context()
@@ -245,6 +246,14 @@ class MasterServer:
         reply = M.Reply(error=error.to_wire()) if error is not None else M.Reply(msgspec.Raw(M.encode(result)))
         self.conns.answer(d.client, d.rid, M.encode(reply))
 
+    def _on_rpc_thread(self, fn, timeout_s: float = 5.0):
+        """Run ``fn()`` on the RPC thread between two polls and return its result (for
+        readers on other threads, e.g. a metrics scrape); raises TimeoutError after
+        ``timeout_s`` seconds (a stopped or wedged RPC loop)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.events.append(("call", fn, fut))
+        return fut.result(timeout=timeout_s)
+
     def _apply_events(self) -> None:
         while True:
             try:
@@ -252,7 +261,14 @@ class MasterServer:
             except IndexError:
                 return
             kind = ev[0]
-            if kind == "forget_failed":
+            if kind == "call":
+                fn, fut = ev[1], ev[2]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+            elif kind == "forget_failed":
                 self._forget_retry.add(ev[1])
             elif kind == "lead":
                 self.state = MasterState(self.s.state, self.s.cluster)
