@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -161,6 +162,11 @@ class GroupLayout:
     @property
     def name(self) -> str:
         return str(self.group_id)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """The layout's fingerprint (computed once: every key of the group names it)."""
+        return self.layout.fingerprint()
 
     @property
     def replicated(self) -> bool:
@@ -344,7 +350,7 @@ def keys_for(settings: ConnectorSettings, g: GroupLayout, hashes: list[bytes], r
     chained hash of block ``first + j``) for TP rank ``rank`` (ignored for replicated
     layouts). A state group's slot at position ``i`` holds the state after ``i + 1``
     blocks: its key ends in ``@<tokens>``, so it can never be taken for a block."""
-    fp = g.layout.fingerprint()
+    fp = g.fingerprint
     r = None if g.replicated else rank
     keys = [group_key(settings.namespace, settings.model_id, g.group_id, fp, h, r) for h in hashes]
     if g.is_state:
@@ -405,8 +411,13 @@ class SaveJob:
 
 @dataclass
 class KVPoolConnectorMetadata(KVConnectorMetadata):
+    """One step's jobs; ``idle``: the step schedules no tokens (every request waits, e.g.
+    for its load), so the worker may wait briefly for a load instead of letting the
+    engine loop spin against the loader thread."""
+
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass

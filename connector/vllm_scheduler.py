@@ -190,7 +190,7 @@ class KVPoolScheduler:
         for g in self.groups:
             for name, _rank in handoff_group_names(g, self.tp_size):
                 lay = rec.layouts.get(name)
-                if lay is not None and lay.fingerprint() != g.layout.fingerprint():
+                if lay is not None and lay.fingerprint() != g.fingerprint:
                     field_ = first_difference(lay, g.layout)
                     raise LayoutMismatch(f"hand-off {handoff_id!r} was produced with a different layout of cache "
                                          f"group {name} ({field_}: producer {getattr(lay, field_)!r}, this engine "
@@ -330,7 +330,8 @@ class KVPoolScheduler:
             st.save_from = max(st.save_from, boundary)
 
     def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
-        meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()))
+        meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()),
+                                       idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         self.pending_loads.clear()
         if not self.s.saves:
             return meta

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +43,7 @@ from protocol.layout import DTYPE_BYTES
 
 log = logging.getLogger("kvpool.vllm")
 
+IDLE_WAIT_S = 0.01  # longest wait for a load in a step with nothing else to do (seconds)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
                  "int32": torch.int32, "int64": torch.int64}
@@ -289,7 +290,11 @@ class KVPoolWorker:
             off += nb
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        """(finished loads, failed loads) completed since the last call."""
+        """(finished loads, failed loads) completed since the last call. In a step that
+        schedules no tokens it first waits up to IDLE_WAIT_S seconds for a load to end: the
+        engine would otherwise spin through empty steps, holding the GIL the loader needs."""
+        if self.loads and self.meta is not None and self.meta.idle:
+            wait(list(self.loads.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         done, failed = set(), set()
         for req_id, fut in list(self.loads.items()):
             if not fut.done():

@@ -128,3 +128,14 @@ def close_all(engines) -> None:
         e.quit()
     for e in engines:
         e.close()
+
+
+def corrupt(client, key: str, offset: int = 128) -> None:
+    """Flip 8 bytes of a stored object in the store node's memory, behind its checksum
+    (the test process reaches the node's segment through same-host shared memory)."""
+    info = client.lookup([key])[0]
+    ref = info.replicas[0]
+    seg = client.data._segment(ref)
+    assert seg is not None, "test needs same-host shared memory to reach the store node's segment"
+    for i in range(8):
+        seg[ref.offset + offset + i] ^= 0xFF

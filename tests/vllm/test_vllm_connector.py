@@ -12,7 +12,7 @@ import pytest
 from protocol.errors import HandoffNotFound
 from protocol.keys import block_hashes, extra_bytes
 
-from harness import MODEL_ID, Engine, close_all, kv_config
+from harness import MODEL_ID, Engine, close_all, corrupt, kv_config
 from tests.conftest import wait_for
 from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
 
@@ -127,16 +127,6 @@ def test_swapped_block_changes_output(engines, kv):
     out = engines["b"].generate([z], max_tokens=16)
     assert out[0]["num_cached_tokens"] == 5 * BS
     assert tokens(out) != ref
-
-
-def corrupt(client, key: str, offset: int = 128) -> None:
-    """Flip bytes of a stored object in the store node's memory, behind the checksum."""
-    info = client.lookup([key])[0]
-    ref = info.replicas[0]
-    seg = client.data._segment(ref)
-    assert seg is not None, "test needs same-host shared memory to reach the store node's segment"
-    for i in range(8):
-        seg[ref.offset + offset + i] ^= 0xFF
 
 
 def test_corrupted_block_is_a_load_error_and_recomputed(engines, kv):

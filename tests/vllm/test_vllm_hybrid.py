@@ -22,7 +22,7 @@ import pytest
 
 from protocol.keys import block_hashes, extra_bytes
 
-from harness import Engine, close_all, kv_config
+from harness import Engine, close_all, corrupt, kv_config
 from tests.conftest import wait_for
 from tiny_model import (SLIDING_WINDOW, build_tiny_deepseek_v2, build_tiny_gemma3, build_tiny_mistral_swa,
                         build_tiny_qwen3_next, prompt_ids)
@@ -59,27 +59,22 @@ def wait_settled(client, prefix: str, timeout_s: float = 60.0) -> int:
     return seen["n"]
 
 
-def corrupt(client, key: str, offset: int = 64) -> None:
-    """Flip bytes of a stored object in the store node's memory, behind the checksum."""
-    info = client.lookup([key])[0]
-    ref = info.replicas[0]
-    seg = client.data._segment(ref)
-    assert seg is not None, "test needs same-host shared memory to reach the store node's segment"
-    for i in range(8):
-        seg[ref.offset + offset + i] ^= 0xFF
-
-
-def start_engines(model: str, logs: str, master: str, ns: str, model_id: str, specs: dict,
-                  engine_kwargs: dict) -> dict[str, Engine]:
+def start_engines(cls, cluster, tmp_path_factory, build, specs: dict, engine_kwargs: dict) -> dict[str, Engine]:
+    """Build ``cls``'s model and start its engines in parallel: ``specs`` maps a name to
+    the connector role (none: a reference engine without connector), its namespace and
+    policy (default: the class's namespace, recompute) and Engine options."""
+    model = build(tmp_path_factory.mktemp(cls.NS))
+    logs = str(tmp_path_factory.mktemp(f"{cls.NS}-logs"))
     started = {}
     for name, spec in specs.items():
         spec = dict(spec)
         role = spec.pop("role", None)
         cfg = None
         if role is not None:
-            cfg = kv_config(role, master, spec.pop("ns", ns), spec.pop("policy", "recompute"), model_id=model_id)
+            cfg = kv_config(role, cluster.master_addr, spec.pop("ns", cls.NS), spec.pop("policy", "recompute"),
+                            model_id=cls.MID)
         kw = {**engine_kwargs, **spec.pop("engine_kwargs", {})}
-        started[name] = Engine(f"{model_id}-{name}", model, logs, kv_transfer_config=cfg, engine_kwargs=kw, **spec)
+        started[name] = Engine(f"{cls.MID}-{name}", model, logs, kv_transfer_config=cfg, engine_kwargs=kw, **spec)
     return started
 
 
@@ -97,12 +92,12 @@ class TestGemma3:
     @pytest.fixture(scope="class")
     @classmethod
     def engines(cls, cluster, tmp_path_factory):
-        model = build_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
         off = {"disable_hybrid_kv_cache_manager": True}
-        eng = start_engines(model, str(tmp_path_factory.mktemp("gemma3-logs")), cluster.master_addr, cls.NS,
-                            cls.MID, {
+        eng = start_engines(cls, cluster, tmp_path_factory, build_tiny_gemma3, {
                                 "ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both", "log_stats": True},
                                 "b_fail": {"role": "kv_both", "policy": "fail"},
+                                "prod": {"role": "kv_producer", "ns": "gemma3-pd"},
+                                "cons": {"role": "kv_consumer", "ns": "gemma3-pd"},
                                 "a_off": {"role": "kv_both", "ns": "gemma3-off", "engine_kwargs": off},
                                 "b_off": {"role": "kv_both", "ns": "gemma3-off", "engine_kwargs": off},
                             }, {})
@@ -128,6 +123,20 @@ class TestGemma3:
         loaded = met["vllm:kvpool_bytes_loaded"] - before.get("vllm:kvpool_bytes_loaded", 0)
         assert loaded == 2 * (6 + WINDOW_BLOCKS) * block, (loaded, block)
         assert met["vllm:kvpool_recomputed_tokens"] == 0
+
+    def test_pd_handoff_holds_only_the_window(self, engines, kv):
+        """The producer's hand-off holds every full-attention block but only the window's
+        blocks of the sliding-window group; the consumer's tokens equal the reference."""
+        x = prompt_ids(131, 7 * BS + 5)
+        ref = tokens(engines["ref"].generate([x], max_tokens=12))
+        p = engines["prod"].generate([x], max_tokens=1)[0]
+        params = p["kv_transfer_params"]
+        assert params and params["kvpool"]["num_blocks"] == 7 and "error" not in params["kvpool"], params
+        rec = kv.handoff_claim(params["kvpool"]["handoff_id"])
+        assert {g: len(v) for g, v in rec.keys.items()} == {"0/tp0": WINDOW_BLOCKS, "1/tp0": 7}, rec.keys
+        out = engines["cons"].generate([x], max_tokens=12, params=[params])
+        assert tokens(out) == ref and out[0]["num_cached_tokens"] == 7 * BS
+        wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-off acked")
 
     def test_hybrid_manager_off(self, engines, kv):
         """Without vLLM's hybrid manager the windowed layers are kept as full attention
@@ -172,9 +181,8 @@ class TestMistralSlidingWindow:
     @pytest.fixture(scope="class")
     @classmethod
     def engines(cls, cluster, tmp_path_factory):
-        model = build_tiny_mistral_swa(tmp_path_factory.mktemp("mistral"))
-        eng = start_engines(model, str(tmp_path_factory.mktemp("mistral-logs")), cluster.master_addr, cls.NS,
-                            cls.MID, {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"}}, {})
+        eng = start_engines(cls, cluster, tmp_path_factory, build_tiny_mistral_swa,
+                            {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"}}, {})
         yield eng
         close_all(eng.values())
 
@@ -205,9 +213,7 @@ class TestQwen3Next:
     @pytest.fixture(scope="class")
     @classmethod
     def engines(cls, cluster, tmp_path_factory):
-        model = build_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3next"))
-        eng = start_engines(model, str(tmp_path_factory.mktemp("qwen3next-logs")), cluster.master_addr, cls.NS,
-                            cls.MID, {
+        eng = start_engines(cls, cluster, tmp_path_factory, build_tiny_qwen3_next, {
                                 "ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both", "log_stats": True},
                                 "mp": {"role": "kv_both", "multiprocess": True},
                                 "prod": {"role": "kv_producer", "ns": "qwen3next-pd"},
@@ -285,9 +291,8 @@ class TestDeepSeekMLA:
     @pytest.fixture(scope="class")
     @classmethod
     def engines(cls, cluster, tmp_path_factory):
-        model = build_tiny_deepseek_v2(tmp_path_factory.mktemp("dsv2"))
-        eng = start_engines(model, str(tmp_path_factory.mktemp("dsv2-logs")), cluster.master_addr, cls.NS,
-                            cls.MID, {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"}},
+        eng = start_engines(cls, cluster, tmp_path_factory, build_tiny_deepseek_v2,
+                            {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"}},
                             {"block_size": 16})
         yield eng
         close_all(eng.values())
