@@ -11,8 +11,8 @@ with ``KVPOOL_ENGINE `` followed by JSON (vLLM's own logs go to stderr):
 * ``{"op": "generate", "prompts": [[ids...]...], "max_tokens": n, "params": [dict|null...]}``
   → ``{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params", "finish_reason"}]}``
 * ``{"op": "reset_prefix_cache"}`` → ``{"ok": true}``
-* ``{"op": "metrics"}`` → ``{"metrics": {name: value}}`` for vLLM's ``*kvpool*`` metrics
-  (needs ``"log_stats": true`` in the config)
+* ``{"op": "metrics"}`` → ``{"metrics": {name: value}}`` for vLLM's ``*kvpool*`` and
+  ``*preemption*`` metrics (needs ``"log_stats": true`` in the config)
 * ``{"op": "quit"}`` → exits.
 
 Errors are answered as ``{"error": "..."}``. Nothing here is pickled.
@@ -62,10 +62,10 @@ def main() -> None:
                 break
             if op == "reset_prefix_cache":
                 _answer(answers, {"ok": bool(llm.reset_prefix_cache())})
-            elif op == "metrics":  # vLLM's Prometheus metrics whose name contains "kvpool"
+            elif op == "metrics":  # vLLM's Prometheus metrics of kvpool and of preemptions
                 found = {}
                 for mt in llm.get_metrics():
-                    if "kvpool" in mt.name:
+                    if "kvpool" in mt.name or "preemption" in mt.name:
                         found[mt.name] = getattr(mt, "value", None) if hasattr(mt, "value") else mt.count
                 _answer(answers, {"metrics": found})
             elif op == "generate":

@@ -39,6 +39,9 @@ def engines(cluster, tmp_path_factory):
         "prod": dict(kv_transfer_config=kv_config("kv_producer", m, NS_PD, handoff_ttl_s=120)),
         "cons": dict(kv_transfer_config=kv_config("kv_consumer", m, NS_PD, "recompute")),
         "cons_fail": dict(kv_transfer_config=kv_config("kv_consumer", m, NS_PD, "fail")),
+        # 36 blocks of KV cache for four requests growing to 22 blocks each: vLLM must preempt
+        "small": dict(kv_transfer_config=kv_config("kv_both", m, "preempt", "recompute"), log_stats=True,
+                      engine_kwargs={"kv_cache_memory_bytes": 36 * 2 * 2 * 4 * 32 * 32 * 4}),
     }
     started = {name: Engine(name, model, logs, **kw) for name, kw in specs.items()}
     try:
@@ -177,6 +180,22 @@ def test_unknown_handoff(engines, kv):
     out = engines["cons_fail"].generate([x], max_tokens=8, params=[bogus])
     assert out[0]["finish_reason"] == "error", out
     assert "HandoffNotFound" in engines["cons_fail"].log_text()
+
+
+def test_preempted_requests_keep_their_tokens(engines, kv):
+    """An engine whose KV cache holds about one of four concurrent requests preempts them
+    (vLLM frees their blocks mid-prefill or mid-decode and recomputes them later) while the
+    connector saves and loads: every output still equals the reference, and what was
+    saved is what a cold engine reads back into the same tokens."""
+    prompts = [prompt_ids(80 + i, 300) for i in range(4)]
+    ref = tokens(engines["ref"].generate(prompts, max_tokens=400, timeout_s=300))
+    out = engines["small"].generate(prompts, max_tokens=400, timeout_s=300)
+    assert tokens(out) == ref
+    assert engines["small"].metrics().get("vllm:num_preemptions", 0) > 0, "the test did not preempt"
+    # the blocks saved around the preemptions load back into the same tokens elsewhere
+    wait_for(lambda: kv.ls("preempt/", limit=1), 30, what="saves of the preempted requests")
+    for k in kv.ls("preempt/"):
+        assert kv.get(k.key) is not None
 
 
 def test_store_node_killed_between_producer_and_consumer(engines, kv, cluster):
