@@ -1,5 +1,5 @@
 """The ``kvpool`` typer app: cluster processes (up, master, storenode), objects (put, get,
-ls, rm, pin, unpin), admin (status, evict, drain), demo and bench."""
+ls, rm, pin, unpin), admin (status, evict, drain), the P/D proxy, demo and bench."""
 from __future__ import annotations
 
 import json
@@ -395,6 +395,36 @@ def drain(node: str, undo: Annotated[bool, typer.Option("--undo", help="Place on
             console.print(f"draining {node}: no new objects go there; its pinned/held objects are copied to "
                           "other nodes while they have room (`kvpool status` shows repair progress). "
                           f"`kvpool drain {node} --undo` resumes placement")
+
+    _run(go)
+
+
+# ---- serving ---------------------------------------------------------------------------------
+
+@app.command()
+def proxy(prefill: Annotated[list[str], typer.Option(
+              "--prefill", help="Prefill (kv_producer) vLLM server URL, e.g. http://127.0.0.1:8100; repeatable")],
+          decode: Annotated[list[str], typer.Option(
+              "--decode", help="Decode (kv_consumer) vLLM server URL; repeatable")],
+          host: Annotated[str, typer.Option()] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="0 = any free port")] = 8000,
+          health_interval: Annotated[str, typer.Option(help="Between health checks of every server")] = "2s",
+          timeout: Annotated[str, typer.Option(help="Deadline of one backend request, a whole stream included")
+                             ] = "300s",
+          master: Annotated[Optional[str], typer.Option(
+              "--master", help="kvpool master tcp://host:port: release the hand-offs no decode server took")] = None,
+          etcd: Annotated[Optional[str], typer.Option(
+              "--etcd", help="kvpool etcd http://host:port (instead of --master)")] = None,
+          cluster: Annotated[str, typer.Option(help="Cluster name, with --etcd")] = "default") -> None:
+    """OpenAI-compatible front for prefill/decode vLLM pools: prefill with max_tokens=1, then decode with its
+    kv_transfer_params (README: router contract). Serves /v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics until Ctrl-C."""
+    from cli.proxy import ProxySettings, run_proxy
+
+    def go() -> None:
+        run_proxy(ProxySettings(list(prefill), list(decode), host, port,
+                                parse_duration(health_interval, key="health_interval"),
+                                parse_duration(timeout, key="timeout"), master, etcd, cluster))
 
     _run(go)
 
