@@ -7,7 +7,6 @@ import re
 import signal
 import sys
 import threading
-import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -20,6 +19,7 @@ from cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, buil
                         console, fail, release_record, write_record)
 from protocol import errors as E
 from protocol import messages as M
+from protocol.config import MasterConfig
 from protocol.units import format_bytes, parse_duration, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -84,8 +84,11 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
     _run(go)
 
 
+_MASTER = MasterConfig()  # defaults of the flags below that the config also has
+
+
 @app.command()
-def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port")],
+def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port, several comma-separated")],
            cluster: Annotated[str, typer.Option()] = "default",
            host: Annotated[str, typer.Option()] = "127.0.0.1",
            rpc_port: Annotated[int, typer.Option(help="0 = any free port")] = 0,
@@ -98,10 +101,15 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
            high_watermark: Annotated[float, typer.Option()] = 0.90,
            low_watermark: Annotated[float, typer.Option()] = 0.80,
            max_handoff_ttl: Annotated[str, typer.Option(help="Longest hold a hand-off may ask for")] = "24h",
-           membership_poll: Annotated[str, typer.Option()] = "250ms") -> None:
+           membership_poll: Annotated[str, typer.Option()] = "250ms",
+           etcd_compaction_interval: Annotated[str, typer.Option(help="How often the leader compacts etcd's "
+                                               "history (0 = never)")] = str(_MASTER.etcd_compaction_interval),
+           etcd_compaction_retention: Annotated[int, typer.Option(
+               help="Revisions of history that compaction keeps")] = _MASTER.etcd_compaction_retention) -> None:
     """Run one master (several may run; one leads through etcd election)."""
     from master.server import MasterServerSettings, main as run_master
     from master.state import MasterSettings
+    from protocol.etcd import parse_endpoints
 
     def go() -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
@@ -112,15 +120,21 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
                             parse_duration(max_handoff_ttl, key="max_handoff_ttl"),
                             suspect_s=parse_duration(node_ttl, key="node_ttl"))
         st.check()  # the first leader records these as the cluster's settings: same bounds as `settings --set`
+        parse_endpoints(etcd, key="--etcd")
+        if etcd_compaction_retention < 0:
+            raise E.ConfigError(f"--etcd-compaction-retention {etcd_compaction_retention}: a number of revisions "
+                                ">= 0", key="etcd_compaction_retention")
         run_master(MasterServerSettings(etcd, cluster, host, rpc_port, metrics_port,
                                         parse_duration(membership_poll, key="membership_poll"),
-                                        parse_duration(node_ttl, key="node_ttl"), st))
+                                        parse_duration(node_ttl, key="node_ttl"), st,
+                                        parse_duration(etcd_compaction_interval, key="etcd_compaction_interval"),
+                                        etcd_compaction_retention))
 
     _run(go)
 
 
 @app.command()
-def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port")],
+def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port, several comma-separated")],
               cluster: Annotated[str, typer.Option()] = "default",
               name: Annotated[Optional[str], typer.Option(help="Node id (default: random)")] = None,
               memory: Annotated[str, typer.Option(help="Segment size, e.g. 2GiB")] = "1GiB",
@@ -134,9 +148,11 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
               ucx: Annotated[bool, typer.Option(
                   help="Also serve data on ucx:// (needs the ucx extra: pip install kvpool\\[ucx])")] = False) -> None:
     """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N)."""
+    from protocol.etcd import parse_endpoints
     from storenode.server import NodeSettings, main as run_node
 
     def go() -> None:
+        parse_endpoints(etcd, key="--etcd")
         if parse_size(memory, key="memory") < (1 << 20):
             raise E.ConfigError(f"--memory {memory}: a segment needs at least 1MiB", key="memory")
         if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
@@ -209,18 +225,17 @@ def ls_(prefix: Annotated[str, typer.Option("--prefix", "-p")] = "",
     def go() -> None:
         with connect(config, master, etcd, cluster) as c:
             rows = c.ls(prefix, limit)
-        keyf = {"key": lambda r: r.key, "size": lambda r: -r.size, "age": lambda r: r.created,
-                "access": lambda r: -r.last_access}[sort.value]
+        keyf = {"key": lambda r: r.key, "size": lambda r: -r.size, "age": lambda r: -r.age_s,
+                "access": lambda r: r.idle_s}[sort.value]  # ages: the master's monotonic clock
         rows = sorted(rows, key=keyf)
         if json_:
             print(msgspec.json.encode(rows).decode())
             return
-        now = time.time()
         t = Table("key", "size", *(("kind", "replicas", "age", "last access", "state") if long else ()))
         for r in rows:
             state = ",".join(s for s in (("leased" if r.leased else ""), (f"pin:{r.pin}" if r.pin else ""),
                                          ("held" if r.held else "")) if s) or "-"
-            extra = (r.kind, ",".join(r.nodes), f"{now - r.created:.0f}s", f"{now - r.last_access:.0f}s ago",
+            extra = (r.kind, ",".join(r.nodes), f"{r.age_s:.0f}s", f"{r.idle_s:.0f}s ago",
                      state) if long else ()
             t.add_row(r.key, format_bytes(r.size), *extra)
         console.print(t)

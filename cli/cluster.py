@@ -188,16 +188,21 @@ def kvpool_argv(*args: str) -> list[str]:
 
 
 class LocalCluster:
-    """Real etcd + master + store nodes on 127.0.0.1. Use as a context manager."""
+    """Real etcd + master + store nodes on 127.0.0.1. Use as a context manager.
 
-    def __init__(self, cfg: ClusterConfig, run_dir: str | None = None, ready_timeout_s: float = 30.0) -> None:
+    ``master_env``: environment variables set (over this process's environment) for every
+    master process it starts, e.g. to run masters under libfaketime in tests; None: none."""
+
+    def __init__(self, cfg: ClusterConfig, run_dir: str | None = None, ready_timeout_s: float = 30.0,
+                 master_env: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.master_env = dict(master_env or {})
         self.owns_run_dir = run_dir is None  # made here, removed at stop
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
         self._lock_fd = lock_run_dir(self.run_dir) if self.owns_run_dir else None
         self.ready_timeout_s = ready_timeout_s
         self.etcd: Child | None = None
-        self.etcd_endpoint = cfg.etcd.endpoint or ""
+        self.etcd_endpoint = ",".join(cfg.etcd.endpoints())  # "": start an embedded etcd
         self.masters: list[Child] = []
         self.nodes: dict[str, Child] = {}
         self.master_addr = ""
@@ -227,8 +232,10 @@ class LocalCluster:
         binary = find_etcd()
         cport, pport = free_port(), free_port()
         self.etcd_endpoint = f"http://127.0.0.1:{cport}"
-        data = os.path.join(self.run_dir, "etcd-data")
-        self._etcd_argv = [binary, "--name", "kvpool", "--data-dir", data,
+        e = self.cfg.etcd  # a configured data_dir outlives the cluster; the default goes with the run dir
+        data = os.path.abspath(os.path.expanduser(e.data_dir)) if e.data_dir else os.path.join(self.run_dir,
+                                                                                              "etcd-data")
+        self._etcd_argv = [binary, "--name", "kvpool", "--data-dir", data, *e.compaction_flags(),
                                    "--listen-client-urls", self.etcd_endpoint,
                                    "--advertise-client-urls", self.etcd_endpoint,
                                    "--listen-peer-urls", f"http://127.0.0.1:{pport}",
@@ -273,10 +280,13 @@ class LocalCluster:
                 "--lease-ttl", str(m.lease_ttl), "--put-timeout", str(m.put_timeout),
                 "--quarantine", str(m.quarantine), "--node-ttl", str(m.node_ttl),
                 "--high-watermark", str(m.high_watermark), "--low-watermark", str(m.low_watermark),
-                "--max-handoff-ttl", str(m.max_handoff_ttl), "--membership-poll", str(m.membership_poll)]
+                "--max-handoff-ttl", str(m.max_handoff_ttl), "--membership-poll", str(m.membership_poll),
+                "--etcd-compaction-interval", str(m.etcd_compaction_interval),
+                "--etcd-compaction-retention", str(m.etcd_compaction_retention)]
         if m.metrics_port is not None:
             args += ["--metrics-port", str(m.metrics_port)]
-        child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir)
+        child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir,
+                      {**os.environ, **self.master_env} if self.master_env else None)
         self.masters.append(child)
         line = child.wait_line("KVPOOL_READY master", self.ready_timeout_s)
         if wait_leader:

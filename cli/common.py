@@ -24,7 +24,8 @@ err_console = Console(stderr=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Cluster YAML (default configs/local.yaml)")]
 MasterOpt = Annotated[Optional[str], typer.Option("--master", help="Master RPC address tcp://host:port")]
-EtcdOpt = Annotated[Optional[str], typer.Option("--etcd", help="etcd endpoint http://host:port")]
+EtcdOpt = Annotated[Optional[str], typer.Option("--etcd", help="etcd endpoint http://host:port (several: "
+                                                                "comma-separated)")]
 ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="Cluster name (etcd prefix)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts")]
 

@@ -541,10 +541,14 @@ class KVPoolClient:
                         layouts: dict[str, LayoutSpec], ttl_s: float, num_tokens: int = 0,
                         extra: dict | None = None, producer: str = "") -> M.HandoffRecord:
         """Hold the (already stored) blocks for a consumer until ack/release or ``ttl_s``
-        seconds pass; durable in etcd. Idempotent. Raises NotFound naming missing keys."""
+        seconds pass; durable in etcd. The hold is sent as a duration and counted on the
+        leader's monotonic clock from when it accepts the publish (this host's wall clock
+        plays no part; after a master failover the new leader holds for the full ``ttl_s``
+        again). Idempotent. Raises InvalidRequest for a ``ttl_s`` that is not finite, not > 0
+        or above the cluster's max_handoff_ttl, NotFound naming missing keys."""
         rec = M.HandoffRecord(request_id, {str(g): list(k) for g, k in keys_by_group.items()},
                               {str(g): lay for g, lay in layouts.items()}, producer or self.host_id,
-                              time.time() + ttl_s, num_tokens, extra or {})
+                              float(ttl_s), num_tokens, extra or {})
         return self.rpc.call(M.HandoffPublish(rec))
 
     def handoff_claim(self, request_id: str) -> M.HandoffRecord:

@@ -22,7 +22,7 @@ from typing import Any
 from protocol import messages as M
 from protocol import rpcwire, transport
 from protocol.errors import ConfigError, InvalidRequest, KVPoolError, NotLeader, Timeout, from_wire
-from protocol.etcd import Keys, read_key_sync
+from protocol.etcd import Keys, parse_endpoints, read_key_sync
 from protocol.transport import default_host_id
 
 
@@ -105,6 +105,8 @@ class MasterRPC:
             raise ConfigError(f"rpc timeout must be a number of seconds > 0, got {timeout_s!r}", key="rpc_timeout")
         if master:
             _check_master_addr(master)
+        else:  # ConfigError naming a bad URL; several (comma-separated, or a list) fail over
+            etcd = ",".join(parse_endpoints(etcd))
         self.fixed_master = master
         self.etcd = etcd
         self.cluster = cluster

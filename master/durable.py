@@ -5,7 +5,8 @@ in the state of the last operation; each write's in-memory change (``then``) run
 same order and only once its write landed, so the master's memory and etcd agree. The RPC
 loop keeps serving other clients meanwhile and calls :meth:`DurableWrites.advance` each
 turn. ``undo`` runs when ``then`` refuses (e.g. the object went away while its pin record
-was written). A write that neither lands nor fails within :data:`WAIT_S` is answered
+was written). A write etcd refuses for want of space is answered EtcdFull (which says how to
+free space). A write that neither lands nor fails within :data:`WAIT_S` is answered
 EtcdUnavailable ("outcome unknown") and still applied if it lands later; a write queued
 behind it is answered EtcdUnavailable ("nothing was changed") and dropped.
 
@@ -21,7 +22,7 @@ import time
 import traceback
 from collections import deque
 
-from protocol.errors import EtcdUnavailable, KVPoolError
+from protocol.errors import EtcdFull, EtcdUnavailable, KVPoolError
 
 WAIT_S = 3.0  # seconds a durable write may take before its request is answered
 
@@ -107,6 +108,11 @@ class DurableWrites:
 
     def _finish(self, p: Pending) -> None:
         exc = p.fut.exception()
+        if isinstance(exc, EtcdFull):  # etcd answered: nothing was written, and a retry cannot help yet
+            if p.client is None:
+                self.retry_later(p.key)
+            self.answer(p, None, EtcdFull(f"{p.what} need etcd and nothing was changed: {exc}", **exc.fields))
+            return
         if exc is not None:
             if p.client is None:
                 self.retry_later(p.key)

@@ -1,7 +1,9 @@
 """Hand-off holds of the master state (DESIGN.md §7): records, holds, ack/release/expiry.
 
 A mixin of :class:`master.state.MasterState`; it uses the state's object index and LRU
-helpers and does no I/O.
+helpers and does no I/O. A hold lasts the record's ``ttl_s`` seconds, counted on the
+master's monotonic clock (every ``now`` here) from its publish, or from the rebuild that
+restored it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from protocol.messages import HandoffRecord
 @dataclass
 class Handoff:
     record: HandoffRecord
+    deadline: float  # when the hold ends, on this master's monotonic clock (seconds)
     status: str = "open"  # open | acked | released | expired
 
 
@@ -21,23 +24,25 @@ class HandoffMixin:
     """Publish, claim, ack/release and deadline expiry of hand-off records."""
 
     def handoff_publish(self, rec: HandoffRecord, now: float) -> HandoffRecord:
-        """Hold every object of ``rec`` until ack/release/deadline. Idempotent by request id.
-        Raises NotFound naming missing keys (nothing is held then)."""
+        """Hold every object of ``rec`` until ack/release or ``rec.ttl_s`` seconds after
+        ``now`` (monotonic). Idempotent by request id: a repeat while the record is open
+        returns it and leaves its deadline as it is. Raises InvalidRequest for a ttl that is
+        not finite, not > 0 or above the cluster's max_handoff_ttl, NotFound naming missing
+        keys (nothing is held then)."""
         self._now = now
         h = self.handoffs.get(rec.request_id)
         if h is not None and h.status == "open":
             return h.record
         longest = self.s.max_handoff_ttl_s  # cluster setting: how long a producer may hold blocks
-        if not (math.isfinite(rec.deadline) and now < rec.deadline <= now + longest):
+        if not (math.isfinite(rec.ttl_s) and 0 < rec.ttl_s <= longest):
             raise E.InvalidRequest(f"hand-off {rec.request_id!r}: ttl must be finite, > 0 and at most "
-                                   f"{longest:g}s, the cluster's max_handoff_ttl (deadline {rec.deadline} at now "
-                                   f"{now:.3f})")
+                                   f"{longest:g}s, the cluster's max_handoff_ttl (got {rec.ttl_s:g}s)")
         missing = [k for ks in rec.keys.values() for k in ks if k not in self.objects]
         if missing:
             raise E.NotFound(f"hand-off {rec.request_id!r}: {len(missing)} block(s) are not stored "
                              f"(first: {missing[0]!r}); put them before publishing",
                              request_id=rec.request_id, missing=missing[:16])
-        self.handoffs[rec.request_id] = Handoff(rec)
+        self.handoffs[rec.request_id] = Handoff(rec, now + rec.ttl_s)
         for ks in rec.keys.values():
             for k in ks:
                 obj = self.objects[k]
@@ -48,11 +53,13 @@ class HandoffMixin:
         return rec
 
     def handoff_claim(self, request_id: str, now: float) -> HandoffRecord:
+        """The open record of ``request_id`` at ``now`` (monotonic). Raises HandoffNotFound
+        (none, or already acked/released) or HandoffExpired (its hold ended)."""
         h = self.handoffs.get(request_id)
         if h is None:
             raise E.HandoffNotFound(f"no hand-off record for request {request_id!r}; was it published "
                                     "to this cluster?", request_id=request_id)
-        if h.status == "expired" or (h.status == "open" and h.record.deadline <= now):
+        if h.status == "expired" or (h.status == "open" and h.deadline <= now):
             raise E.HandoffExpired(f"hand-off {request_id!r} passed its deadline; its blocks are plain "
                                    "cache entries now and may be evicted", request_id=request_id)
         if h.status != "open":
@@ -83,9 +90,12 @@ class HandoffMixin:
                         del self.waiting_holds[k]
         self.counters[f"handoffs_{status}"] += 1
 
-    def restore_handoff(self, rec: HandoffRecord) -> None:
-        """Rebuild after failover from the durable etcd record."""
-        self.handoffs[rec.request_id] = Handoff(rec)
+    def restore_handoff(self, rec: HandoffRecord, now: float) -> None:
+        """Rebuild after failover from the durable etcd record: hold for the full
+        ``rec.ttl_s`` from ``now`` (monotonic). How much of the hold passed before the
+        failover is unknown here, and a hold is never shortened, so it may outlive its ttl
+        by up to one ttl."""
+        self.handoffs[rec.request_id] = Handoff(rec, now + rec.ttl_s)
         for ks in rec.keys.values():
             for k in ks:
                 obj = self.objects.get(k)

@@ -14,8 +14,12 @@ Two threads:
   thread asks for.
 
 On winning the election the index is rebuilt from the store nodes' committed extent
-tables plus the hand-off records in etcd (DESIGN.md §8). Readiness is one stdout line
-``KVPOOL_READY master <rpc_addr>``; ``KVPOOL_LEADER master <rpc_addr>`` follows when it leads.
+tables plus the hand-off records in etcd (DESIGN.md §8). The state runs on this
+process's monotonic clock (every ``now`` is ``time.monotonic()``); the wall clock is
+read only for what operators see (``ls`` times, the publish/pin times in etcd records)
+and to convert records of older releases (:mod:`master.records`). Readiness is one
+stdout line ``KVPOOL_READY master <rpc_addr>``; ``KVPOOL_LEADER master <rpc_addr>``
+follows when it leads.
 """
 from __future__ import annotations
 
@@ -39,11 +43,14 @@ import zmq
 from master.clients import ClientConns
 from master.durable import DurableWrites, Pending
 from master.metrics import Metrics
+from master.records import decode_records
 from master.state import MasterSettings, MasterState
 from protocol import messages as M
 from protocol import transport
-from protocol.errors import ConfigError, EtcdUnavailable, InvalidRequest, KVPoolError, NotFound, NotLeader
+from protocol.config import MasterConfig
+from protocol.errors import ConfigError, EtcdFull, EtcdUnavailable, InvalidRequest, KVPoolError, NotFound, NotLeader
 from protocol.etcd import Etcd, Keys, kept_alive
+from protocol.units import parse_duration
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,10 @@ class MasterServerSettings:
     membership_poll_s: float = 0.25
     node_ttl_s: float = 3.0
     state: MasterSettings = field(default_factory=MasterSettings)
+    # while leading, compact etcd's history every this many seconds (0 = never) to the current
+    # revision minus ``etcd_compaction_retention`` revisions
+    etcd_compaction_interval_s: float = parse_duration(MasterConfig().etcd_compaction_interval)
+    etcd_compaction_retention: int = MasterConfig().etcd_compaction_retention
 
 
 class MasterServer:
@@ -129,8 +140,23 @@ class MasterServer:
         async with Etcd(self.s.etcd) as etcd:
             self.etcd = etcd
             print(f"KVPOOL_READY master {self.rpc_addr}", flush=True)
+            told = 0.0
             while not self.stop.is_set():
-                await self._campaign_and_lead(etcd)
+                try:
+                    await self._campaign_and_lead(etcd)
+                except EtcdFull as e:  # no lease can be granted: campaign again once etcd has room
+                    if time.monotonic() - told > 60:
+                        print(f"master: cannot campaign for leadership: {e}", file=sys.stderr, flush=True)
+                        told = time.monotonic()
+                    await asyncio.sleep(1.0)
+                except KVPoolError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - no etcd endpoint answered: campaign again
+                    if time.monotonic() - told > 60:
+                        print(f"master: cannot campaign for leadership, etcd did not answer ({type(e).__name__}: "
+                              f"{e}); retrying", file=sys.stderr, flush=True)
+                        told = time.monotonic()
+                    await asyncio.sleep(1.0)
 
     async def _campaign_and_lead(self, etcd: Etcd) -> None:
         lost = asyncio.Event()
@@ -144,13 +170,8 @@ class MasterServer:
             else:
                 return
             nodes = await self._read_nodes(etcd)
-            handoffs, pins = [], []
-            for v in (await etcd.get_prefix(self.keys.handoffs)).values():
-                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                    handoffs.append(msgspec.msgpack.decode(v, type=M.HandoffRecord))
-            for v in (await etcd.get_prefix(self.keys.pins)).values():
-                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                    pins.append(msgspec.msgpack.decode(v, type=M.PinRecord))
+            handoffs, pins = decode_records((await etcd.get_prefix(self.keys.handoffs)).values(),
+                                            (await etcd.get_prefix(self.keys.pins)).values())
             settings = await etcd.get(self.keys.config)
             if settings is None:  # the cluster's first leader: its flags become the cluster's settings
                 settings = msgspec.json.encode(_settings_of(self.s.state))
@@ -160,6 +181,7 @@ class MasterServer:
                     print(f"master: could not record the cluster settings in etcd ({e})", file=sys.stderr,
                           flush=True)
             self.events.append(("lead", nodes, handoffs, pins, settings))
+            compactor = asyncio.create_task(self._compact_history(etcd))
             try:
                 while not self.stop.is_set() and not lost.is_set():
                     await asyncio.sleep(self.s.membership_poll_s)
@@ -169,10 +191,34 @@ class MasterServer:
                     except Exception:
                         self.etcd_ok = False  # etcd unavailable: membership changes wait (DESIGN.md §8)
             finally:
+                compactor.cancel()
                 self.events.append(("step_down",))
                 if not lost.is_set():
                     with contextlib.suppress(Exception):
                         await etcd.delete(self.keys.leader)
+
+    async def _compact_history(self, etcd: Etcd) -> None:
+        """While leading: every ``etcd_compaction_interval_s`` seconds, compact etcd's history to
+        its current revision minus ``etcd_compaction_retention`` revisions, so that an etcd
+        without auto-compaction does not fill its quota with superseded pin and hand-off
+        records. Runs on the etcd thread beside the durable writes; errors are logged (once a
+        minute at most) and the next round tries again."""
+        every, keep = self.s.etcd_compaction_interval_s, self.s.etcd_compaction_retention
+        if every <= 0:
+            return
+        done, told = 0, 0.0
+        while True:
+            await asyncio.sleep(every)
+            try:
+                target = (await etcd.status()).revision - keep
+                if target > done:
+                    await etcd.compact(target)  # False: etcd's own compaction got there first
+                    done = target
+            except Exception as e:  # noqa: BLE001 - not fatal: etcd may be down or refuse for a while
+                if time.monotonic() - told > 60:
+                    print(f"master: etcd compaction failed ({type(e).__name__}: {e}); retrying every {every:g}s",
+                          file=sys.stderr, flush=True)
+                    told = time.monotonic()
 
     async def _read_nodes(self, etcd: Etcd) -> dict[str, M.NodeDesc]:
         out = {}
@@ -226,7 +272,7 @@ class MasterServer:
             self._apply_events()
             if self.leading and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.s.membership_poll_s
-                expired = self.state.tick(time.time())
+                expired = self.state.tick(time.monotonic())
                 for rid in expired:
                     self._etcd_forget(self.keys.handoff(rid))
                 if self._forget_retry and self.etcd_ok:
@@ -322,7 +368,7 @@ class MasterServer:
         return self._settings_write
 
     def _membership(self, descs: dict[str, M.NodeDesc]) -> None:
-        now = time.time()
+        now = time.monotonic()
         for nid in list(self.state.nodes):
             d = descs.get(nid)
             if d is None or d.incarnation != self.state.nodes[nid].desc.incarnation:
@@ -383,12 +429,14 @@ class MasterServer:
                  pins: list[M.PinRecord]) -> None:
         """Index from live nodes' committed extents, then hand-off holds and pins from etcd
         (stale pin records — another object under the key, soft pin lapsed — are deleted;
-        those of objects not indexed wait for a node to bring them back)."""
-        now = time.time()
+        those of objects not indexed wait for a node to bring them back). Holds and soft
+        pins are re-armed for their full ttl from now, on this master's monotonic clock."""
+        now = time.monotonic()
         for d in self._screen(descs):
             self._join(d, now, timeout_ms=5000)
+        now = time.monotonic()  # after the joins: a slow node must not eat into the holds
         for rec in handoffs:
-            self.state.restore_handoff(rec)
+            self.state.restore_handoff(rec, now)
         for pin in pins:
             if not self.state.restore_pin(pin, now):
                 self._etcd_forget(self.keys.pin(pin.key))
@@ -468,7 +516,7 @@ class MasterServer:
         return out
 
     def _dispatch(self, req):
-        st, now = self.state, time.time()
+        st, now = self.state, time.monotonic()  # every lease, pin, hold and deadline: this clock
         if isinstance(req, M.PutStart):
             return st.put_start(req.items, req.host_id, req.replicas, now)
         if isinstance(req, M.PutEnd):
@@ -484,7 +532,7 @@ class MasterServer:
         if isinstance(req, M.Remove):
             return st.remove(req.keys, req.force, now)
         if isinstance(req, M.ListObjects):
-            return st.list_objects(req.prefix, req.limit, now)
+            return st.list_objects(req.prefix, req.limit, now, time.time())  # wall: for display only
         if isinstance(req, M.Stats):
             return st.stats()
         if isinstance(req, (M.Pin, M.Unpin)):  # durable first: an acknowledged (un)pin survives a failover
@@ -494,18 +542,23 @@ class MasterServer:
                 st.check_unpin(req.key)  # a pin waiting for an away node can be cancelled too
                 return self.durable.write(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
             obj = st.check_pin(req.key, ttl)
-            val = M.encode(M.PinRecord(req.key, None if ttl is None else now + ttl, obj.size, obj.checksum))
+            val = M.encode(M.PinRecord(req.key, ttl, obj.size, obj.checksum, time.time()))  # a duration
 
             def pin_same(k=req.key, size=obj.size, checksum=obj.checksum):
                 cur = st.check_pin(k, ttl)
                 if (cur.size, cur.checksum) != (size, checksum):  # re-put meanwhile: the record names the old bytes
                     raise NotFound(f"{k!r} was replaced while its pin was being recorded; pin it again", key=k)
-                return st.pin(k, ttl, time.time())
+                return st.pin(k, ttl, time.monotonic())  # counted from when the record landed
 
             return self.durable.write(key, lambda e: e.put(key, val), "pins", pin_same,
                                       undo=lambda: self._etcd_forget(key))
         if isinstance(req, M.Evict):
-            return st.evict(req.selector, req.dry_run, req.force, now)
+            open_ = [rid for rid, h in st.handoffs.items() if h.status == "open"] if req.force else []
+            report = st.evict(req.selector, req.dry_run, req.force, now)
+            for rid in open_:  # a forced evict releases the hand-offs holding its objects: their records go
+                if (h := st.handoffs.get(rid)) is None or h.status != "open":
+                    self._etcd_forget(self.keys.handoff(rid))
+            return report
         if isinstance(req, M.Drain):
             return st.drain(req.node_id, req.undo)
         if isinstance(req, M.ReportDead):
@@ -513,7 +566,7 @@ class MasterServer:
         if isinstance(req, M.ReportCorrupt):
             return st.report_corrupt(req.key, req.node_id, req.gen, req.incarnation)
         if isinstance(req, M.HandoffPublish):
-            rec = st.handoff_publish(req.record, now)
+            rec = st.handoff_publish(msgspec.structs.replace(req.record, published_at=time.time()), now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)
             return self.durable.write(key, lambda e: e.put(key, val), "hand-off records", lambda: rec)
         if isinstance(req, M.GetConfig):

@@ -3,9 +3,12 @@ dask/distributed's ``worker_state_machine.py``).
 
 It owns the node table, one :class:`~master.allocator.RangeAllocator` per node segment,
 the object index (PENDING → COMMITTED), read leases, pins, hand-off holds, LRU eviction
-and hand-off records. Every method takes ``now`` (seconds since the epoch) explicitly so
-tests drive time. Messages that must reach store nodes (commit/free/copy notices) are
-appended to :attr:`MasterState.outbox` for the server to send.
+and hand-off records. Every method takes ``now`` explicitly so tests drive time: seconds
+on the master's monotonic clock (``time.monotonic()``), never a wall clock, so stepping
+the host's clock neither ends nor stretches a lease, pin, hold or deadline (wall-clock
+times shown to operators are converted at the edge, :meth:`MasterState.list_objects`).
+Messages that must reach store nodes (commit/free/copy notices) are appended to
+:attr:`MasterState.outbox` for the server to send.
 
 Eviction order is LRU per node (an ``OrderedDict`` moved-to-end on access), so choosing a
 victim is O(1) amortised regardless of index size; pinned and held objects leave the LRU.
@@ -118,7 +121,8 @@ class MasterState(HandoffMixin, RepairMixin):
         # not indexed at a rebuild): applied when the key is committed again or the node
         # brings the extent back; pins are forgotten (their etcd record deleted) after
         # DEPARTED_KEEP_S, holds when their hand-off closes
-        self.waiting_pins: dict[str, tuple[PinRecord, float]] = {}  # key -> (record, forget after)
+        # key -> (record, soft pin ends or None for hard, forget after), both monotonic
+        self.waiting_pins: dict[str, tuple[PinRecord, float | None, float]] = {}
         self.waiting_holds: dict[str, set[str]] = {}  # key -> hand-offs naming it
         self.outbox: dict[str, list] = defaultdict(list)
         # incarnations dropped from the index -> (forget after, keys dropped since): a node
@@ -255,7 +259,7 @@ class MasterState(HandoffMixin, RepairMixin):
                 obj.holds.update(open_)
                 self._lru_add(obj)
         waiting = self.waiting_pins.pop(obj.key, None)
-        if waiting is not None and not self.restore_pin(waiting[0], now):
+        if waiting is not None and not self._restore_pin(waiting[0], waiting[1], now):
             self.unpinned.append(obj.key)
 
     # ---- puts ---------------------------------------------------------------------------
@@ -516,8 +520,9 @@ class MasterState(HandoffMixin, RepairMixin):
                 if len(dep[1]) > DEPARTED_MAX_KEYS:
                     dep[1] = None
         if away and obj.pin:
-            rec = PinRecord(obj.key, None if obj.pin == "hard" else obj.pin_until, obj.size, obj.checksum)
-            self.waiting_pins[obj.key] = (rec, self._now + DEPARTED_KEEP_S)
+            until = None if obj.pin == "hard" else obj.pin_until
+            rec = PinRecord(obj.key, None if until is None else max(until - self._now, 0.0), obj.size, obj.checksum)
+            self.waiting_pins[obj.key] = (rec, until, self._now + DEPARTED_KEEP_S)
         elif obj.pin:
             self.unpinned.append(obj.key)
         if away and obj.holds:
@@ -692,8 +697,8 @@ class MasterState(HandoffMixin, RepairMixin):
             self._revoke_pending(obj, now, quarantine=True)
         for inc in [i for i, (until, _) in self.departed.items() if until <= now]:
             del self.departed[inc]
-        for key in [k for k, (rec, forget) in self.waiting_pins.items()
-                    if forget <= now or (rec.until is not None and rec.until <= now)]:
+        for key in [k for k, (_, until, forget) in self.waiting_pins.items()
+                    if forget <= now or (until is not None and until <= now)]:
             del self.waiting_pins[key]  # its node did not bring it back in time, or the soft pin lapsed
             self.unpinned.append(key)
         self._now = now
@@ -704,28 +709,34 @@ class MasterState(HandoffMixin, RepairMixin):
             self.repair_done(key, ok=False)
         expired = []
         for h in self.handoffs.values():
-            if h.status == "open" and h.record.deadline <= now:
+            if h.status == "open" and h.deadline <= now:
                 self._release_handoff(h, "expired")
                 expired.append(h.record.request_id)
         # forget closed records after a while (keep them long enough for idempotent repeats)
         for rid in [r for r, h in self.handoffs.items()
-                    if h.status != "open" and h.record.deadline + 3600 <= now]:
+                    if h.status != "open" and h.deadline + 3600 <= now]:
             del self.handoffs[rid]
         self.enforce_watermarks(now)
         return expired
 
     # ---- introspection ------------------------------------------------------------------
 
-    def list_objects(self, prefix: str, limit: int, now: float) -> list[ObjectMeta]:
+    def list_objects(self, prefix: str, limit: int, now: float, wall: float | None = None) -> list[ObjectMeta]:
+        """Up to ``limit`` objects under ``prefix`` at ``now`` (monotonic). ``wall``: the wall
+        clock (Unix seconds) read together with ``now``, to show created/last-access times
+        as times of day (without it they stay on the monotonic clock). Raises
+        InvalidRequest for a limit below 1."""
         if limit < 1:
             raise E.InvalidRequest(f"ls limit must be >= 1, got {limit}")
+        to_wall = 0.0 if wall is None else wall - now
         out = []
         for o in self.objects.values():
             if o.key.startswith(prefix):
                 pin = o.pin if (o.pin != "soft" or o.pin_until > now) else ""
                 out.append(ObjectMeta(o.key, o.size, o.layout.kind if o.layout else "raw",
-                                      [r.node_id for r in o.replicas], o.created, o.last_access,
-                                      o.lease_until > now, pin, bool(o.holds), o.replicas_wanted))
+                                      [r.node_id for r in o.replicas], o.created + to_wall, o.last_access + to_wall,
+                                      o.lease_until > now, pin, bool(o.holds), o.replicas_wanted,
+                                      now - o.created, now - o.last_access))
                 if len(out) >= limit:
                     break
         return out
@@ -765,18 +776,25 @@ class MasterState(HandoffMixin, RepairMixin):
 
     def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the
-        object under the key is another one now, or the soft pin lapsed): delete it. A
-        record naming no indexed object waits (:attr:`waiting_pins`) for a store node to
-        bring it back: one that is away, refused for its version or not answering now."""
-        if rec.until is not None and rec.until <= now:
+        object under the key is another one now, or the soft pin has no time left,
+        ``ttl_s`` <= 0): delete it. A soft pin is re-armed for its full ``ttl_s`` seconds
+        from ``now`` (monotonic): how much of it passed before the failover is unknown, and
+        a pin is never shortened, so it may outlive its ttl by up to one ttl. A record naming
+        no indexed object waits (:attr:`waiting_pins`) for a store node to bring it back:
+        one that is away, refused for its version or not answering now."""
+        return self._restore_pin(rec, None if rec.ttl_s is None else now + rec.ttl_s, now)
+
+    def _restore_pin(self, rec: PinRecord, until: float | None, now: float) -> bool:
+        """:meth:`restore_pin` with the soft pin ending at ``until`` (monotonic; None: hard)."""
+        if until is not None and not until > now:  # also NaN
             return False
         obj = self.objects.get(rec.key)
         if obj is None:
-            self.waiting_pins[rec.key] = (rec, now + DEPARTED_KEEP_S)
+            self.waiting_pins[rec.key] = (rec, until, now + DEPARTED_KEEP_S)
             return True
         if (obj.size, obj.checksum) != (rec.size, rec.checksum):
             return False
-        self.pin(rec.key, None if rec.until is None else rec.until - now, now)
+        self.pin(rec.key, None if until is None else until - now, now)
         return True
 
     def take_unpinned(self) -> list[str]:

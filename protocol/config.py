@@ -25,10 +25,44 @@ DEFAULT_CONFIG = CONFIG_DIR / "local.yaml"
 
 
 class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """etcd endpoint; ``endpoint=None`` means: start an embedded etcd child process."""
+    """etcd endpoint(s); ``endpoint=None`` means: start an embedded etcd child process.
 
-    endpoint: str | None = None
+    ``endpoint``: ``http://host:port``, several comma-separated (or a list), all members of
+    one etcd cluster; processes fail over between them. The other keys apply to the embedded
+    etcd only (an external etcd is configured by its operator):
+
+    * ``data_dir``: its data directory (kept after stop); default: inside the cluster's run
+      directory, removed at stop.
+    * ``quota_backend``: its space quota (etcd ``--quota-backend-bytes``; the default is etcd's own).
+      A full etcd refuses new pins and hand-offs (:class:`~protocol.errors.EtcdFull`).
+    * ``auto_compaction_mode`` / ``auto_compaction_retention``: etcd's own history compaction.
+      ``periodic``: retention is a duration; etcd compacts every retention period (every hour
+      for longer ones) to the revision of one period before, so its history stays within
+      about two periods of writes whatever the write rate. ``revision``: retention is a number of
+      revisions, checked every 5 minutes. A retention of 0 turns it off.
+    """
+
+    endpoint: str | list[str] | None = None
     data_dir: str | None = None
+    quota_backend: str | int = "2GiB"
+    auto_compaction_mode: str = "periodic"
+    auto_compaction_retention: str | int = "5m"
+
+    def endpoints(self) -> list[str]:
+        """The configured endpoints, normalised (empty for an embedded etcd)."""
+        from protocol.etcd import parse_endpoints
+
+        return [] if self.endpoint is None else parse_endpoints(self.endpoint, key="etcd.endpoint")
+
+    def compaction_flags(self) -> list[str]:
+        """The embedded etcd's ``--auto-compaction-*`` and ``--quota-backend-bytes`` flags."""
+        if self.auto_compaction_mode == "revision":
+            keep = str(self.auto_compaction_retention)
+        else:  # periodic: a Go duration; "0" turns it off
+            sec = parse_duration(self.auto_compaction_retention, key="etcd.auto_compaction_retention")
+            keep = f"{round(sec * 1000)}ms" if sec > 0 else "0"
+        return [f"--auto-compaction-mode={self.auto_compaction_mode}", f"--auto-compaction-retention={keep}",
+                f"--quota-backend-bytes={parse_size(self.quota_backend, key='etcd.quota_backend')}"]
 
 
 class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,6 +78,10 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     low_watermark: float = 0.80
     max_handoff_ttl: str | float = "24h"  # longest hold a hand-off publish may ask for
     membership_poll: str | float = "250ms"
+    # the leader compacts etcd's history this often (0 = never) to its revision minus this many
+    # revisions, for etcd clusters without auto-compaction
+    etcd_compaction_interval: str | float = "60s"
+    etcd_compaction_retention: int = 10000
 
 
 class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -74,7 +112,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def validate(self) -> "ClusterConfig":
         """Check values; raise ConfigError naming the key and accepted values."""
         m = self.master
-        for key in ("lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll"):
+        for key in ("lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll",
+                    "etcd_compaction_interval"):
             parse_duration(getattr(m, key), key=f"master.{key}")
         if not 0 < m.low_watermark <= m.high_watermark <= 1:
             raise ConfigError(
@@ -86,6 +125,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                             parse_duration(m.max_handoff_ttl)).check()
         except ConfigError as e:
             raise ConfigError(f"master.{e}", key=f"master.{e.fields.get('key', '')}") from None
+        self._validate_etcd()
+        if m.etcd_compaction_retention < 0:
+            raise ConfigError(f"master.etcd_compaction_retention: {m.etcd_compaction_retention}; a number of "
+                              "revisions >= 0", key="master.etcd_compaction_retention")
         for key in ("rpc_timeout", "io_timeout"):
             if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
@@ -109,6 +152,20 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"client.transport: {self.client.transport!r}; accepted: auto, tcp, unix, shm, ucx",
                               key="client.transport")
         return self
+
+    def _validate_etcd(self) -> None:
+        e = self.etcd
+        e.endpoints()  # each URL checked: ConfigError naming it
+        if parse_size(e.quota_backend, key="etcd.quota_backend") < MIN_SEGMENT:
+            raise ConfigError(f"etcd.quota_backend: at least 1MiB, got {e.quota_backend!r}", key="etcd.quota_backend")
+        if e.auto_compaction_mode not in ("periodic", "revision"):
+            raise ConfigError(f"etcd.auto_compaction_mode: {e.auto_compaction_mode!r}; accepted: periodic, revision",
+                              key="etcd.auto_compaction_mode")
+        r = e.auto_compaction_retention
+        if e.auto_compaction_mode == "revision" and not (isinstance(r, int) and r >= 0):
+            raise ConfigError(f"etcd.auto_compaction_retention: {r!r}; with mode revision, a number of revisions "
+                              ">= 0 (0 = off)", key="etcd.auto_compaction_retention")
+        e.compaction_flags()  # periodic: a duration (ConfigError naming the key)
 
 
 def _env_overrides(environ: dict[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

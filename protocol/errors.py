@@ -166,6 +166,14 @@ class EtcdUnavailable(KVPoolError):
     code = "etcd_unavailable"
 
 
+class EtcdFull(EtcdUnavailable):
+    """etcd answers but refuses new records: its database reached its space quota (alarm
+    NOSPACE, "mvcc: database space exceeded"). Reads and deletes still work; the message
+    says how to free space (compact, defragment, disarm the alarm) or raise the quota."""
+
+    code = "etcd_full"
+
+
 _BY_CODE: dict[str, type[KVPoolError]] = {}
 
 

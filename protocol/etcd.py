@@ -2,28 +2,92 @@
 
 Adds what aetcd leaves to callers: endpoint parsing, the ``/kvpool/<cluster>/`` key
 layout (DESIGN.md §3), keeping a lease alive (refresh every TTL/3, as etcd's own Go
-client does), create-if-absent transactions for leader election, and clear errors when
-etcd is unreachable (:class:`~protocol.errors.EtcdUnavailable`).
+client does), create-if-absent transactions for leader election, compaction of old
+revisions, and clear errors when etcd is unreachable (:class:`~protocol.errors.EtcdUnavailable`)
+or full (:class:`~protocol.errors.EtcdFull`).
+
+Several endpoints of one etcd cluster may be given (``http://a:2379,http://b:2379``); aetcd
+talks to one host, so :class:`Etcd` uses one endpoint at a time and, when a call cannot
+reach it (refused, reset, or no answer within ``timeout_s``), moves to the next endpoint
+and repeats the call there, each endpoint at most once per call: a call takes at most
+``len(endpoints) × timeout_s``. Repeating is safe for what kvpool does: puts write the
+same value again, deletes are idempotent, and create-if-absent recognises its own write.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-from collections.abc import AsyncIterator
+import sys
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import aetcd
+import aetcd.exceptions
+from aetcd import rpc
 
-from protocol.errors import ConfigError, EtcdUnavailable
+from protocol.errors import ConfigError, EtcdFull, EtcdUnavailable
+
+# the call could not reach the member: try the next endpoint
+_UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
+NOSPACE = "database space exceeded"  # etcd's "mvcc: database space exceeded" (alarm NOSPACE)
+ETCD_FULL_FIX = ("To fix: compact etcd's history, defragment it and disarm the alarm (ETCDCTL_API=3 etcdctl "
+                 "compact <current revision>; etcdctl defrag; etcdctl alarm disarm), or restart etcd with a "
+                 "larger --quota-backend-bytes (kvpool config etcd.quota_backend)")
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``http://127.0.0.1:2379`` or ``127.0.0.1:2379`` → (host, port)."""
-    rest = endpoint.split("://", 1)[-1].rstrip("/")
-    if ":" not in rest:
-        raise ConfigError(f"etcd endpoint {endpoint!r} needs host:port, e.g. http://127.0.0.1:2379", key="etcd")
-    host, port = rest.rsplit(":", 1)
-    return host, int(port)
+def parse_endpoint(endpoint: str, key: str = "etcd") -> tuple[str, int]:
+    """One endpoint, ``http://127.0.0.1:2379`` or ``127.0.0.1:2379`` → (host, port). Raises
+    ConfigError naming the endpoint (and ``key``) unless it is a plain http URL with a host and a
+    port in 1..65535 (no path, query or user; https is refused: the aetcd client has no TLS)."""
+    ep = endpoint.strip()
+    why = ""
+    try:
+        u = urllib.parse.urlsplit(ep if "://" in ep else "http://" + ep)
+        port = u.port
+    except ValueError:
+        u, port, why = None, None, "the port must be a number in 1..65535"
+    if u is not None:
+        if u.scheme != "http":
+            why = ("https is not supported (the aetcd client speaks plain http); use http://" if u.scheme == "https"
+                   else f"scheme {u.scheme!r} is not supported; use http://")
+        elif not u.hostname:
+            why = "it needs a host"
+        elif port is None:
+            why = "it needs a port"
+        elif not 1 <= port <= 65535:
+            why = "the port must be a number in 1..65535"
+        elif u.path not in ("", "/") or u.query or u.fragment or u.username is not None:
+            why = "give only scheme, host and port (no path, query or user)"
+    if why:
+        raise ConfigError(f"{key}: etcd endpoint {endpoint!r}: {why}, e.g. http://127.0.0.1:2379 (several: "
+                          "comma-separated)", key=key)
+    host = u.hostname
+    return (f"[{host}]" if ":" in host else host), port
+
+
+def parse_endpoints(spec: str | Sequence[str], key: str = "etcd") -> list[str]:
+    """Comma-separated endpoints (or a list of them) → the normalised ``http://host:port`` list,
+    in order, without repeats. Raises ConfigError naming the first bad one (see
+    :func:`parse_endpoint`), or when none is given."""
+    items = [spec] if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"{key}: etcd endpoint {item!r}: must be a string like http://127.0.0.1:2379", key=key)
+        for ep in item.split(","):
+            if not ep.strip():
+                raise ConfigError(f"{key}: etcd endpoints {spec!r}: an empty entry; give http://host:port, several "
+                                  "separated by commas", key=key)
+            host, port = parse_endpoint(ep, key)
+            url = f"http://{host}:{port}"
+            if url not in out:
+                out.append(url)
+    if not out:
+        raise ConfigError(f"{key}: no etcd endpoint given; pass http://host:port (several: comma-separated)", key=key)
+    return out
 
 
 class Keys:
@@ -47,66 +111,176 @@ class Keys:
         return self.pins + key
 
 
-class Etcd:
-    """An open etcd connection. Use ``async with Etcd(endpoint) as e``."""
+@dataclass(frozen=True)
+class EtcdStatus:
+    """One member's answer to a status call: ``revision`` of the store, ``db_size`` (bytes of
+    the backend file, what the quota counts) and ``db_size_in_use`` (bytes holding live data;
+    the difference is what a defragmentation gives back)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
-        self.endpoint = endpoint
-        self.host, self.port = parse_endpoint(endpoint)
+    endpoint: str
+    revision: int
+    db_size: int
+    db_size_in_use: int
+
+
+class Etcd:
+    """An open etcd connection. Use ``async with Etcd(endpoints) as e``.
+
+    ``endpoint``: one URL, several comma-separated, or a list (ConfigError for a bad one).
+    ``timeout_s``: deadline of one call on one endpoint, seconds. Calls raise aetcd's errors
+    (``aetcd.exceptions.ClientError``) when every endpoint failed, and
+    :class:`~protocol.errors.EtcdFull` when etcd refuses a write for want of space.
+    """
+
+    def __init__(self, endpoint: str | Sequence[str], timeout_s: float = 5.0) -> None:
+        self.endpoints = parse_endpoints(endpoint)
         self.timeout_s = timeout_s
+        self._at = 0  # index of the endpoint in use
         self.client: aetcd.Client | None = None
+        self._retiring: set[asyncio.Task] = set()  # closes of replaced clients, after their calls ended
+        self._told = 0.0  # when a failover was last logged
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint in use."""
+        return self.endpoints[self._at]
+
+    def _new_client(self) -> aetcd.Client:
+        host, port = parse_endpoint(self.endpoint)
+        return aetcd.Client(host=host, port=port, timeout=self.timeout_s)
 
     async def __aenter__(self) -> "Etcd":
-        self.client = aetcd.Client(host=self.host, port=self.port, timeout=self.timeout_s)
-        try:
-            await self.client.connect()
-            await self.client.get(b"/kvpool/")
-        except Exception as e:  # aetcd raises several connection error types
-            await self.client.close()
-            raise EtcdUnavailable(f"cannot reach etcd at {self.endpoint} ({type(e).__name__}); start one "
-                                  "(`kvpool up` starts a local etcd) or pass --etcd", endpoint=self.endpoint) from None
-        return self
+        failed = []
+        for i in range(len(self.endpoints)):
+            self._at = i
+            client = self._new_client()
+            try:
+                await client.connect()
+                await client.get(b"/kvpool/")
+            except Exception as e:  # aetcd raises several connection error types
+                failed.append(f"{self.endpoint} ({type(e).__name__})")
+                with contextlib.suppress(Exception):
+                    await client.close()
+                continue
+            self.client = client
+            return self
+        self._at = 0
+        raise EtcdUnavailable(f"cannot reach etcd at {', '.join(failed)}; start one (`kvpool up` starts a local "
+                              "etcd) or pass --etcd", endpoint=",".join(self.endpoints))
 
     async def __aexit__(self, *exc) -> None:
+        for task in list(self._retiring):
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*self._retiring, return_exceptions=True)
         if self.client is not None:
             with contextlib.suppress(Exception):
                 await self.client.close()
 
-    async def reconnect(self) -> None:
-        """Replace the gRPC channel: after an etcd restart a fresh channel connects at once,
-        where the old one may sit in exponential reconnect backoff longer than a lease TTL."""
-        old = self.client
-        self.client = aetcd.Client(host=self.host, port=self.port, timeout=self.timeout_s)
+    async def reconnect(self, failed: aetcd.Client | None = None) -> None:
+        """Replace the gRPC channel with a fresh one to the next endpoint (the same endpoint when
+        there is only one): after an etcd restart a fresh channel connects at once, where the old
+        one may sit in exponential reconnect backoff longer than a lease TTL. With ``failed``
+        given, nothing is done when another caller already replaced that client. The old
+        client is closed once calls still running on it had their ``timeout_s``."""
+        if failed is not None and failed is not self.client:
+            return
+        old, before = self.client, self.endpoint
+        self._at = (self._at + 1) % len(self.endpoints)
+        self.client = self._new_client()
         with contextlib.suppress(Exception):
             await self.client.connect()
+        if len(self.endpoints) > 1 and time.monotonic() - self._told > 10:  # at most every 10 s in an outage
+            print(f"kvpool: etcd endpoint {before} did not answer; using {self.endpoint}", file=sys.stderr,
+                  flush=True)
+            self._told = time.monotonic()
         if old is not None:
-            with contextlib.suppress(Exception):
-                await old.close()
+            async def close_later(c: aetcd.Client = old) -> None:
+                try:
+                    await asyncio.sleep(self.timeout_s + 1.0)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await c.close()
+
+            task = asyncio.get_running_loop().create_task(close_later())
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _call(self, op):
+        """``await op(client)`` on the endpoint in use; when it cannot reach that member, on the
+        next endpoint (each endpoint at most once). A NOSPACE refusal raises EtcdFull."""
+        for attempt in range(len(self.endpoints)):
+            client = self.client
+            try:
+                return await op(client)
+            except _UNREACHABLE:
+                if attempt + 1 == len(self.endpoints):
+                    raise
+                await self.reconnect(client)
+            except aetcd.exceptions.ClientError as e:
+                if NOSPACE in str(e):
+                    raise EtcdFull(f"etcd at {self.endpoint} is full: its database reached its space quota "
+                                   f"(alarm NOSPACE: {e}), so it refuses new records until space is freed. "
+                                   f"{ETCD_FULL_FIX}", endpoint=self.endpoint) from None
+                raise
 
     async def get(self, key: str) -> bytes | None:
-        r = await self.client.get(key.encode())
+        r = await self._call(lambda c: c.get(key.encode()))
         return None if r is None else r.value
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
-        r = await self.client.get_prefix(prefix.encode())
+        r = await self._call(lambda c: c.get_prefix(prefix.encode()))
         return {kv.key.decode(): kv.value for kv in r}
 
     async def put(self, key: str, value: bytes, lease: aetcd.Lease | None = None) -> None:
-        await self.client.put(key.encode(), value, lease=lease)
+        await self._call(lambda c: c.put(key.encode(), value, lease=lease))
 
     async def delete(self, key: str) -> None:
-        await self.client.delete(key.encode())
+        await self._call(lambda c: c.delete(key.encode()))
 
     async def lease(self, ttl_s: float) -> aetcd.Lease:
-        return await self.client.lease(max(1, int(round(ttl_s))))
+        return await self._call(lambda c: c.lease(max(1, int(round(ttl_s)))))
 
     async def create_if_absent(self, key: str, value: bytes, lease: aetcd.Lease) -> bool:
-        """Atomically put ``key`` only if it does not exist (election). True on success."""
-        c = self.client
-        ok, _ = await c.transaction(compare=[c.transactions.version(key.encode()) == 0],
-                                    success=[c.transactions.put(key.encode(), value, lease=lease)],
-                                    failure=[])
-        return bool(ok)
+        """Atomically put ``key`` only if it does not exist (election). True on success, and
+        when the key already holds ``value`` under ``lease`` (a repeated call whose first
+        answer was lost)."""
+        k = key.encode()
+
+        async def txn(c: aetcd.Client) -> bool:
+            ok, responses = await c.transaction(compare=[c.transactions.version(k) == 0],
+                                                success=[c.transactions.put(k, value, lease=lease)],
+                                                failure=[c.transactions.get(k)])
+            if ok:
+                return True
+            kvs = responses[0] if responses else []
+            return bool(kvs) and kvs[0][0] == value and kvs[0][1].lease == lease.id
+
+        return await self._call(txn)
+
+    async def status(self) -> EtcdStatus:
+        """The status of the member in use (revision and database sizes, see EtcdStatus)."""
+        async def go(c: aetcd.Client) -> EtcdStatus:
+            await c.connect()
+            try:
+                r = await c.maintenancestub.Status(rpc.StatusRequest(), timeout=self.timeout_s, metadata=c.metadata)
+            except rpc.AioRpcError as e:
+                aetcd.exceptions._handle_exception(e)  # raises the matching aetcd error
+            return EtcdStatus(self.endpoint, r.header.revision, r.dbSize, r.dbSizeInUse)
+
+        return await self._call(go)
+
+    async def compact(self, revision: int) -> bool:
+        """Drop the history of every key below ``revision`` (what a watch or a read at an older
+        revision could see); the space is reused by later writes, the file shrinks only with a
+        defragmentation. False when etcd was already compacted at or past ``revision``."""
+        try:
+            await self._call(lambda c: c.compact(revision))
+        except aetcd.exceptions.ClientError as e:
+            if "has been compacted" in str(e):  # mvcc: required revision has been compacted
+                return False
+            raise
+        return True
 
 
 @contextlib.asynccontextmanager
@@ -122,12 +296,13 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
     async def refresher() -> None:
         while True:
             await asyncio.sleep(max(ttl_s / 3, 0.2))
+            client = etcd.client
             try:
-                r = await etcd.client.refresh_lease(lease.id)
+                r = await client.refresh_lease(lease.id)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                await etcd.reconnect()  # unreachable: retry on a fresh channel
+                await etcd.reconnect(client)  # unreachable: retry on a fresh channel (the next endpoint)
                 continue
             if r.TTL <= 0:  # protobuf default 0: etcd no longer knows the lease
                 lost.set()
@@ -144,11 +319,13 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
             await asyncio.wait_for(etcd.client.revoke_lease(lease.id), 2.0)
 
 
-def read_key_sync(endpoint: str, key: str, timeout_s: float = 5.0) -> bytes | None:
-    """Blocking read of one key (for CLI and client bootstrap). Safe to call from inside a
+def read_key_sync(endpoint: str | Sequence[str], key: str, timeout_s: float = 5.0) -> bytes | None:
+    """Blocking read of one key (for CLI and client bootstrap) from the first of the etcd
+    ``endpoint`` (one, or several comma-separated) that answers. Safe to call from inside a
     running asyncio loop (a proxy, a notebook): the read then runs on its own loop in a
     helper thread, since ``asyncio.run`` refuses to nest. Raises what the read raises;
-    ``TimeoutError`` if the helper thread is not back within ``2 * timeout_s + 1`` s."""
+    ``TimeoutError`` if the helper thread is not back within ``2 * n * timeout_s + 1`` s
+    for ``n`` endpoints."""
 
     async def go() -> bytes | None:
         async with Etcd(endpoint, timeout_s) as e:
@@ -159,4 +336,4 @@ def read_key_sync(endpoint: str, key: str, timeout_s: float = 5.0) -> bytes | No
     except RuntimeError:
         return asyncio.run(go())
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-etcd") as ex:
-        return ex.submit(asyncio.run, go()).result(timeout=2 * timeout_s + 1)
+        return ex.submit(asyncio.run, go()).result(timeout=2 * len(parse_endpoints(endpoint)) * timeout_s + 1)

@@ -14,7 +14,7 @@ import msgspec
 from protocol.errors import ConfigError, ErrorInfo, InvalidRequest
 from protocol.layout import LayoutSpec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 """Version of every message and data frame kvpool processes exchange. Bump it with any
 change an older process would misread. A master does not place on a store node of
 another version (``ClusterStats.refused``); a client refuses a master of another version
@@ -88,7 +88,11 @@ class ObjectInfo(msgspec.Struct, frozen=True, array_like=True, tag="obj"):
 
 
 class ObjectMeta(msgspec.Struct, frozen=True):
-    """One row of ``ls``: times are seconds since the epoch; ``pin`` is "", "hard" or "soft"."""
+    """One row of ``ls``. ``created`` and ``last_access`` are Unix times (seconds) on the
+    master's wall clock, converted from its monotonic clock when the listing was made (for
+    display; they move with that clock). ``age_s`` and ``idle_s`` are the seconds since
+    creation and since the last access, measured on the master's monotonic clock (they do
+    not depend on any host's wall clock). ``pin`` is "", "hard" or "soft"."""
 
     key: str
     size: int
@@ -100,6 +104,8 @@ class ObjectMeta(msgspec.Struct, frozen=True):
     pin: str
     held: bool
     replicas_wanted: int = 1
+    age_s: float = 0.0
+    idle_s: float = 0.0
 
 
 class NodeStats(msgspec.Struct, frozen=True):
@@ -153,16 +159,26 @@ class EvictReport(msgspec.Struct, frozen=True):
 
 
 class HandoffRecord(msgspec.Struct, frozen=True):
-    """Durable P/D hand-off record (DESIGN.md §7). ``keys`` maps group id → keys in block
-    order; ``deadline`` is seconds since the epoch."""
+    """Durable P/D hand-off record (DESIGN.md §7), as published, claimed and kept in etcd.
+    ``keys`` maps group id → keys in block order.
+
+    ``ttl_s`` is how long the objects are held, in seconds: a duration, never a
+    timestamp. The leader counts it on its own monotonic clock from when it accepted the
+    publish, so no host's wall clock (the producer's or the master's) shortens or
+    stretches it. A leader that rebuilds from etcd after a failover does not know how much
+    of the hold has passed and never shortens it: it holds for the full ``ttl_s`` again,
+    counted from the rebuild, so a hold may outlive its ttl by up to one ttl per failover.
+    ``published_at`` is the accepting master's wall-clock time of the publish (Unix
+    seconds), for operators only: no decision uses it (clients send 0)."""
 
     request_id: str
     keys: dict[str, list[str]]
     layouts: dict[str, LayoutSpec]
     producer: str
-    deadline: float
+    ttl_s: float
     num_tokens: int = 0
     extra: dict[str, Any] = {}
+    published_at: float = 0.0
 
 
 # ---- requests -------------------------------------------------------------------------
@@ -227,14 +243,20 @@ class Unpin(msgspec.Struct, tag="unpin"):
 
 class PinRecord(msgspec.Struct, frozen=True, array_like=True):
     """A pin as kept in etcd under ``pins/<key>`` so it survives a master failover:
-    ``until`` is the soft pin's deadline (Unix time, seconds), None for a hard pin; ``size``
-    and ``checksum`` name the pinned object, so a later object under the same key with
-    other bytes is not pinned by a record left behind."""
+    ``ttl_s`` is the soft pin's duration in seconds (None for a hard pin), never a
+    timestamp; ``size`` and ``checksum`` name the pinned object, so a later object under
+    the same key with other bytes is not pinned by a record left behind. A leader that
+    rebuilds from the record re-arms a soft pin for its full ``ttl_s`` from the rebuild (it
+    cannot know how much has passed and never shortens a pin: it may outlive its ttl by up
+    to one ttl per failover). ``pinned_at`` is the master's wall-clock time of the pin (Unix
+    seconds), for operators only; 0 marks a record of wire version 1, whose second field
+    is an absolute Unix-time deadline instead of a duration."""
 
     key: str
-    until: float | None = None
+    ttl_s: float | None = None
     size: int = 0
     checksum: int = 0
+    pinned_at: float = 0.0
 
 
 class ClusterSettings(msgspec.Struct, frozen=True):

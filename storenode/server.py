@@ -5,9 +5,10 @@ The segment is host shared memory (``device="cpu"``, :mod:`storenode.segment`) o
 memory served through staging (``cuda:N``, :mod:`storenode.device_segment`).
 Readiness is one line on stdout: ``KVPOOL_READY storenode <node_id> <data_addr>``.
 If the etcd lease is lost (an etcd outage or a pause), the node registers again with the
-same segment and extent table; a master that dropped it meanwhile re-indexes its
-committed extents and grants only generations above any it has seen, so nothing the
-cluster removed in between comes back.
+same segment and extent table (while etcd is full, every 5 s until it has room; a node
+starting on a full etcd stops with :class:`~protocol.errors.EtcdFull`); a master that
+dropped it meanwhile re-indexes its committed extents and grants only generations above
+any it has seen, so nothing the cluster removed in between comes back.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import zmq.asyncio
 from protocol import messages as M
 from protocol import transport
 from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
-from protocol.errors import ConfigError, KVPoolError
+from protocol.errors import ConfigError, EtcdFull, KVPoolError
 from protocol.etcd import Etcd, Keys, kept_alive
 from storenode.dataserver import DataServer
 from storenode.device_segment import DeviceSegment
@@ -93,19 +94,28 @@ class StoreNode:
             async with Etcd(self.s.etcd) as etcd:
                 while not self._stop.is_set():
                     lost = asyncio.Event()
-                    async with kept_alive(etcd, self.s.node_ttl_s, lost) as lease:
-                        desc = self.descriptor(ctrl_addr)
-                        if not await self._register(etcd, lease, desc):
-                            break  # stopped while waiting for the name
-                        registered = True
+                    try:
+                        async with kept_alive(etcd, self.s.node_ttl_s, lost) as lease:
+                            desc = self.descriptor(ctrl_addr)
+                            if not await self._register(etcd, lease, desc):
+                                break  # stopped while waiting for the name
+                            registered = True
+                            if not announced:
+                                print(f"KVPOOL_READY storenode {self.node_id} {desc.data_addr}", flush=True)
+                                announced = True
+                            stop_wait = asyncio.create_task(self._stop.wait())
+                            lost_wait = asyncio.create_task(lost.wait())
+                            await asyncio.wait({stop_wait, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
+                            stop_wait.cancel()
+                            lost_wait.cancel()
+                    except EtcdFull as e:
                         if not announced:
-                            print(f"KVPOOL_READY storenode {self.node_id} {desc.data_addr}", flush=True)
-                            announced = True
-                        stop_wait = asyncio.create_task(self._stop.wait())
-                        lost_wait = asyncio.create_task(lost.wait())
-                        await asyncio.wait({stop_wait, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
-                        stop_wait.cancel()
-                        lost_wait.cancel()
+                            raise  # at start-up: stop with the error, which says how to free space
+                        # serving already: keep the segment and register again once etcd has room
+                        print(f"storenode {self.node_id}: cannot register again: {e}", file=sys.stderr, flush=True)
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._stop.wait(), 5.0)
+                        continue
                     if lost.is_set() and not self._stop.is_set():
                         # etcd let our lease lapse (an outage, a pause): register again with
                         # the same segment; a master that dropped us meanwhile re-indexes our

@@ -1,7 +1,8 @@
 """Shared fixtures: real etcd + master + store nodes on free loopback ports.
 
 ``cluster`` is one module-scoped cluster (2 nodes × 256 MiB); ``make_cluster(**cfg)``
-starts a fresh one per test with config overrides. Every cluster is checked at teardown:
+starts a fresh one per test with config overrides (``master_env={...}``: extra environment
+of its master processes). Every cluster is checked at teardown:
 all its processes gone and no kvpool shared memory left behind.
 """
 from __future__ import annotations
@@ -36,10 +37,12 @@ def _shm_files() -> set[str]:
         return set()
 
 
-def cluster_config(nodes: int = 2, memory: str = "256MiB", **master):
+def cluster_config(nodes: int = 2, memory: str = "256MiB", etcd: dict | None = None, **master):
     over = {"storenodes": [{"name": f"node-{i}", "memory": memory} for i in range(nodes)]}
     if master:
         over["master"] = master
+    if etcd:
+        over["etcd"] = etcd
     return load_config(None, over, environ={})
 
 
@@ -48,8 +51,9 @@ class _Started:
         self.clusters: list[LocalCluster] = []
         self.shm_before = _shm_files()
 
-    def start(self, nodes: int = 2, memory: str = "256MiB", **master) -> LocalCluster:
-        lc = LocalCluster(cluster_config(nodes, memory, **master))
+    def start(self, nodes: int = 2, memory: str = "256MiB", etcd: dict | None = None,
+              master_env: dict[str, str] | None = None, **master) -> LocalCluster:
+        lc = LocalCluster(cluster_config(nodes, memory, etcd, **master), master_env=master_env)
         self.clusters.append(lc)
         lc.__enter__()
         for c in [*lc.nodes.values(), *lc.masters]:

@@ -163,7 +163,7 @@ def test_handoff_hold_ack_release_expire_and_repair():
     st = make(nodes=3, replicas=2)
     put(st, "b0")
     put(st, "b1")
-    rec = HandoffRecord("r1", {"0": ["b0", "b1"]}, {}, "p", deadline=100.0)
+    rec = HandoffRecord("r1", {"0": ["b0", "b1"]}, {}, "p", ttl_s=100.0)
     st.handoff_publish(rec, 0.0)
     assert st.handoff_publish(rec, 0.0) == rec  # idempotent
     assert st.stats().held_bytes == 4 * MiB
@@ -185,7 +185,9 @@ def test_handoff_hold_ack_release_expire_and_repair():
     with pytest.raises(E.HandoffNotFound):
         st.handoff_claim("nope", 0.0)
     # deadline passes: hold released, claim says expired
-    st.handoff_publish(HandoffRecord("r2", {"0": ["b0"]}, {}, "p", deadline=10.0), 5.0)
+    st.handoff_publish(HandoffRecord("r2", {"0": ["b0"]}, {}, "p", ttl_s=5.0), 5.0)  # held until 10.0
+    st.tick(9.9)
+    st.handoff_claim("r2", 9.9)
     assert st.tick(11.0) == ["r2"]
     with pytest.raises(E.HandoffExpired):
         st.handoff_claim("r2", 11.0)
@@ -238,9 +240,9 @@ def test_bad_replicas_ttls_and_selectors_are_refused():
         with pytest.raises(E.InvalidRequest, match="replicas"):
             st.put_start([PutItem("r", 1, 1)], "h0", bad, 0.0)
     with pytest.raises(E.InvalidRequest, match="ttl"):
-        st.handoff_publish(HandoffRecord("h", {}, {}, "p", deadline=float("inf")), 0.0)
+        st.handoff_publish(HandoffRecord("h", {}, {}, "p", ttl_s=float("inf")), 0.0)
     with pytest.raises(E.InvalidRequest, match="ttl"):
-        st.handoff_publish(HandoffRecord("h", {}, {}, "p", deadline=-5.0), 0.0)
+        st.handoff_publish(HandoffRecord("h", {}, {}, "p", ttl_s=-5.0), 0.0)
     put(st, "a")
     with pytest.raises(E.InvalidRequest, match="finite"):
         st.pin("a", float("nan"), 0.0)
@@ -331,9 +333,8 @@ def test_pins_restore_from_records_and_report_dropped_pinned_keys():
     put(st, "gone")
     assert st.restore_pin(PinRecord("hard", None, MiB, 2), 10.0) is False  # same key, other bytes
     assert st.restore_pin(PinRecord("hard", None, MiB, 1), 10.0) is True
-    assert st.restore_pin(PinRecord("soft", 50.0, MiB, 1), 10.0) is True
-    assert st.restore_pin(PinRecord("soft-lapsed", 5.0, MiB, 1), 10.0) is False  # no such object
-    assert st.restore_pin(PinRecord("gone", 9.0, MiB, 1), 10.0) is False  # the soft pin lapsed
+    assert st.restore_pin(PinRecord("soft", 40.0, MiB, 1), 10.0) is True  # re-armed: pinned until 50.0
+    assert st.restore_pin(PinRecord("gone", 0.0, MiB, 1), 10.0) is False  # the soft pin has no time left
     assert st.list_objects("", 10, 10.0) and {m.key: m.pin for m in st.list_objects("", 10, 10.0)} == {
         "hard": "hard", "soft": "soft", "gone": ""}
     assert st.evict(EvictSelector(all=True), False, False, 20.0).skipped_pinned == 2
@@ -440,8 +441,8 @@ def test_pins_and_holds_wait_for_a_node_that_is_away():
     for key in ("hard", "same", "other", "cancel"):
         st.pin(key, None, 0.0)
     st.pin("soft", 50.0, 0.0)
-    st.handoff_publish(HandoffRecord("open", {"0": ["held"]}, {}, "p", deadline=1000.0), 0.0)
-    st.handoff_publish(HandoffRecord("done", {"0": ["closed"]}, {}, "p", deadline=1000.0), 0.0)
+    st.handoff_publish(HandoffRecord("open", {"0": ["held"]}, {}, "p", ttl_s=1000.0), 0.0)
+    st.handoff_publish(HandoffRecord("done", {"0": ["closed"]}, {}, "p", ttl_s=1000.0), 0.0)
     assert sorted(st.node_down("away", 1.0)) == sorted(keys)
     assert st.take_unpinned() == [] and set(st.waiting_pins) == {"hard", "soft", "same", "other", "cancel"}
     st.handoff_finish("done", "acked")
@@ -461,11 +462,41 @@ def test_pins_and_holds_wait_for_a_node_that_is_away():
     assert st.objects["held"].holds == {"open"} and st.objects["closed"].holds == set()
     assert len(st.objects["same"].replicas) == 2 and st.waiting_pins == {} and st.waiting_holds == {}
     # a rebuild's records: wait, then forgotten after DEPARTED_KEEP_S or when a soft pin lapses
-    assert st.restore_pin(PinRecord("soft", 1.0, MiB, 7), 10.0) is False  # lapsed
+    assert st.restore_pin(PinRecord("soft", 0.0, MiB, 7), 10.0) is False  # no time left
     assert st.restore_pin(PinRecord("hard", None, MiB, 9), 10.0) is False  # other bytes under the key
     assert st.restore_pin(PinRecord("nowhere", None, MiB, 7), 10.0) is True
-    assert st.restore_pin(PinRecord("brief", 20.0, MiB, 7), 10.0) is True
+    assert st.restore_pin(PinRecord("brief", 10.0, MiB, 7), 10.0) is True  # waits until 20.0 at most
     st.tick(21.0)
     assert st.take_unpinned() == ["brief"] and set(st.waiting_pins) == {"nowhere"}
     st.tick(10.0 + DEPARTED_KEEP_S)
     assert st.take_unpinned() == ["nowhere"] and st.waiting_pins == {}
+
+
+def test_holds_and_soft_pins_are_durations_rearmed_in_full_at_a_rebuild():
+    """A hold runs ttl_s from its publish; a leader rebuilding from the record holds for the
+    full ttl_s again from the rebuild (never shorter), and so re-arms a soft pin."""
+    from protocol.messages import PinRecord
+
+    st = make()
+    put(st, "b", now=100.0)
+    rec = HandoffRecord("r", {"0": ["b"]}, {}, "p", ttl_s=30.0)
+    st.handoff_publish(rec, 100.0)
+    assert st.tick(129.9) == [] and st.handoff_claim("r", 129.9) == rec
+    assert st.tick(130.0) == ["r"]
+    with pytest.raises(E.InvalidRequest, match=r"ttl must be finite, > 0 and at most 60s"):
+        make(max_handoff_ttl_s=60.0).handoff_publish(HandoffRecord("long", {}, {}, "p", ttl_s=61.0), 0.0)
+    st2 = make()  # the next leader, its monotonic clock far from the first one's
+    put(st2, "b", now=5000.0)
+    st2.restore_handoff(rec, 5000.0)
+    assert st2.restore_pin(PinRecord("b", 20.0, MiB, 1, 1.7e9), 5000.0) is True
+    assert st2.objects["b"].holds == {"r"} and st2.objects["b"].pin_until == 5020.0
+    assert st2.tick(5029.9) == [] and st2.tick(5030.0) == ["r"] and st2.objects["b"].holds == set()
+
+
+def test_listing_shows_wall_clock_times_and_monotonic_ages():
+    st = make()
+    put(st, "a", now=100.0)
+    st.lookup(["a"], True, 150.0)
+    m = st.list_objects("", 10, 160.0, wall=1_700_000_000.0)[0]
+    assert (m.created, m.last_access) == (1_700_000_000.0 - 60.0, 1_700_000_000.0 - 10.0)
+    assert (m.age_s, m.idle_s) == (60.0, 10.0)
