@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import msgspec
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, claim_record, connect,
@@ -105,7 +106,11 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
            etcd_compaction_interval: Annotated[str, typer.Option(help="How often the leader compacts etcd's "
                                                "history (0 = never)")] = str(_MASTER.etcd_compaction_interval),
            etcd_compaction_retention: Annotated[int, typer.Option(
-               help="Revisions of history that compaction keeps")] = _MASTER.etcd_compaction_retention) -> None:
+               help="Revisions of history that compaction keeps")] = _MASTER.etcd_compaction_retention,
+           repair_rate: Annotated[float, typer.Option(help="Re-replication copies started per second "
+                                                           "(average)")] = _MASTER.repair_rate,
+           repair_in_flight: Annotated[int, typer.Option(help="Re-replication copies in flight at "
+                                                              "most")] = _MASTER.repair_in_flight) -> None:
     """Run one master (several may run; one leads through etcd election)."""
     from master.server import MasterServerSettings, main as run_master
     from master.state import MasterSettings
@@ -124,6 +129,8 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
         if etcd_compaction_retention < 0:
             raise E.ConfigError(f"--etcd-compaction-retention {etcd_compaction_retention}: a number of revisions "
                                 ">= 0", key="etcd_compaction_retention")
+        MasterConfig(repair_rate=repair_rate, repair_in_flight=repair_in_flight).check_repair("--")
+        st = msgspec.structs.replace(st, repair_rate=repair_rate, repair_in_flight=repair_in_flight)
         run_master(MasterServerSettings(etcd, cluster, host, rpc_port, metrics_port,
                                         parse_duration(membership_poll, key="membership_poll"),
                                         parse_duration(node_ttl, key="node_ttl"), st,
@@ -179,9 +186,16 @@ def put(key: str, file: Path, config: ConfigOpt = None, master: MasterOpt = None
             raise E.InvalidRequest(f"{file} is not a readable file")
         data = file.read_bytes()
         with connect(config, master, etcd, cluster) as c:
-            stored = c.put(key, data, replicas=replicas)
-        if stored:
-            console.print(f"stored {key} ({format_bytes(len(data))})")
+            r = c.put_batch_results([key], [data], replicas=replicas)[0]
+        if r.error is not None:
+            raise r.error
+        if r.short:
+            console.print(f"stored {key} ({format_bytes(len(data))}) on [yellow]{r.replicas} of {r.replicas_wanted} "
+                          "replicas[/]: fewer live store nodes could take it; the master adds the missing "
+                          "replicas when nodes allow (`kvpool status` shows under-replicated objects)", soft_wrap=True)
+        elif r.stored:
+            console.print(f"stored {key} ({format_bytes(len(data))}) on {r.replicas} "
+                          f"replica{'s' if r.replicas != 1 else ''}")
         else:
             console.print(f"{key} was already stored; kept the existing bytes (keys are content addresses: "
                           "`kvpool rm` it first to replace it)")
@@ -306,14 +320,19 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
         for nid, wire in sorted(st.refused.items()):
             console.print(f"[red]store node {nid} is not used: it speaks kvpool wire version {wire}, this "
                           f"cluster's master {M.WIRE_VERSION}; install this release there and restart it")
+        for nid, why in sorted(st.joining.items()):
+            console.print(f"[yellow]store node {escape(nid)} is not taken in yet (nothing is placed there): "
+                          f"{escape(why)}", highlight=False)
         ev = {k: v for k, v in st.counters.items() if k.startswith("evictions_")}
         console.print(f"watermarks high {st.high_watermark:.2f} / low {st.low_watermark:.2f}; pending puts "
                       f"{st.pending}; held {format_bytes(st.held_bytes)}; under-replicated {st.under_replicated}")
         console.print("evictions: " + (", ".join(f"{k[10:]} {v}" for k, v in sorted(ev.items())) or "none"))
         rs, rd = st.counters.get("repairs_started", 0), st.counters.get("repairs_done", 0)
         if rs or st.under_replicated:
-            console.print(f"repair: {rd}/{rs} copies done, {rs - rd} in flight, "
-                          f"{st.under_replicated} object(s) under-replicated")
+            failed = st.counters.get("repairs_failed", 0)
+            console.print(f"repair: {rd}/{rs} copies done, {st.repairs_in_flight} in flight"
+                          + (f", {failed} failed (retried)" if failed else "")
+                          + f", {st.under_replicated} object(s) under-replicated")
 
     _run(go)
 

@@ -282,7 +282,8 @@ class LocalCluster:
                 "--high-watermark", str(m.high_watermark), "--low-watermark", str(m.low_watermark),
                 "--max-handoff-ttl", str(m.max_handoff_ttl), "--membership-poll", str(m.membership_poll),
                 "--etcd-compaction-interval", str(m.etcd_compaction_interval),
-                "--etcd-compaction-retention", str(m.etcd_compaction_retention)]
+                "--etcd-compaction-retention", str(m.etcd_compaction_retention),
+                "--repair-rate", str(m.repair_rate), "--repair-in-flight", str(m.repair_in_flight)]
         if m.metrics_port is not None:
             args += ["--metrics-port", str(m.metrics_port)]
         child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir,

@@ -3,11 +3,15 @@ and the P/D hand-off API (DESIGN.md §5–7).
 
 Put: ``put_start`` (master places replicas) → write every replica in parallel (one
 thread per node) → ``put_end`` commits; a failed replica write revokes the put and
-reports the error for that key. Get: ``lookup`` grants a read lease → read one replica
+reports the error for that key. The master places as many replicas as live nodes can take
+(up to the count asked for); :meth:`KVPoolClient.put_batch_results` says per key how many
+landed (:class:`PutResult`). Get: ``lookup`` grants a read lease → read one replica
 (same-host shared memory first) → verify the xxh3_64 checksum and that the lease was
 still valid when the read finished; otherwise try the next replica, then look up again
 once, then report :class:`~protocol.errors.LeaseExpired` /
-:class:`~protocol.errors.ChecksumMismatch`. A miss is ``None``.
+:class:`~protocol.errors.ChecksumMismatch`. A miss is ``None``. A network read waits on a
+node at most ``replica_timeout_s`` while the key has another replica, and hedges to it
+after ``hedge_after_s`` without a first byte (:mod:`connector.hedge`).
 
 Buffers: ``bytes``/``bytearray``/``memoryview``/numpy arrays (C-contiguous) and torch
 tensors (contiguous; CPU directly, CUDA through a host staging copy). No intermediate
@@ -20,11 +24,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from connector.dataclient import DataPlane, ReadOp, WriteOp
+from connector.hedge import ReplicaReads
 from connector.rpc import MasterRPC
 from protocol import messages as M
 from protocol.errors import (ChecksumMismatch, ConfigError, InvalidRequest, KVPoolError, LayoutMismatch,
@@ -105,6 +111,33 @@ def _as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
     return (mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv), None
 
 
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a put did for one key (:meth:`KVPoolClient.put_batch_results`).
+
+    ``error``: None on success, else the typed error (the key was not stored by this call).
+    ``stored``: this call wrote and committed the bytes (False: the key was stored already,
+    a content-addressed no-op, or the error). ``replicas``: replicas this call wrote (0 when
+    it stored nothing); ``replicas_wanted``: the replica count it asked for, the cluster
+    default resolved (0 when it stored nothing)."""
+
+    key: str
+    error: KVPoolError | None = None
+    stored: bool = False
+    replicas: int = 0
+    replicas_wanted: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """No error: stored now or already present."""
+        return self.error is None
+
+    @property
+    def short(self) -> bool:
+        """Stored on fewer replicas than asked for (fewer live store nodes could take it)."""
+        return self.stored and self.replicas < self.replicas_wanted
+
+
 class KVPoolClient:
     """A connection to one kvpool cluster. Thread-safe.
 
@@ -119,13 +152,20 @@ class KVPoolClient:
     tests: a slow reader). ``cuda_direct``: CUDA tensors move by DMA to and from same-host
     segments (registered with CUDA on first use); False stages them through pinned host
     memory like every other path (see :mod:`connector.device_buffer`).
+    ``replica_timeout_s``: seconds a network read of a replica may wait on its node (connect,
+    and every wait for bytes) while the key has another replica to read; past it the next
+    replica is read (None: wait ``io_timeout_s``). ``hedge_after_s``: seconds without a first
+    byte after which the next replica is read as well, the first to deliver winning (None:
+    no hedging). A node that missed its deadline is read last for a few seconds. See
+    :mod:`connector.hedge`; ConfigError for values that are not seconds > 0.
     """
 
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
                  transport: str = "auto", host_id: str | None = None, rpc_timeout_s: float = 10.0,
                  io_timeout_s: float = 30.0, lease_retries: int = 1, in_flight_wait_s: float = 5.0,
                  streams_per_node: int = 1, read_hook: Callable[[str], None] | None = None,
-                 cuda_direct: bool = True) -> None:
+                 cuda_direct: bool = True, replica_timeout_s: float | None = 1.0,
+                 hedge_after_s: float | None = 0.1) -> None:
         if not (isinstance(streams_per_node, int) and 1 <= streams_per_node <= 16):
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")
@@ -133,6 +173,7 @@ class KVPoolClient:
         self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s)
         self.host_id = host_id or default_host_id()
         self.data = DataPlane(self.host_id, transport, io_timeout_s, cuda_direct)
+        self.replica_reads = ReplicaReads(self.data, self.host_id, replica_timeout_s, hedge_after_s)
         self.lease_retries = lease_retries
         self.in_flight_wait_s = in_flight_wait_s
         self.read_hook = read_hook
@@ -144,10 +185,13 @@ class KVPoolClient:
 
         return cls(master, etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
                    host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
-                   io_timeout_s=parse_duration(cfg.client.io_timeout), streams_per_node=cfg.client.streams_per_node)
+                   io_timeout_s=parse_duration(cfg.client.io_timeout), streams_per_node=cfg.client.streams_per_node,
+                   replica_timeout_s=_seconds_or_none(cfg.client.replica_timeout),
+                   hedge_after_s=_seconds_or_none(cfg.client.hedge_after))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.replica_reads.close()
         self.data.close()
         self.rpc.close()
 
@@ -162,20 +206,35 @@ class KVPoolClient:
     def put(self, key: str, data: Any, layout: LayoutSpec | None = None, replicas: int | None = None) -> bool:
         """Store ``data`` under ``key``. Returns True when this call stored the bytes, False
         when the key already existed (content-addressed no-op). Raises the typed error
-        (InvalidKey, InvalidRequest, ObjectTooLarge, NoSpace, NodeUnavailable, PutInFlight, ...)."""
+        (InvalidKey, InvalidRequest, ObjectTooLarge, NoSpace, NodeUnavailable, PutInFlight, ...).
+        How many replicas landed: :meth:`put_batch_results`."""
         errs, stored = self._put([key], [data], [layout], replicas)
         if errs[0] is not None:
             raise errs[0]
-        return stored[0]
+        return stored[0] is not None
 
     def put_batch(self, keys: Sequence[str], datas: Sequence[Any],
                   layouts: Sequence[LayoutSpec | None] | LayoutSpec | None = None,
                   replicas: int | None = None) -> list[KVPoolError | None]:
         """Store many objects with one master round trip each way; per-key results (None =
-        stored or already present)."""
+        stored or already present). How many replicas landed: :meth:`put_batch_results`."""
         return self._put(keys, datas, layouts, replicas)[0]
 
-    def _put(self, keys, datas, layouts, replicas) -> tuple[list[KVPoolError | None], list[bool]]:
+    def put_batch_results(self, keys: Sequence[str], datas: Sequence[Any],
+                          layouts: Sequence[LayoutSpec | None] | LayoutSpec | None = None,
+                          replicas: int | None = None) -> list[PutResult]:
+        """:meth:`put_batch` with one :class:`PutResult` per key: its error, whether this call
+        stored the bytes, and on how many replicas of how many asked for (``replicas``, or the
+        cluster default). A put stored on fewer replicas than asked (fewer live store nodes
+        could take it) succeeds with ``short`` set, as Mooncake Store reports a status per
+        key; the master re-replicates it in the background as nodes allow. Raises what
+        :meth:`put_batch` raises (InvalidRequest for mismatched arguments, master errors)."""
+        errs, stored = self._put(keys, datas, layouts, replicas)
+        return [PutResult(k, e, s is not None, *(s or (0, 0))) for k, e, s in zip(keys, errs, stored)]
+
+    def _put(self, keys, datas, layouts, replicas) -> tuple[list[KVPoolError | None], list[tuple[int, int] | None]]:
+        """Per key: the error or None, and (replicas written, replicas wanted) when this call
+        stored it (None: not stored by it)."""
         n = len(keys)
         if len(datas) != n:
             raise InvalidRequest(f"put_batch: {n} keys but {len(datas)} buffers")
@@ -183,7 +242,7 @@ class KVPoolClient:
             raise InvalidRequest(f"replicas must be between 1 and 16, got {replicas}")
         lays = _per_key(layouts, n)
         results: list[KVPoolError | None] = [None] * n
-        stored = [False] * n
+        stored: list[tuple[int, int] | None] = [None] * n
         items, bufs, idx = [], [], []
         for i, (k, d, lay) in enumerate(zip(keys, datas, lays)):
             try:
@@ -267,7 +326,7 @@ class KVPoolClient:
                 if e is not None:
                     results[idx[j]] = from_wire(e)
                 else:
-                    stored[idx[j]] = True
+                    stored[idx[j]] = (len(ops_of[j]), grants[j].replicas_wanted or len(ops_of[j]))
                     for op in ops_of[j]:
                         op.checksum = ops_of[j][0].checksum
                         committed[op.ref.node_id].append(op)
@@ -417,7 +476,7 @@ class KVPoolClient:
             except KVPoolError as e:
                 results[i] = e
                 continue
-            order = sorted(info.replicas, key=lambda r: r.host_id != self.host_id)
+            order = self.replica_reads.order(info.replicas)  # same host first, nodes that just failed last
             if not order:
                 results[i] = None  # every replica was lost: a clean miss
                 continue
@@ -437,14 +496,18 @@ class KVPoolClient:
             by_node: dict[str, list[ReadOp]] = defaultdict(list)
             op_of: dict[int, ReadOp] = {}
             for i, (info, order) in pending.items():
-                op = ReadOp(order[0], views[i], digest=True)
+                op = self.replica_reads.op(order, views[i])
                 op_of[i] = op
                 by_node[op.ref.node_id].append(op)
-            self._parallel(self.data.read, by_node)
+            self._parallel(self.replica_reads.read, by_node)  # with replica deadlines and hedges
             nxt = {}
             for i, op in op_of.items():
                 info, order = pending[i]
+                if op.ref is not order[0]:  # a hedged read of the next replica delivered
+                    order = order[1:]
                 err = op.error
+                if type(err) is NodeUnavailable:
+                    self.replica_reads.failed(op.ref.node_id)
                 if err is None:
                     if self.read_hook is not None:
                         self.read_hook(info.key)
@@ -598,6 +661,13 @@ def lanes(ops: Sequence, k: int) -> list[list]:
         load[j] += ops[i].ref.size
         member[i] = j
     return [g for g in ([op for op, m in zip(ops, member) if m == j] for j in range(k)) if g]
+
+
+def _seconds_or_none(v) -> float | None:
+    """A config duration; None stays None (off)."""
+    from protocol.units import parse_duration
+
+    return None if v is None else parse_duration(v)
 
 
 def _per_key(v, n: int) -> list:

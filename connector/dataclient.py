@@ -51,10 +51,11 @@ import ctypes
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -75,6 +76,7 @@ _GIL_FREE = 1 << 20      # copies at least this big run without the GIL (numpy)
 HASH_ASIDE_MIN = 4 << 20  # shm put copies at least this big are hashed by a helper thread beside them
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
+_REDIAL_S = 2.0  # seconds a redial of a stale connection (to a restarted node's old instance) may take
 _POPULATE_MAX = 8 << 30  # segments up to this size are mapped with MAP_POPULATE
 _rep_dec = msgspec.msgpack.Decoder(DataReply)
 log = logging.getLogger("kvpool.data")
@@ -109,11 +111,35 @@ class ReadOp:
         self.digest: int | bool | None = True if digest else None
 
 
+class ReplicaDeadline:
+    """How long a network read may wait on the one node it reads from, for a caller that
+    has another replica to turn to (see ``KVPoolClient(replica_timeout_s=...)``).
+
+    ``timeout_s`` (seconds) bounds the connect and every wait for bytes of the read: a node
+    that sends nothing for that long is given up, and the read's ops fail with
+    NodeUnavailable. ``first_byte``, when set, replaces the wait for the first reply: called
+    with the socket once the requests are sent, it returns True when the socket is readable
+    and False to give the node up (a caller hedging to another replica decides there)."""
+
+    __slots__ = ("timeout_s", "first_byte")
+
+    def __init__(self, timeout_s: float, first_byte: Callable[[socket.socket], bool] | None = None) -> None:
+        self.timeout_s, self.first_byte = timeout_s, first_byte
+
+
+def readable(sock: socket.socket, timeout_s: float) -> bool:
+    """True when ``sock`` has bytes (or an error or end of stream) within ``timeout_s`` seconds."""
+    p = select.poll()
+    p.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(p.poll(max(int(timeout_s * 1000), 0)))
+
+
 class _Stream(FrameReader):
     """One connection plus its buffered reply reader; closed when the thread that owns it
-    exits (its thread-local storage goes) or the DataPlane closes."""
+    exits (its thread-local storage goes) or the DataPlane closes. ``incarnation``: of the
+    node it was opened to ("" when the caller did not say)."""
 
-    __slots__ = ("bounce", "__weakref__")
+    __slots__ = ("bounce", "incarnation", "__weakref__")
 
     def __del__(self) -> None:
         try:
@@ -121,9 +147,10 @@ class _Stream(FrameReader):
         except (OSError, AttributeError):
             pass
 
-    def __init__(self, sock) -> None:
+    def __init__(self, sock, incarnation: str = "") -> None:
         super().__init__(sock)
         self.bounce: memoryview | None = None
+        self.incarnation = incarnation
 
     def reply(self, greedy: bool = True) -> DataReply:
         try:
@@ -198,6 +225,7 @@ class DataPlane:
         self._all_conns: weakref.WeakSet[_Stream] = weakref.WeakSet()  # live threads' streams
         self._mmaps: dict[str, mmap.mmap] = {}
         self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
+        self.redials = 0  # stale streams (opened to an earlier incarnation of a node) replaced, all threads
         self.cuda_direct = cuda_direct
         self._pins = None  # connector.device_buffer.PinnedWindows, made on the first CUDA tensor
         self._hasher: ThreadPoolExecutor | None = None  # see _hash_aside
@@ -211,13 +239,24 @@ class DataPlane:
             c = self._local.conns = {}
         return c
 
-    def _conn(self, addr: str, connect_timeout_s: float | None = None) -> _Stream:
+    def _conn(self, addr: str, connect_timeout_s: float | None = None, incarnation: str = "") -> _Stream:
+        """This thread's stream to ``addr``, dialled within ``connect_timeout_s`` (default
+        ``io_timeout_s``) when it has none. Given the node ``incarnation`` the caller's
+        grant names, a stream opened to another one (the node restarted at the same address,
+        as a Unix socket path is: its old instance is gone) is stale: it is closed and
+        redialled once, within ``min(io_timeout_s, 2 s)``, so that the new instance is never
+        taken for dead because of it. Raises OSError or KVPoolError when the dial fails."""
         conns = self._conns()
         s = conns.get(addr)
+        if s is not None and incarnation and s.incarnation != incarnation:
+            self._drop(addr)
+            s = None
+            connect_timeout_s = min(connect_timeout_s or self.io_timeout_s, _REDIAL_S)
+            self.redials += 1
         if s is None:
             sock = transport.connect(addr, connect_timeout_s or self.io_timeout_s)
             sock.settimeout(self.io_timeout_s)
-            s = conns[addr] = _Stream(sock)
+            s = conns[addr] = _Stream(sock, incarnation)
             with self._map_lock:
                 self._all_conns.add(s)
         return s
@@ -323,7 +362,7 @@ class DataPlane:
             return None
         addr = ops[0].ref.shm_path if notice else self._stream_addr(ops[0].ref)
         try:
-            s = self._conn(addr)
+            s = self._conn(addr, incarnation=ops[0].ref.incarnation)
             bufs: list = []
             for op in ops:
                 r = op.ref
@@ -356,7 +395,8 @@ class DataPlane:
         try:
             # no connection from this thread yet (the writes ran in pool threads): do not let an
             # unreachable node hold up a put that is already acknowledged
-            s = self._conn(addr, connect_timeout_s=min(self.io_timeout_s, _COMMIT_CONNECT_S))
+            s = self._conn(addr, connect_timeout_s=min(self.io_timeout_s, _COMMIT_CONNECT_S),
+                           incarnation=r0.incarnation)
             sendv(s.sock, [b"".join(frame(DataRequest("commit", op.ref.incarnation, op.ref.offset, op.ref.size,
                                                       op.ref.gen, op.key, op.checksum or 0, op.layout, op.ref.token,
                                                       replicas=op.replicas)) for op in ops)])
@@ -387,9 +427,11 @@ class DataPlane:
 
     # ---- reads --------------------------------------------------------------------------
 
-    def read(self, ops: Sequence[ReadOp]) -> None:
+    def read(self, ops: Sequence[ReadOp], deadline: ReplicaDeadline | None = None) -> None:
         """Read every op (all from one node) into its ``out``; sets ``op.error`` on failure
-        (and ``op.digest`` when it was asked for)."""
+        (and ``op.digest`` when it was asked for). ``deadline``: how long a network read may
+        wait on the node (:class:`ReplicaDeadline`; default: ``io_timeout_s``); shared-memory
+        copies do not wait on the node and ignore it."""
         net, dma = [], []
         for op in ops:
             local = self.uses_shm(op.ref)
@@ -408,13 +450,19 @@ class DataPlane:
             return
         addr = self._stream_addr(net[0].ref)
         try:
-            s = self._conn(addr)
+            s = self._conn(addr, deadline.timeout_s if deadline is not None else None,
+                           incarnation=net[0].ref.incarnation)
             for op in net:
                 if len(op.out) < op.ref.size:
                     raise InvalidRequest(f"output buffer of {len(op.out)} bytes is smaller than the "
                                          f"{op.ref.size}-byte extent")
             sendv(s.sock, [b"".join([frame(DataRequest("read", op.ref.incarnation, op.ref.offset, op.ref.size,
                                                         op.ref.gen)) for op in net])])
+            if deadline is not None and isinstance(s.sock, socket.socket):  # (a UCX stream waits io_timeout_s)
+                if not s.buffered() and not (deadline.first_byte or _wait_bytes(deadline.timeout_s))(s.sock):
+                    raise NodeUnavailable(f"store node {net[0].ref.node_id} did not answer within the "
+                                          f"{deadline.timeout_s:g}s replica deadline", node=net[0].ref.node_id)
+                s.sock.settimeout(deadline.timeout_s)  # then no wait for bytes may pass it either
             for op in net:
                 size = op.ref.size
                 rep: DataReply = s.reply(greedy=size < _BIG)
@@ -425,7 +473,9 @@ class DataPlane:
                         op.digest = h.intdigest()
                 else:
                     op.error = from_wire(rep.error)
-        except (OSError, KVPoolError) as e:
+            if deadline is not None:
+                s.sock.settimeout(self.io_timeout_s)
+        except (OSError, KVPoolError) as e:  # the stream is dropped: a reply may still be on its way
             self._stream_failed(addr, net, e, "read")
 
     def _copy_out(self, op: ReadOp) -> None:
@@ -720,6 +770,10 @@ class DataPlane:
                 mm.close()
         except BufferError:
             pass  # a slice is still in use by another thread; the OS unmaps it with the object
+
+
+def _wait_bytes(timeout_s: float) -> Callable[[socket.socket], bool]:
+    return lambda sock: readable(sock, timeout_s)
 
 
 def _gone(r: ExtentRef) -> NodeUnavailable:

@@ -35,6 +35,12 @@ class _StateCollector:
         held = GaugeMetricFamily("kvpool_held_bytes", "Bytes held for P/D hand-offs (all replicas)")
         held.add_metric([], st.held_bytes)
         yield held
+        under = GaugeMetricFamily("kvpool_under_replicated", "Objects with fewer replicas than they want")
+        under.add_metric([], st.under_replicated)
+        yield under
+        copies = GaugeMetricFamily("kvpool_repairs_in_flight", "Re-replication copies under way")
+        copies.add_metric([], st.repairs_in_flight)
+        yield copies
         ops = CounterMetricFamily("kvpool_ops", "Operations by kind", labels=["op"])
         ev = CounterMetricFamily("kvpool_evictions", "Objects evicted by reason", labels=["reason"])
         for name, v in st.counters.items():

@@ -1,10 +1,23 @@
-"""Re-replication of held/pinned objects (after a node death or for a drain) in the master
-state: a copy is queued to a source node, and the new replica joins when the copy is done.
+"""Re-replication in the master state (after a node death, a corrupt replica, a put that
+landed fewer replicas than it asked for, or a drain): a copy is queued to a source node,
+and the new replica joins when the copy is done.
+
+Every event that can leave an object below its replica count queues it
+(:meth:`RepairMixin._maybe_repair`); held and pinned objects go to a front queue, the rest
+to a back queue. :meth:`RepairMixin.pump_repairs` (each tick, and whenever a copy finishes
+or a held or pinned object is queued) starts copies from the front queue first, at most
+``repair_in_flight`` at a time and on average ``repair_rate`` per second (a token bucket
+holding at most one second's worth), and looks at no more than :data:`REPAIR_SCAN` queued
+objects per call, so a long backlog never holds up the RPC thread. An object that every
+node not draining holds already waits for a node to join (or stop draining); one that found
+no room, or whose copy failed, is tried again after :data:`REPAIR_RETRY_S` seconds. The
+copies a departing node was sending or receiving are cancelled and queued again at once.
 
 A mixin of :class:`master.state.MasterState`; no I/O (copies go out through the outbox).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 from master.allocator import align_up
@@ -14,6 +27,10 @@ from protocol.messages import ExtentEntry, ExtentRef, NodeCommit, NodeCopy, Node
 
 if TYPE_CHECKING:
     from master.state import Node, Obj
+
+REPAIR_SCAN = 256  # queued objects one pump looks at, at most
+REPAIR_RETRY_S = 5.0  # parked objects are queued again after this many seconds (or when a node joins)
+_QUEUED_BACK, _QUEUED_FRONT, _PARKED = 1, 2, 3  # Obj.queued: where the object waits (0: nowhere)
 
 
 def commit_row(obj: Obj, ref: ExtentRef) -> ExtentEntry:
@@ -32,56 +49,165 @@ def grant(node: Node, offset: int, size: int, key: str) -> ExtentRef:
 
 
 class RepairMixin:
-    """Queue and complete re-replication; drain."""
+    """Queue, pace and complete re-replication; drain."""
+
+    def _init_repair(self) -> None:
+        # key -> (new replica, started (monotonic), object, source node id)
+        self.repairs: dict[str, tuple[ExtentRef, float, Obj, str]] = {}
+        self._repair_front: deque[Obj] = deque()  # held and pinned objects
+        self._repair_back: deque[Obj] = deque()  # the rest
+        self._repair_parked: list[Obj] = []  # no room now, or the copy failed: retried after REPAIR_RETRY_S
+        self._repair_no_node: list[Obj] = []  # every live node has a replica: retried when a node joins
+        self._repair_retry_at = 0.0
+        self._repair_tokens = max(1.0, self.s.repair_rate)
+        self._repair_t = 0.0  # when the token bucket was last filled (monotonic seconds)
 
     def _live_replicas(self, obj: Obj) -> list[ExtentRef]:
         """Replicas on nodes that are not draining."""
         return [r for r in obj.replicas if r.node_id in self.nodes and not self.nodes[r.node_id].draining]
 
+    def _short(self, obj: Obj) -> bool:
+        """True when ``obj`` has fewer replicas than it wants. Replicas on draining nodes count
+        only for objects that are neither held nor pinned (a drain moves held and pinned
+        objects off its node, and leaves the rest)."""
+        if not obj.replicas:
+            return False
+        have = len(self._live_replicas(obj)) if (obj.holds or obj.pin) else len(obj.replicas)
+        return have < obj.replicas_wanted
+
     def _maybe_repair(self, obj: Obj) -> None:
-        """Queue re-replication of a held/pinned object below its replica count (replicas on
-        draining nodes do not count)."""
-        if obj.repairing or not obj.replicas or not (obj.holds or obj.pin):
+        """Queue re-replication of ``obj`` when it is below its replica count; a held or
+        pinned one goes to the front and copying starts at once (within the bounds)."""
+        if obj.repairing or not self._short(obj):
             return
-        if len(self._live_replicas(obj)) >= obj.replicas_wanted:
-            return
+        if obj.holds or obj.pin:
+            if obj.queued != _QUEUED_FRONT:
+                obj.queued = _QUEUED_FRONT
+                self._repair_front.append(obj)
+            self.pump_repairs(self._now, front_only=True)
+        elif not obj.queued:
+            obj.queued = _QUEUED_BACK
+            self._repair_back.append(obj)
+
+    def pump_repairs(self, now: float, front_only: bool = False) -> int:
+        """Start queued copies within the bounds (see the module docstring) at ``now``
+        (monotonic seconds), of held and pinned objects only with ``front_only``; returns
+        how many started."""
+        rate = self.s.repair_rate
+        if now > self._repair_t:
+            self._repair_tokens = min(max(1.0, rate), self._repair_tokens + (now - self._repair_t) * rate)
+            self._repair_t = now
+        if self._repair_parked and now >= self._repair_retry_at:
+            self._unpark(room_only=True)
+        started, budget = 0, REPAIR_SCAN
+        queues = ((self._repair_front, _QUEUED_FRONT),) if front_only else (
+            (self._repair_front, _QUEUED_FRONT), (self._repair_back, _QUEUED_BACK))
+        for q, where in queues:
+            while q and budget and self._repair_tokens >= 1.0 and len(self.repairs) < self.s.repair_in_flight:
+                obj = q.popleft()
+                budget -= 1
+                if obj.queued != where:  # moved to the front queue, or parked, since
+                    continue
+                obj.queued = 0
+                if self.objects.get(obj.key) is not obj or obj.repairing or not self._short(obj):
+                    continue
+                why = self._start_repair(obj, now)
+                if not why:
+                    self._repair_tokens -= 1.0
+                    started += 1
+                elif why == "node":
+                    obj.queued = _PARKED
+                    self._repair_no_node.append(obj)
+                else:
+                    self._park(obj, now)
+        return started
+
+    def _park(self, obj: Obj, now: float) -> None:
+        if not self._repair_parked:
+            self._repair_retry_at = now + REPAIR_RETRY_S
+        obj.queued = _PARKED
+        self._repair_parked.append(obj)
+
+    def _unpark(self, room_only: bool = False) -> None:
+        """Queue parked objects again: every one (a node joined or stopped draining), or
+        with ``room_only`` those that found no room or whose copy failed (their retry time)."""
+        for parked in (self._repair_parked,) if room_only else (self._repair_parked, self._repair_no_node):
+            objs = parked[:]
+            parked.clear()
+            for obj in objs:
+                if obj.queued == _PARKED:
+                    obj.queued = 0
+                    self._maybe_queue(obj)
+
+    def _maybe_queue(self, obj: Obj) -> None:
+        if obj.holds or obj.pin:
+            obj.queued = _QUEUED_FRONT
+            self._repair_front.append(obj)
+        else:
+            obj.queued = _QUEUED_BACK
+            self._repair_back.append(obj)
+
+    def _start_repair(self, obj: Obj, now: float) -> str:
+        """Queue one copy of ``obj`` to a node that holds none of it, among those new
+        extents may go to (``_placeable``: not draining, not suspect) with room (for an
+        object neither held nor pinned: room below the high watermark, so a background copy
+        causes no eviction), in :func:`master.placement.spread` order, nodes on hosts
+        without a replica first. Returns "" when queued, "node" when every node that is not
+        draining holds a replica, "room" when no node can take it now."""
+        need = align_up(max(obj.size, 1))
         used = {r.node_id for r in obj.replicas}
-        cands = [n for n in self.nodes.values() if n.node_id not in used and not n.draining
-                 and n.alloc.largest_free() >= align_up(max(obj.size, 1))]
-        if not cands:
-            return
-        dst = max(cands, key=lambda n: n.alloc.capacity - n.alloc.used)
-        off = dst.alloc.alloc(obj.size)
-        if off is None:
-            return
+        if all(n.node_id in used or n.draining for n in self.nodes.values()):
+            return "node"
+        hosts = {self.nodes[n].desc.host_id for n in used if n in self.nodes}
+        urgent = bool(obj.holds or obj.pin)
+        cands = [n for n in self._placeable(now) if n.node_id not in used and n.suspect_until <= now
+                 and n.alloc.largest_free() >= need
+                 and (urgent or n.alloc.used + need <= self.s.high_watermark * n.alloc.capacity)]
+        for dst in self._spread(cands, lambda n: n.desc.host_id in hosts):
+            off = dst.alloc.alloc(obj.size)
+            if off is not None:
+                break
+        else:
+            return "room"
         ref = grant(dst, off, obj.size, obj.key)
-        src = obj.replicas[0]
+        src = next(r for r in obj.replicas if r.node_id in self.nodes)
         obj.repairing = True
-        self.repairs[obj.key] = (ref, self._now)
+        self.repairs[obj.key] = (ref, now, obj, src.node_id)
         self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
                                                  obj.layout.encode() if obj.layout else None))
         self.counters["repairs_started"] += 1
+        return ""
 
     def repair_done(self, key: str, ok: bool) -> None:
-        """A store node finished (or failed) the copy queued for ``key``."""
+        """A store node finished (or failed) the copy queued for ``key``. A failed copy parks
+        its object (tried again later); a done one adds the replica and queues the next copy
+        if the object still needs one."""
         pending = self.repairs.pop(key, None)
         if pending is None:
             return
-        dst = pending[0]
-        obj = self.objects.get(key)
+        dst, _, obj, _ = pending
         node = self.nodes.get(dst.node_id)
-        if obj is not None:
-            obj.repairing = False
-        if not ok or obj is None or node is None or node.desc.incarnation != dst.incarnation:
+        obj.repairing = False
+        current = self.objects.get(key) is obj  # else removed, evicted or replaced meanwhile
+        if not ok or not current or node is None or node.desc.incarnation != dst.incarnation:
             if node is not None and node.desc.incarnation == dst.incarnation:
                 node.alloc.free(dst.offset, dst.size)
                 self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
+            if not ok:
+                self.counters["repairs_failed"] += 1
+            if current and self._short(obj):
+                self._park(obj, self._now)
             return
         self._lru_remove(obj)
-        obj.replicas.append(dst)
-        obj._read_refs = None
-        node.keys.add(key)
-        self.outbox[dst.node_id].append(NodeCommit([commit_row(obj, dst)]))
+        if len(self._live_replicas(obj)) >= obj.replicas_wanted:
+            # enough replicas meanwhile (a node came back with its copy): this one is not needed
+            node.alloc.free(dst.offset, dst.size)
+            self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
+        else:
+            obj.replicas.append(dst)
+            obj._read_refs = None
+            node.keys.add(key)
+            self.outbox[dst.node_id].append(NodeCommit([commit_row(obj, dst)]))
         if len(self._live_replicas(obj)) >= obj.replicas_wanted:
             # moved off draining nodes: drop those copies
             for r in [r for r in obj.replicas if self.nodes[r.node_id].draining]:
@@ -91,11 +217,26 @@ class RepairMixin:
         self._lru_add(obj)
         self.counters["repairs_done"] += 1
         self._maybe_repair(obj)
+        self.pump_repairs(self._now)
+
+    def _cancel_repairs(self, node_id: str) -> None:
+        """``node_id`` left: the copies it was sending or receiving will not finish. Free
+        their new extents and queue their objects again (after :meth:`node_down` dropped the
+        node's replicas)."""
+        for key in [k for k, p in self.repairs.items() if node_id in (p[0].node_id, p[3])]:
+            dst, _, obj, _ = self.repairs.pop(key)
+            obj.repairing = False
+            node = self.nodes.get(dst.node_id)
+            if node is not None and node.desc.incarnation == dst.incarnation:
+                node.alloc.free(dst.offset, dst.size)
+                self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
+            self.counters["repairs_cancelled"] += 1
+            if self.objects.get(key) is obj:
+                self._maybe_repair(obj)
 
     def repair_all(self) -> None:
-        for obj in self.objects.values():
-            if (obj.holds or obj.pin) and not obj.repairing:
-                self._maybe_repair(obj)
+        """Start what the queues allow now (called after membership changes)."""
+        self.pump_repairs(self._now)
 
     def drain(self, node_id: str, undo: bool = False) -> None:
         """Stop placing on ``node_id`` and move held/pinned objects off it (via repair), or
@@ -105,6 +246,7 @@ class RepairMixin:
             raise E.InvalidRequest(f"drain: no live node {node_id!r}; see `kvpool status`")
         node.draining = not undo
         if undo:
+            self._unpark()
             return
         for key in list(node.keys):
             obj = self.objects.get(key)

@@ -1,23 +1,28 @@
 """Master process: a thin shell around :class:`~master.state.MasterState`.
 
-Two threads:
+Two threads, and workers for joins:
 
 * the **RPC thread** owns every socket and the state object: one poller over the client
   connections (:mod:`master.clients`: plain TCP, framed by :mod:`protocol.rpcwire`,
   pipelined and bounded per client) and the zmq DEALER sockets to store nodes. It
   decodes requests, calls the state, applies membership changes handed over by the etcd
   thread, runs the periodic ``tick`` and sends the state's outbox (commit/free/copy
-  notices) to store nodes.
+  notices) to store nodes. It never waits for a store node.
 * the **etcd thread** (asyncio, aetcd) campaigns for leadership (create-if-absent on
   the ``leader`` key under a kept-alive lease), polls ``nodes/`` for membership and
   performs the durable pin and hand-off record writes (:mod:`master.durable`) the RPC
   thread asks for.
+* **join workers** ask joining store nodes for their extent tables (:mod:`master.joins`),
+  each within a deadline, and hand the answers to the RPC thread through ``events``; a
+  node that does not answer is asked again with backoff and takes no placements meanwhile.
 
 On winning the election the index is rebuilt from the store nodes' committed extent
-tables plus the hand-off records in etcd (DESIGN.md §8). The state runs on this
-process's monotonic clock (every ``now`` is ``time.monotonic()``); the wall clock is
-read only for what operators see (``ls`` times, the publish/pin times in etcd records)
-and to convert records of older releases (:mod:`master.records`). Readiness is one
+tables (fetched in parallel by the join workers before this master starts answering, for
+at most ``join_timeout_s``; nodes answering later join in the background) plus the
+hand-off records in etcd (DESIGN.md §8). The state runs on this process's monotonic
+clock (every ``now`` is ``time.monotonic()``); the wall clock is read only for what
+operators see (``ls`` times, the publish/pin times in etcd records) and to convert
+records of older releases (:mod:`master.records`). Readiness is one
 stdout line ``KVPOOL_READY master <rpc_addr>``; ``KVPOOL_LEADER master <rpc_addr>``
 follows when it leads.
 """
@@ -42,6 +47,7 @@ import zmq
 
 from master.clients import ClientConns
 from master.durable import DurableWrites, Pending
+from master.joins import JoinQueue, Table, fetch_table
 from master.metrics import Metrics
 from master.records import decode_records
 from master.state import MasterSettings, MasterState
@@ -67,6 +73,10 @@ class MasterServerSettings:
     # revision minus ``etcd_compaction_retention`` revisions
     etcd_compaction_interval_s: float = parse_duration(MasterConfig().etcd_compaction_interval)
     etcd_compaction_retention: int = MasterConfig().etcd_compaction_retention
+    # asking a joining store node for its extent table: deadline of a first attempt, doubled
+    # with the wait before the next one after each failure, up to join_backoff_max_s (seconds)
+    join_timeout_s: float = 2.0
+    join_backoff_max_s: float = 30.0
 
 
 class MasterServer:
@@ -103,6 +113,9 @@ class MasterServer:
         self._settings_write: Pending | None = None  # the settings change on its way to etcd, if any
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
         self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
+        self.joins = self._join_queue()
+        self._descs: dict[str, M.NodeDesc] = {}  # the store nodes published in etcd, as last polled
+        self._join_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="join")
 
     # ---- process ------------------------------------------------------------------------
 
@@ -118,6 +131,7 @@ class MasterServer:
         finally:
             self.stop.set()
             etcd_thread.join(10)
+            self._join_pool.shutdown(wait=True, cancel_futures=True)  # fetches see ``stop`` within 0.1 s
             for _, sock in self.node_socks.values():
                 sock.close(0)
             self.conns.close_all()
@@ -170,6 +184,7 @@ class MasterServer:
             else:
                 return
             nodes = await self._read_nodes(etcd)
+            tables = await self._fetch_tables(nodes)
             handoffs, pins = decode_records((await etcd.get_prefix(self.keys.handoffs)).values(),
                                             (await etcd.get_prefix(self.keys.pins)).values())
             settings = await etcd.get(self.keys.config)
@@ -180,7 +195,7 @@ class MasterServer:
                 except Exception as e:  # noqa: BLE001 - the next leader writes them
                     print(f"master: could not record the cluster settings in etcd ({e})", file=sys.stderr,
                           flush=True)
-            self.events.append(("lead", nodes, handoffs, pins, settings))
+            self.events.append(("lead", nodes, handoffs, pins, settings, tables))
             compactor = asyncio.create_task(self._compact_history(etcd))
             try:
                 while not self.stop.is_set() and not lost.is_set():
@@ -196,6 +211,14 @@ class MasterServer:
                 if not lost.is_set():
                     with contextlib.suppress(Exception):
                         await etcd.delete(self.keys.leader)
+
+    async def _fetch_tables(self, descs: dict[str, M.NodeDesc]) -> dict[str, Table | Exception]:
+        """The extent tables of the published nodes of this wire version, asked in parallel on
+        the join workers, each within ``join_timeout_s`` (node id -> table, or the error)."""
+        ask = [d for d in descs.values() if d.wire == M.WIRE_VERSION]
+        got = await asyncio.gather(*(asyncio.wrap_future(self._join_pool.submit(
+            fetch_table, self.ctx, d, self.s.join_timeout_s, self.stop)) for d in ask), return_exceptions=True)
+        return {d.node_id: r for d, r in zip(ask, got)}
 
     async def _compact_history(self, etcd: Etcd) -> None:
         """While leading: every ``etcd_compaction_interval_s`` seconds, compact etcd's history to
@@ -316,12 +339,15 @@ class MasterServer:
                         fut.set_exception(e)
             elif kind == "forget_failed":
                 self._forget_retry.add(ev[1])
+            elif kind == "joined":
+                self._joined(*ev[1:])
             elif kind == "lead":
                 self.state = MasterState(self.s.state, self.s.cluster)
                 self.state.leader_addr = self.rpc_addr
                 self.metrics.state = self.state
+                self.joins = self._join_queue()  # answers to the previous leadership's asks are dropped
                 self._adopt_settings(ev[4])
-                self._rebuild(ev[1], ev[2], ev[3])
+                self._rebuild(ev[1], ev[2], ev[3], ev[5])
                 self.leading, self.leader_addr = True, self.rpc_addr
                 print(f"KVPOOL_LEADER master {self.rpc_addr}", flush=True)
             elif kind == "step_down":
@@ -369,14 +395,14 @@ class MasterServer:
 
     def _membership(self, descs: dict[str, M.NodeDesc]) -> None:
         now = time.monotonic()
+        self._descs = descs
         for nid in list(self.state.nodes):
             d = descs.get(nid)
             if d is None or d.incarnation != self.state.nodes[nid].desc.incarnation:
                 self.state.node_down(nid, now)
                 self._drop_sock(nid)
-        for d in self._screen(descs):
-            if d.node_id not in self.state.nodes:
-                self._join(d, now, timeout_ms=1000)
+        for d, timeout_s in self.joins.due(self._screen(descs), self.state.nodes, now):
+            self._ask_table(d, timeout_s)
         self.state.repair_all()
 
     def _screen(self, descs: dict[str, M.NodeDesc]) -> list[M.NodeDesc]:
@@ -388,53 +414,72 @@ class MasterServer:
                   file=sys.stderr, flush=True)
         return ok
 
-    def _join(self, d: M.NodeDesc, now: float, timeout_ms: int) -> None:
-        """Take a node in: index what it holds (:meth:`_adopt`) and connect its notice
-        socket now, so a first commit notice does not wait for the connection. A node that
-        does not answer is dropped again; the next membership poll retries it."""
-        self.state.node_up(d, now)
-        if self._adopt(d, now, timeout_ms):
-            self._sock(d.node_id)
-        else:
-            self.state.node_down(d.node_id, now)
+    def _join_queue(self) -> JoinQueue:
+        return JoinQueue(self.s.join_timeout_s, backoff_max_s=self.s.join_backoff_max_s)
 
-    def _adopt(self, d: M.NodeDesc, now: float, timeout_ms: int) -> bool:
-        """Index a joining node's committed extents (a failover rebuild, or a node whose etcd
-        lease lapsed in an etcd outage and came back with its memory intact) and grant there
-        only generations above any it has seen. False when the node did not answer."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(d.ctrl_addr)
+    def _ask_table(self, d: M.NodeDesc, timeout_s: float) -> None:
+        """Ask ``d`` for its extent table on a join worker; the answer comes back as a
+        ``joined`` event (:meth:`_joined`), tagged with the state it was asked for."""
+        state = self.state
+        fut = self._join_pool.submit(fetch_table, self.ctx, d, timeout_s, self.stop)
+        fut.add_done_callback(lambda f: self.events.append(("joined", state, d, f)))
+
+    def _joined(self, state: MasterState, d: M.NodeDesc, fut: concurrent.futures.Future) -> None:
+        """A join worker's answer for ``d``: take the node in, unless the leadership it was
+        asked for ended or ``d`` is no longer what etcd publishes."""
+        if state is not self.state or not self.leading:
+            return
+        cur = self._descs.get(d.node_id)
+        if cur is None or cur.incarnation != d.incarnation or d.node_id in self.state.nodes:
+            self.joins.done(d.node_id)  # moot: the next poll asks again if it still matters
+            return
         try:
-            sock.send(M.encode(M.NodeList()))
-            if not sock.poll(timeout_ms):
-                return False
-            rep = msgspec.msgpack.decode(sock.recv(), type=M.Reply)
-            inc, rows, max_gen = msgspec.msgpack.decode(rep.result, type=tuple[str, list[M.ExtentEntry], int])
-            if inc != d.incarnation:
-                return False  # restarted since it published this descriptor: wait for the new one
-            self.state.gens_above(d.node_id, max_gen)  # the node refuses generations it saw freed
-            for r in rows:
-                with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
-                    layout = M.LayoutSpec.decode(r.layout) if r.layout else None
-                    self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now,
-                                              r.replicas)
-            return True
-        except (msgspec.DecodeError, msgspec.ValidationError, KVPoolError):
+            result = fut.result()
+        except concurrent.futures.CancelledError:  # shutting down
+            return
+        except Exception as e:  # noqa: BLE001 - counted and retried like a silent node
+            result = e
+        self._adopt(d, result, time.monotonic())
+
+    def _adopt(self, d: M.NodeDesc, table: Table | BaseException | None, now: float) -> bool:
+        """Take a node in from its extent table: index its committed extents (a failover
+        rebuild, or a node whose etcd lease lapsed in an etcd outage and came back with its
+        memory intact), grant there only generations above any it has seen, and connect its
+        notice socket now, so a first commit notice does not wait for the connection. A
+        node without a table (it did not answer in time, or restarted since it published
+        ``d``) stays out: logged, counted, and asked again after a backoff. False then."""
+        if not isinstance(table, Table) or table.incarnation != d.incarnation:
+            why = (f"{type(table).__name__}: {table}" if isinstance(table, BaseException) else
+                   "no answer" if table is None else "it restarted since it published this descriptor")
+            n, wait = self.joins.failed(d.node_id, d.incarnation, why, now)
+            self.state.counters["node_join_failures"] += 1
+            print(f"master: store node {d.node_id} ({d.ctrl_addr}) is not taken in: {why}; not placing there, "
+                  f"asking again in {wait:g}s (failed attempt {n}). Check that its advertised address is "
+                  "reachable from the master", file=sys.stderr, flush=True)
             return False
-        finally:
-            sock.close(0)
+        self.joins.done(d.node_id)
+        self.state.node_up(d, now)
+        self.state.gens_above(d.node_id, table.max_gen)  # the node refuses generations it saw freed
+        for r in table.rows:
+            with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
+                layout = M.LayoutSpec.decode(r.layout) if r.layout else None
+                self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now,
+                                          r.replicas)
+        self._sock(d.node_id)
+        return True
 
     def _rebuild(self, descs: dict[str, M.NodeDesc], handoffs: list[M.HandoffRecord],
-                 pins: list[M.PinRecord]) -> None:
-        """Index from live nodes' committed extents, then hand-off holds and pins from etcd
-        (stale pin records — another object under the key, soft pin lapsed — are deleted;
-        those of objects not indexed wait for a node to bring them back). Holds and soft
-        pins are re-armed for their full ttl from now, on this master's monotonic clock."""
+                 pins: list[M.PinRecord], tables: dict[str, Table | Exception]) -> None:
+        """Index from live nodes' committed extents (``tables``, fetched by the etcd thread;
+        nodes that did not answer join later, see :meth:`_adopt`), then hand-off holds and
+        pins from etcd (stale pin records — another object under the key, soft pin lapsed —
+        are deleted; those of objects not indexed wait for a node to bring them back). Holds
+        and soft pins are re-armed for their full ttl from now, on this master's monotonic
+        clock."""
         now = time.monotonic()
+        self._descs = descs
         for d in self._screen(descs):
-            self._join(d, now, timeout_ms=5000)
-        now = time.monotonic()  # after the joins: a slow node must not eat into the holds
+            self._adopt(d, tables.get(d.node_id), now)
         for rec in handoffs:
             self.state.restore_handoff(rec, now)
         for pin in pins:
@@ -534,7 +579,7 @@ class MasterServer:
         if isinstance(req, M.ListObjects):
             return st.list_objects(req.prefix, req.limit, now, time.time())  # wall: for display only
         if isinstance(req, M.Stats):
-            return st.stats()
+            return msgspec.structs.replace(st.stats(), joining=self.joins.waiting(now))
         if isinstance(req, (M.Pin, M.Unpin)):  # durable first: an acknowledged (un)pin survives a failover
             ttl = req.ttl_s if isinstance(req, M.Pin) else None
             key = self.keys.pin(req.key)

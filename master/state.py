@@ -18,16 +18,19 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import random
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from master.allocator import RangeAllocator, align_up
 from master.handoffs import Handoff, HandoffMixin
+from master.placement import spread
 from master.repair import RepairMixin, commit_row, grant as _grant
 from protocol import errors as E
+from protocol.config import MasterConfig
 from protocol.errors import ErrorInfo
 from protocol.keys import validate_key
 from protocol.layout import LayoutSpec
@@ -47,6 +50,8 @@ class MasterSettings(ClusterSettings, frozen=True):
     process's own."""
 
     suspect_s: float = 3.0  # how long a node reported dead is not placed on (its etcd TTL)
+    repair_rate: float = MasterConfig().repair_rate  # re-replication copies started per second (average)
+    repair_in_flight: int = MasterConfig().repair_in_flight  # re-replication copies in flight at most
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +96,7 @@ class Obj:
     holds: set[str] = field(default_factory=set)
     replicas_wanted: int = 1
     repairing: bool = False
+    queued: int = 0  # where it waits for re-replication (master/repair.py), 0: nowhere
     _read_refs: list[ExtentRef] | None = None
 
     def read_refs(self) -> list[ExtentRef]:
@@ -108,9 +114,10 @@ class Obj:
 
 
 class MasterState(HandoffMixin, RepairMixin):
-    """All master decisions. Not thread-safe: the server calls it from one event loop."""
+    """All master decisions. Not thread-safe: the server calls it from one event loop.
+    ``seed``: of placement's random choices (:mod:`master.placement`); None: from the OS."""
 
-    def __init__(self, settings: MasterSettings, cluster: str = "default") -> None:
+    def __init__(self, settings: MasterSettings, cluster: str = "default", seed: int | None = None) -> None:
         self.s = settings
         self.cluster = cluster
         self.nodes: dict[str, Node] = {}
@@ -135,9 +142,10 @@ class MasterState(HandoffMixin, RepairMixin):
         self._put_ids = itertools.count((int.from_bytes(os.urandom(5), "little") << 20) + 1)
         self.leader_addr = ""
         self.refused: dict[str, int] = {}  # node id -> wire version, nodes of another kvpool version
-        self.repairs: dict[str, tuple[ExtentRef, float]] = {}
         self._now = 0.0  # time of the latest event, for bookkeeping that has no `now` argument
+        self._init_repair()
         self.repair_timeout_s = 30.0
+        self.rng = random.Random(seed)
 
     # ---- membership ---------------------------------------------------------------------
 
@@ -154,6 +162,7 @@ class MasterState(HandoffMixin, RepairMixin):
         if away is not None:  # the same memory is back (its etcd lease lapsed in an etcd stall)
             node.gone = away[1]
         self.counters["node_joins"] += 1
+        self._unpark()  # a new place for what could not be re-replicated
 
     def node_down(self, node_id: str, now: float) -> list[str]:
         """The node's etcd key lapsed or its data plane failed: drop its replicas at once.
@@ -177,6 +186,9 @@ class MasterState(HandoffMixin, RepairMixin):
             if not obj.replicas:
                 self._drop(obj, reason="node_lost", away=True)
                 lost.append(key)
+            else:
+                self._maybe_repair(obj)
+        self._cancel_repairs(node_id)
         # after the drops above: what the node alone held may come back with it
         self.departed[node.desc.incarnation] = [now + DEPARTED_KEEP_S, set()]
         return lost
@@ -236,16 +248,19 @@ class MasterState(HandoffMixin, RepairMixin):
             obj = Obj(key, size, checksum, layout, [ref], COMMITTED, 0, now, now,
                       replicas_wanted=replicas or self.s.replicas)
             self.objects[key] = obj
-        elif obj.checksum == checksum and obj.size == size:
+        elif obj.checksum == checksum and obj.size == size and (
+                not replicas or len(obj.replicas) < max(obj.replicas_wanted, replicas)):
             obj.replicas.append(ref)
             obj._read_refs = None
             obj.replicas_wanted = max(obj.replicas_wanted, replicas)
-        else:
+        else:  # other bytes under the key, or a copy more than wanted (re-replicated while this node was away)
             self._free_extent(ref)
             return
         node.keys.add(key)
         self._lru_add(obj)
         self._settle_waiting(obj, now)
+        if len(obj.replicas) < obj.replicas_wanted:
+            self._maybe_repair(obj)  # skipped when it is due if other nodes' tables brought the rest
 
     def _settle_waiting(self, obj: Obj, now: float) -> None:
         """``obj`` is committed under a key whose pin or holds were waiting (see
@@ -305,6 +320,10 @@ class MasterState(HandoffMixin, RepairMixin):
         live = [n for n in self.nodes.values() if not n.draining and n.suspect_until <= now]
         return live or [n for n in self.nodes.values() if not n.draining]
 
+    def _spread(self, nodes: list[Node], rank: Callable[[Node], object]) -> list[Node]:
+        """``nodes`` in placement order (:func:`master.placement.spread`)."""
+        return spread(nodes, rank, self.s.high_watermark, self.rng)
+
     def _place(self, key: str, size: int, host_id: str, replicas: int, now: float,
                live: list[Node] | None = None) -> list[ExtentRef]:
         if live is None:
@@ -323,9 +342,9 @@ class MasterState(HandoffMixin, RepairMixin):
                 f"object {key!r} is {size} bytes but the largest store node segment is {biggest} bytes; "
                 "split it into smaller objects or start store nodes with more --memory",
                 key=key, size=size, largest=biggest)
-        # writer's host first, then most free space; distinct hosts preferred
+        # writer's host first, then at random weighted by room (master/placement.py); distinct hosts preferred
         if len(fits) > 1:
-            fits.sort(key=lambda n: (n.desc.host_id != host_id, n.alloc.used - n.alloc.capacity))
+            fits = self._spread(fits, lambda n: n.desc.host_id != host_id)
         want = min(replicas, len(fits))
         if want == 1:
             chosen = fits[:1]
@@ -394,6 +413,8 @@ class MasterState(HandoffMixin, RepairMixin):
             self._lru_add(obj)
             if key in self.waiting_pins or key in self.waiting_holds:
                 self._settle_waiting(obj, now)
+            if len(obj.replicas) < obj.replicas_wanted:  # fewer nodes could take it than it asked for
+                self._maybe_repair(obj)
             out.append(None)
         self.enforce_watermarks(now)
         return out
@@ -704,7 +725,7 @@ class MasterState(HandoffMixin, RepairMixin):
         self._now = now
         for node in self.nodes.values():
             self._release_quarantine(node, now)
-        for key in [k for k, (_, t0) in self.repairs.items() if now - t0 > self.repair_timeout_s]:
+        for key in [k for k, (_, t0, _, _) in self.repairs.items() if now - t0 > self.repair_timeout_s]:
             self.counters["repairs_timed_out"] += 1
             self.repair_done(key, ok=False)
         expired = []
@@ -717,6 +738,7 @@ class MasterState(HandoffMixin, RepairMixin):
                     if h.status != "open" and h.deadline + 3600 <= now]:
             del self.handoffs[rid]
         self.enforce_watermarks(now)
+        self.pump_repairs(now)
         return expired
 
     # ---- introspection ------------------------------------------------------------------
@@ -772,7 +794,7 @@ class MasterState(HandoffMixin, RepairMixin):
         return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
                             sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,
                             self.s.high_watermark, self.s.low_watermark, under, dict(self.counters),
-                            dict(self.refused))
+                            dict(self.refused), repairs_in_flight=len(self.repairs))
 
     def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the

@@ -82,6 +82,20 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # revisions, for etcd clusters without auto-compaction
     etcd_compaction_interval: str | float = "60s"
     etcd_compaction_retention: int = 10000
+    # re-replication of objects below their replica count (master/repair.py): at most this
+    # many copies started per second on average, and this many in flight at once
+    repair_rate: float = 50.0
+    repair_in_flight: int = 8
+
+    def check_repair(self, key_prefix: str = "master.") -> None:
+        """Raise ConfigError unless ``repair_rate`` is a number of copies per second in
+        (0, 1e6] and ``repair_in_flight`` a count from 1 to 10000."""
+        if not 0 < self.repair_rate <= 1e6:  # also refuses NaN
+            raise ConfigError(f"{key_prefix}repair_rate: {self.repair_rate!r}; copies per second, accepted: "
+                              "> 0 up to 1e6", key=f"{key_prefix}repair_rate")
+        if not 1 <= self.repair_in_flight <= 10000:
+            raise ConfigError(f"{key_prefix}repair_in_flight: {self.repair_in_flight!r}; accepted: 1 to 10000",
+                              key=f"{key_prefix}repair_in_flight")
 
 
 class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -100,6 +114,11 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     io_timeout: str | float = "30s"
     host_id: str | None = None
     streams_per_node: int = 1  # network connections one batch uses per store node (1..16)
+    # a network read of a replica waits at most this long on its node while another replica is
+    # left to read (null: io_timeout), and reads the next one as well after hedge_after without a
+    # first byte (null: no hedging); connector/hedge.py
+    replica_timeout: str | float | None = "1s"
+    hedge_after: str | float | None = "100ms"
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -129,7 +148,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if m.etcd_compaction_retention < 0:
             raise ConfigError(f"master.etcd_compaction_retention: {m.etcd_compaction_retention}; a number of "
                               "revisions >= 0", key="master.etcd_compaction_retention")
-        for key in ("rpc_timeout", "io_timeout"):
+        m.check_repair()
+        for key in ("rpc_timeout", "io_timeout", "replica_timeout", "hedge_after"):
+            if getattr(self.client, key) is None and key in ("replica_timeout", "hedge_after"):
+                continue  # off
             if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
         names = [n.name for n in self.storenodes if n.name]

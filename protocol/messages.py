@@ -135,6 +135,8 @@ class ClusterStats(msgspec.Struct, frozen=True):
     under_replicated: int
     counters: dict[str, int]
     refused: dict[str, int] = {}  # node id -> wire version of store nodes not placed on (another version)
+    repairs_in_flight: int = 0  # re-replication copies under way (``under_replicated``: objects short of replicas)
+    joining: dict[str, str] = {}  # node id -> why a published store node is not taken in (placed on) yet
 
 
 class EvictSelector(msgspec.Struct, frozen=True):

@@ -1,0 +1,31 @@
+"""Where new extents go: the order in which the master tries store nodes (pure, no I/O)."""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from master.state import Node
+
+
+def spread(nodes: Sequence[Node], rank: Callable[[Node], object], high_watermark: float,
+           rng: random.Random) -> list[Node]:
+    """``nodes`` in the order to place on: by ``rank(node)`` first (False before True, e.g.
+    "not on the writer's host"), then at random weighted by room, the bytes a node has
+    below ``high_watermark`` (a fraction of its capacity).
+
+    Taking the first k nodes is weighted random sampling without replacement (Efraimidis
+    and Spirakis, "Weighted random sampling with a reservoir", Information Processing
+    Letters 97(5), 2006, in its exponential-clock form: node i draws Exp(room_i) and the
+    smallest draws come first), so each node gets new objects in proportion to its room:
+    an empty node fills faster than fuller ones without taking every put, and the shares
+    even out as it fills. Nodes at or past ``high_watermark`` come last, emptiest first.
+    Cost: one draw per node and a sort."""
+    draw = rng.expovariate
+
+    def key(n: Node) -> tuple:
+        room = high_watermark * n.alloc.capacity - n.alloc.used
+        return (rank(n), room <= 0, draw(room) if room > 0 else n.alloc.used - n.alloc.capacity)
+
+    return sorted(nodes, key=key)
