@@ -77,7 +77,7 @@ HASH_ASIDE_MIN = 4 << 20  # shm put copies at least this big are hashed by a hel
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _REDIAL_S = 2.0  # seconds a redial of a stale connection (to a restarted node's old instance) may take
-_POPULATE_MAX = 8 << 30  # segments up to this size are mapped with MAP_POPULATE
+_POPULATE_MAX = 8 << 30  # segments up to this size get their page tables prefaulted (~2 MiB of PTEs per GiB)
 _rep_dec = msgspec.msgpack.Decoder(DataReply)
 log = logging.getLogger("kvpool.data")
 
@@ -301,13 +301,12 @@ class DataPlane:
                         try:
                             rep = recv_reply(_Buffered(msg))
                             if rep.ok:
-                                # prefault page tables once (no fault per first touch of a
-                                # page), except for huge segments: ~2 MiB of PTEs per GiB
-                                populate = getattr(mmap, "MAP_POPULATE", 0) if rep.capacity <= _POPULATE_MAX else 0
-                                mm = mmap.mmap(fds[0], rep.capacity, mmap.MAP_SHARED | populate,
+                                mm = mmap.mmap(fds[0], rep.capacity, mmap.MAP_SHARED,
                                                mmap.PROT_READ | mmap.PROT_WRITE)
                                 self._mmaps[ref.incarnation] = mm
                                 seg = memoryview(mm)
+                                if rep.capacity <= _POPULATE_MAX:
+                                    _prefault_aside(seg, rep.capacity)
                         finally:
                             for fd in fds:
                                 os.close(fd)
@@ -828,6 +827,33 @@ def _misaligned(mv: memoryview) -> bool:
 def _address(mv: memoryview) -> int:
     """Start address of a writable, contiguous buffer."""
     return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14, <linux/mman.h>: prefault page tables, reading
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _prefault_aside(seg: memoryview, nbytes: int) -> None:
+    """Prefault a new mapping's page tables on a daemon thread (``madvise`` with
+    ``MADV_POPULATE_READ``, what ``MAP_POPULATE`` does at ``mmap`` time), so that reads and
+    writes on it meanwhile fault only the pages they touch instead of waiting for the whole
+    segment: the first transfer of a process no longer pays for prefaulting every page of a
+    GiB segment. A kernel without the flag answers EINVAL and pages fault on first touch."""
+
+    def run() -> None:
+        try:
+            view = seg[:nbytes]
+            buf = ctypes.c_char.from_buffer(view)
+        except (BufferError, ValueError, TypeError):
+            return  # unmapped meanwhile
+        try:
+            _libc.madvise(ctypes.addressof(buf), nbytes, _MADV_POPULATE_READ)  # the GIL is released here
+        finally:
+            del buf
+            view.release()
+
+    threading.Thread(target=run, name="kvpool-prefault", daemon=True).start()
 
 
 class _Buffered:

@@ -208,36 +208,57 @@ class KVPoolWorker:
     # ---- loads ------------------------------------------------------------------------------
 
     def start_load_kv(self) -> None:
+        """Submit this step's load jobs as one batch to the loader thread: one
+        ``get_into_batch`` per group for all of them (one master round trip, fewer GIL
+        hand-offs beside the engine's own steps), then each request's scatter."""
         if self.meta is None:
             return
-        for job in self.meta.loads:
-            if job.req_id in self.loads:
-                continue
-            self.loads[job.req_id] = self.loader.submit(self._load, job)
+        jobs = [job for job in self.meta.loads if job.req_id not in self.loads]
+        if not jobs:
+            return
+        fut = self.loader.submit(self._load_batch, jobs)
+        for job in jobs:
+            self.loads[job.req_id] = fut
 
-    def _load(self, job: LoadJob) -> _LoadResult:
-        """Fetch every group's blocks of the hit into staging, then scatter them. A paged
-        group loads a prefix: from its first unloadable block on, nothing of the request
-        counts as loaded (with one group vLLM recomputes from there; with several, the
-        whole request is reported failed)."""
+    def _load_batch(self, jobs: list[LoadJob]) -> dict[str, _LoadResult]:
+        """Fetch every job's blocks into staging (per group, one batch call for all jobs)
+        and finish each job with :meth:`_load`; returns the results by request id."""
+        t0 = monotonic()
+        todo = [job for job in jobs if not job.error and any(gb.positions for gb in job.groups)]
+        fetched: dict[str, list] = {job.req_id: [] for job in todo}
+        for gi, g in enumerate(self.groups):
+            keys, outs, spans = [], [], []
+            for job in todo:
+                gb = job.groups[gi]
+                buf = self._staging(len(gb.positions), g)
+                spans.append((job, buf, len(keys)))
+                keys += self._keys(g, job.first, job.hashes, gb.positions)
+                outs += [buf[i] for i in range(len(gb.positions))]
+            res: list = []
+            if keys:
+                try:
+                    res = self.client.get_into_batch(keys, outs, g.layout)
+                except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
+                    res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * len(keys)
+            for job, buf, lo in spans:
+                fetched[job.req_id].append((buf, res[lo:lo + len(job.groups[gi].positions)]))
+        fetch_s = monotonic() - t0
+        return {job.req_id: self._load(job, fetched.get(job.req_id), fetch_s) for job in jobs}
+
+    def _load(self, job: LoadJob, fetched: list | None, fetch_s: float) -> _LoadResult:
+        """Finish one job from its fetched ``(staging buffer, per-block results)`` per
+        group: scatter what loaded. A paged group loads a prefix: from its first
+        unloadable block on, nothing of the request counts as loaded (with one group vLLM
+        recomputes from there; with several, the whole request is reported failed)."""
         t0 = monotonic()
         n = max((len(gb.positions) for gb in job.groups), default=0)
         reason = job.error or ("" if n else "no blocks")
         ok_upto = 0 if reason else n  # loaded blocks of the single-group case, in load order
         failed_groups: dict[int, int] = {}
-        staged = []
+        staged = [buf for buf, _ in fetched or ()]
         if not reason:
-            for g, gb in zip(self.groups, job.groups):
+            for (g, gb), (_, res) in zip(zip(self.groups, job.groups), fetched):
                 m = len(gb.positions)
-                buf = self._staging(m, g)
-                staged.append(buf)
-                if not m:
-                    continue
-                keys = self._keys(g, job.first, job.hashes, gb.positions)
-                try:
-                    res = self.client.get_into_batch(keys, [buf[i] for i in range(m)], g.layout)
-                except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
-                    res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * m
                 for i, r in enumerate(res):
                     if not isinstance(r, int):
                         failed_groups[g.group_id] = m - i
@@ -267,16 +288,26 @@ class KVPoolWorker:
                     f" from hand-off {job.handoff_id}" if job.handoff_id else "", self.s.policy)
         bs = self.groups[0].layout.tokens_per_block
         recomputed = job.tokens if (reason and len(self.groups) > 1) else n_failed * bs
-        return _LoadResult(job.req_id, failed, n_failed, n - n_failed, nbytes, monotonic() - t0,
+        return _LoadResult(job.req_id, failed, n_failed, n - n_failed, nbytes, fetch_s + monotonic() - t0,
                            job.tokens - recomputed, recomputed, per_group)
 
     def _scatter(self, g: GroupLayout, buf: torch.Tensor, block_ids: list[int]) -> None:
+        """Copy staged blocks into the engine's cache blocks ``block_ids``. Host caches are
+        written block by block through numpy (plain memcpy, no OpenMP team: a torch op on
+        the loader thread would start its own team beside the engine's pinned, spinning
+        one); device caches and kernel-block views go through ``index_copy_``."""
         if not block_ids:
             return
         for name in g.layer_names:
             for view, lo, hi, shape, dtype in self._parts(g, name):
                 src = buf[:, lo:hi].view(_TORCH_DTYPES[dtype]).view(len(block_ids), *shape)
                 dev = view.device
+                dst = _host_bytes(view)
+                if dst is not None:
+                    raw = src.view(torch.uint8).numpy()
+                    for i, b in enumerate(block_ids):
+                        dst[b] = raw[i]
+                    continue
                 idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
                 view.index_copy_(0, idx, src.to(dev, non_blocking=False))
 
@@ -301,7 +332,7 @@ class KVPoolWorker:
                 continue
             del self.loads[req_id]
             try:
-                r = fut.result()
+                r = fut.result()[req_id]
             except Exception as e:  # noqa: BLE001 - a bug in the load must not hang the request
                 log.exception("kvpool: load of request %s crashed: %s", req_id, e)
                 r = _LoadResult(req_id, set(), 1, 0, 0, 0.0)
@@ -451,6 +482,17 @@ class KVPoolWorker:
         self.loader.shutdown(wait=True, cancel_futures=True)
         self.saver.shutdown(wait=True)
         self.client.close()
+
+
+def _host_bytes(view):
+    """A host cache view as a numpy uint8 array (the last axis in bytes), or None where
+    that is not possible (device memory, kernel-block views, a strided last axis)."""
+    if not isinstance(view, torch.Tensor) or view.device.type != "cpu":
+        return None
+    try:
+        return view.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
 
 
 class _Merged:
