@@ -120,10 +120,10 @@ def write_chat_template(directory: Path) -> Path:
 
 
 def start_vllm_server(name: str, model: str, log_dir: Path, chat_template: Path,
-                      kv_transfer_config: dict | None = None, extra_args: Iterable[str] = ()) -> Proc:
+                      kv_transfer_config: dict | None = None) -> Proc:
     """Start ``vllm.entrypoints.openai.api_server`` on a free port (float32, eager,
-    64 MiB of KV cache, then ``extra_args``); ``kv_transfer_config`` None: plain vLLM, no
-    connector. It boots in the background: ``wait_healthy`` before sending it requests."""
+    64 MiB of KV cache); ``kv_transfer_config`` None: plain vLLM, no connector. It boots
+    in the background: ``wait_healthy`` before sending it requests."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1",
@@ -132,7 +132,7 @@ def start_vllm_server(name: str, model: str, log_dir: Path, chat_template: Path,
             "--enable-prompt-tokens-details"]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    return Proc(name, [*argv, *extra_args], log_dir, port)
+    return Proc(name, argv, log_dir, port)
 
 
 def start_proxy(name: str, args: list[str], log_dir: Path) -> Proc:
