@@ -129,12 +129,6 @@ def proxies(servers, cluster, tmp_path_factory):
         stop_all(started.values())
 
 
-@pytest.fixture(scope="module")
-def kv(cluster):
-    c = cluster.client()
-    yield c
-    c.close()
-
 
 @pytest.mark.parametrize("kind,stream", [("completions", False), ("completions", True), ("chat", False),
                                          ("chat", True)])

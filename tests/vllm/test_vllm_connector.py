@@ -50,12 +50,6 @@ def engines(cluster, tmp_path_factory):
         close_all(started.values())
 
 
-@pytest.fixture(scope="module")
-def kv(cluster):
-    c = cluster.client()
-    yield c
-    c.close()
-
 
 def block_keys(client, ns: str, tokens: list[int]) -> list[str]:
     """The keys the connector uses for ``tokens``' full blocks (rank 0, group 0), found

@@ -307,9 +307,3 @@ class TestDeepSeekMLA:
         assert tokens(out) == ref and out[0]["num_cached_tokens"] == 0
         assert "cannot prefill on top of loaded context" in engines["b"].log_text()
 
-
-@pytest.fixture(scope="module")
-def kv(cluster):
-    c = cluster.client()
-    yield c
-    c.close()

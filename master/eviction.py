@@ -1,0 +1,134 @@
+"""Eviction of the master state (DESIGN.md §6): per-node LRU lists, the watermark rule
+and admin eviction by key, prefix, model, node, age or all.
+
+A mixin of :class:`master.state.MasterState`; it uses the state's index and ``_drop`` and
+does no I/O. LRU order: each node keeps two lists, plain objects and soft-pinned ones
+(evicted last); held, hard-pinned and pending objects are on neither.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from protocol import errors as E
+from protocol.messages import EvictReport, EvictSelector
+
+if TYPE_CHECKING:
+    from master.state import Node, Obj
+
+
+class EvictionMixin:
+    """LRU bookkeeping, watermark eviction and admin eviction."""
+
+    def _skip_reason(self, obj: Obj, now: float) -> str:
+        if obj.holds:
+            return "held"
+        if obj.pin == "hard" or (obj.pin == "soft" and obj.pin_until > now):
+            return "pinned"
+        if obj.lease_until > now:
+            return "leased"
+        return ""
+
+    def _lru_add(self, obj: Obj) -> None:
+        kind = obj.evictable_kind()
+        for r in obj.replicas:
+            node = self.nodes.get(r.node_id)
+            if node is None:
+                continue
+            node.lru.pop(obj.key, None)
+            node.soft_lru.pop(obj.key, None)
+            if kind == "":
+                node.lru[obj.key] = None
+            elif kind == "soft":
+                node.soft_lru[obj.key] = None
+
+    def _lru_remove(self, obj: Obj) -> None:
+        for r in obj.replicas:
+            node = self.nodes.get(r.node_id)
+            if node is not None:
+                node.lru.pop(obj.key, None)
+                node.soft_lru.pop(obj.key, None)
+
+    def enforce_watermarks(self, now: float) -> int:
+        """Evict LRU objects on every node above the high watermark down to the low one."""
+        n = 0
+        for node in list(self.nodes.values()):
+            if node.usage() > self.s.high_watermark:
+                n += self._evict_node(node, target_used=int(self.s.low_watermark * node.alloc.capacity),
+                                      need=0, now=now, reason="watermark")
+        return n
+
+    def _evict_node(self, node: Node, target_used: int | None, need: int, now: float, reason: str) -> int:
+        """Evict from ``node`` until used <= target_used, or until a ``need``-byte range is free."""
+
+        def done() -> bool:
+            if target_used is not None:
+                return node.alloc.used <= target_used
+            return node.alloc.largest_free() >= need
+
+        evicted = 0
+        for lru in (node.lru, node.soft_lru):
+            skipped: list[str] = []
+            while lru and not done():
+                key, _ = lru.popitem(last=False)
+                obj = self.objects.get(key)
+                if obj is None:
+                    continue
+                if obj.lease_until > now:
+                    skipped.append(key)
+                    continue
+                self._drop(obj, reason=reason)
+                evicted += 1
+            for key in reversed(skipped):  # leased objects stay, at the cold end, for next time
+                lru[key] = None
+                lru.move_to_end(key, last=False)
+            if done():
+                break
+        return evicted
+
+    def evict(self, sel: EvictSelector, dry_run: bool, force: bool, now: float) -> EvictReport:
+        """Admin eviction; exactly one selector field must be set (InvalidRequest otherwise)."""
+        chosen = [f for f in ("key", "prefix", "model", "node", "older_than_s") if getattr(sel, f) is not None]
+        if sel.all:
+            chosen.append("all")
+        if len(chosen) != 1:
+            raise E.InvalidRequest(
+                "evict needs exactly one selector of --key, --prefix, --model, --node, --older-than, --all; "
+                f"got {', '.join(chosen) or 'none'}")
+        if sel.prefix == "":
+            raise E.InvalidRequest("evict --prefix '' would select every object; use --all for that")
+        if sel.node is not None and sel.node not in self.nodes:
+            raise E.InvalidRequest(f"evict --node {sel.node!r}: no such live node; see `kvpool status`")
+        if sel.key is not None:
+            cands = [self.objects[sel.key]] if sel.key in self.objects else []
+        else:
+            def match(o: Obj) -> bool:
+                if sel.all:
+                    return True
+                if sel.prefix is not None:
+                    return o.key.startswith(sel.prefix)
+                if sel.model is not None:
+                    parts = o.key.split("/")
+                    return len(parts) > 1 and parts[1] == sel.model
+                if sel.node is not None:
+                    return any(r.node_id == sel.node for r in o.replicas)
+                return o.last_access < now - (sel.older_than_s or 0.0)
+            cands = [o for o in self.objects.values() if match(o)]
+        removed = rbytes = leased = pinned = held = 0
+        keys: list[str] = []
+        for o in cands:
+            why = self._skip_reason(o, now)
+            if why and not force:
+                leased += why == "leased"
+                pinned += why == "pinned"
+                held += why == "held"
+                continue
+            removed += 1
+            rbytes += o.size
+            keys.append(o.key)
+            if not dry_run:
+                for rid in list(o.holds):
+                    h = self.handoffs.get(rid)
+                    if h is not None:
+                        self._release_handoff(h, "released")
+                self._drop(o, reason="admin")
+        return EvictReport(removed, rbytes, leased, pinned, held, dry_run, keys[:1000])
