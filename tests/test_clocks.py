@@ -6,9 +6,9 @@ The real-process tests run the master (or the publishing client) under libfaketi
 (Debian package ``faketime``): ``LD_PRELOAD`` of ``libfaketime.so.1`` with
 ``DONT_FAKE_MONOTONIC=1`` shifts only ``CLOCK_REALTIME``, and ``FAKETIME_NO_CACHE=1`` with
 ``FAKETIME_TIMESTAMP_FILE`` lets the test step the master's clock while it runs by
-rewriting that file ("+0" → "+2h" → "-1h"). They fail when libfaketime is missing (CI
-installs it) and skip when it is present but does not shift Python's clocks as
-expected. libfaketime 0.9.10 (Debian 12) fails Python's
+rewriting that file ("+0" → "+2h" → "-1h"). They fail, naming the cause, when
+libfaketime is missing (CI installs it) or does not shift Python's clocks as expected.
+libfaketime 0.9.10 (Debian 12) fails Python's
 ``time.sleep`` with EINVAL under ``DONT_FAKE_MONOTONIC=1`` (it mistranslates an absolute
 ``clock_nanosleep`` on CLOCK_MONOTONIC; fixed upstream in 0.9.11); the paths these
 processes run here do not sleep that way (polls, events and asyncio timers work).
@@ -71,7 +71,7 @@ def clock_file(tmp_path) -> Path:
     env = _faketime_env(FAKETIME_NO_CACHE="1", FAKETIME_TIMESTAMP_FILE=str(f))
     wall, mono = _clocks_under(env)
     if not (abs(wall - 3600) < 30 and abs(mono) < 30):
-        pytest.skip(f"libfaketime does not shift Python's clocks as expected here (wall {wall:+.0f}s, "
+        pytest.fail(f"libfaketime does not shift Python's clocks as expected here (wall {wall:+.0f}s, "
                     f"monotonic {mono:+.0f}s for +1h)")
     f.write_text("+0\n")
     return f
@@ -159,7 +159,7 @@ def test_a_producers_skewed_wall_clock_does_not_change_its_holds(make_cluster, s
     wall, mono = _clocks_under(env)
     want = float(skew.rstrip("s"))
     if not (abs(wall - want) < 10 and abs(mono) < 10):
-        pytest.skip(f"libfaketime does not shift Python's clocks as expected here (wall {wall:+.0f}s for {skew})")
+        pytest.fail(f"libfaketime does not shift Python's clocks as expected here (wall {wall:+.0f}s for {skew})")
     lc = make_cluster(nodes=1, memory="64MiB")
     key, rid = f"skew{skew}/held", f"skew{skew}-req"
     proc = subprocess.Popen([sys.executable, "-c", _PUBLISH, lc.master_addr, key, rid, str(TTL)],

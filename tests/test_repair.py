@@ -6,8 +6,9 @@ import pytest
 from master.repair import REPAIR_RETRY_S
 from master.state import MasterSettings, MasterState
 from protocol.config import MasterConfig, load_config
-from protocol.errors import ConfigError, ErrorInfo
-from protocol.messages import HandoffRecord, NodeCopy, NodeDesc, NodeFree, PutItem
+from protocol.errors import ConfigError
+from protocol.messages import HandoffRecord, NodeCopy, NodeDesc, NodeFree
+from tests.test_state import put
 
 MiB = 1 << 20
 
@@ -23,12 +24,6 @@ def make(nodes=3, cap=64 * MiB, hosts=None, seed=1, **kw):
     return st
 
 
-def put(st, key, size=MiB, now=0.0, replicas=0, host="h0"):
-    g = st.put_start([PutItem(key, size, 1)], host, replicas, now)[0]
-    assert not isinstance(g, ErrorInfo), g
-    if g.status == "write":
-        assert st.put_end([key], [g.put_id], now) == [None]
-    return g
 
 
 def copies(st):

@@ -97,7 +97,6 @@ def test_layouts_from_vllm_specs():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     from connector.vllm_meta import group_layouts
-    from protocol.errors import ConfigError
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32)
     (g,) = group_layouts(_vllm_config({"master": "x"}, tp=2), _cache_config(full), tp_rank=1)
