@@ -228,6 +228,8 @@ class Proxy:
                                          "invalid_request_error"), "bad_request") from None
         except (ValueError, UnicodeDecodeError):
             raise bad("request body is not JSON") from None
+        except RecursionError:  # nesting deeper than the JSON decoder's recursion limit
+            raise bad("request body nests too deeply") from None
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object")
         if not isinstance(body.get("model"), str) or not body["model"]:
@@ -278,7 +280,7 @@ class Proxy:
                               "rejected")
             try:
                 params = json.loads(data).get("kv_transfer_params")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 errors.append(f"{b.url}: HTTP 200 but the body is not a JSON object")
                 continue
             self.metrics.prefill_seconds.observe(time.monotonic() - t0)

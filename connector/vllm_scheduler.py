@@ -47,7 +47,7 @@ from connector.vllm_meta import (
     request_extra,
 )
 from connector.vllm_plan import NULL_BLOCK, find_hit, needed
-from protocol.errors import KVPoolError, LayoutMismatch
+from protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
 from protocol.layout import first_difference
 
 if TYPE_CHECKING:
@@ -158,10 +158,14 @@ class KVPoolScheduler:
 
     @staticmethod
     def _params(request: "Request") -> dict | None:
+        """Our entry of the request's ``kv_transfer_params``; an entry that is not an
+        object comes back as ``{"invalid": <its type>}`` (a malformed hand-off, refused
+        by :meth:`_match`)."""
         p = request.kv_transfer_params
-        if isinstance(p, dict) and isinstance(p.get(PARAMS_KEY), dict):
-            return p[PARAMS_KEY]
-        return None
+        if not isinstance(p, dict) or PARAMS_KEY not in p:
+            return None
+        v = p[PARAMS_KEY]
+        return v if isinstance(v, dict) else {"invalid": type(v).__name__}
 
     def _record_keys(self, hashes: list[bytes], boundary: int) -> tuple[dict, dict]:
         """The hand-off record of a hit at ``boundary``: per group and rank, the keys of the
@@ -254,7 +258,9 @@ class KVPoolScheduler:
             if self.has_state:
                 self.stats.add("state_lookups")
                 self.stats.add("state_hits", int(m.n > 0))
-        if m.n > 0 or m.handoff_id:
+        if m.handoff_id and m.error is None:
+            self._state(request).handoff_id = m.handoff_id  # claimed and matched: this request closes it
+        if m.n > 0 or m.handoff_id or m.error:
             self.matches[rid] = m  # a memo for update_state_after_alloc
         if m.n <= 0:
             return 0, False
@@ -263,27 +269,32 @@ class KVPoolScheduler:
     def _match(self, request: "Request", hashes: list[bytes], start: int, top: int, params: dict | None) -> _Match:
         """The lookup itself (background thread): claim the hand-off named by ``params``
         or probe kvpool; never raises (a failed lookup is a miss)."""
-        handoff_id = params.get("handoff_id") if params else None
-        if handoff_id:
-            try:
-                n = self._claim(handoff_id, hashes, top)
-                if self.s.policy == "recompute":  # load only what is still there
-                    n = self._hit(hashes, start, n) if n > start else start
-                m = _Match(start, max(start, n), handoff_id)
-            except KVPoolError as e:
-                want = min(int(params.get("num_blocks", 0) or 0), top)
-                if self.s.policy == "fail" and want > start:
-                    log.error("kvpool: request %s cannot use hand-off %s (%s: %s); policy=fail, the "
-                              "request will fail", request.request_id, handoff_id, type(e).__name__, e)
-                    m = _Match(start, want, handoff_id, error=f"{type(e).__name__}: {e}")
-                else:
-                    log.warning("kvpool: request %s cannot use hand-off %s (%s: %s); recomputing what "
-                                "kvpool does not hold", request.request_id, handoff_id, type(e).__name__, e)
-                    m = self._lookup(request, hashes, start, top)
-                m.handoff_failed = True
-        else:
-            m = self._lookup(request, hashes, start, top)
-        return m
+        if params is None or (params.get("handoff_id") is None and "invalid" not in params):
+            return self._lookup(request, hashes, start, top)  # no hand-off named (e.g. a producer's "none")
+        handoff_id = params.get("handoff_id")
+        shown = _shown(handoff_id)
+        try:
+            if "invalid" in params or not isinstance(handoff_id, str) or not 0 < len(handoff_id) <= 512:
+                raise InvalidRequest(f"kv_transfer_params.{PARAMS_KEY} must be an object whose handoff_id is a "
+                                     f"string of 1 to 512 characters, got {params.get('invalid') or shown}")
+            n = self._claim(handoff_id, hashes, top)
+            if self.s.policy == "recompute":  # load only what is still there
+                n = self._hit(hashes, start, n) if n > start else start
+            return _Match(start, max(start, n), handoff_id)
+        except KVPoolError as e:
+            if self.s.policy == "fail" and top > start:
+                # the request names a hand-off it cannot use: fail it (its blocks are reported failed)
+                want = params.get("num_blocks")
+                want = want if isinstance(want, int) and start < want <= top else top
+                log.error("kvpool: request %s cannot use hand-off %s (%s: %s); policy=fail, the "
+                          "request will fail", request.request_id, shown, type(e).__name__, e)
+                m = _Match(start, want, None, error=f"{type(e).__name__}: {e}")
+            else:
+                log.warning("kvpool: request %s cannot use hand-off %s (%s: %s); recomputing what "
+                            "kvpool does not hold", request.request_id, shown, type(e).__name__, e)
+                m = self._lookup(request, hashes, start, top)
+            m.handoff_failed = True
+            return m
 
     def _lookup(self, request: "Request", hashes: list[bytes], start: int, top: int) -> _Match:
         try:
@@ -444,13 +455,11 @@ class KVPoolScheduler:
         if pend is not None:
             pend.future.cancel()
         st = self.reqs.pop(request.request_id, None)
-        params = self._params(request) if self.s.loads else None
-        if params and params.get("handoff_id") and not (st is not None and st.handoff_done):
-            # the consumer is done with this hand-off without having acked it (aborted before
-            # its load finished, or never loaded it): release the producer's blocks now
-            if st is None:
-                st = _Req(request, HashCache(b""), 0)
-            st.handoff_id = str(params["handoff_id"])
+        if st is not None and st.handoff_id and not st.handoff_done:
+            # this request claimed the hand-off and matched it, but ends without having acked it
+            # (aborted before its load finished): release the producer's blocks now. A request
+            # whose claim failed leaves the hand-off to its consumer (or its deadline): naming
+            # another request's hand-off must not end it.
             self._finish_handoff(st, ok=False)
         if not self.s.producer or st is None:
             return False, None
@@ -520,3 +529,9 @@ class KVPoolScheduler:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def _shown(value, limit: int = 80) -> str:
+    """``value`` for a log line: a hostile hand-off id can be megabytes long."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

@@ -165,7 +165,8 @@ def test_bad_bodies(proxies):
     p = proxies["main"]
     prefills = metric(p, "kvpool_proxy_prefill_seconds_count")
     bad = [(b"not json", "not JSON"), (b"[1, 2]", "JSON object"), ({"prompt": "w1 w2"}, '"model"'),
-           ({"model": MODEL}, '"prompt"'), ({"model": MODEL, "prompt": "w1", "stream": "yes"}, '"stream"')]
+           ({"model": MODEL}, '"prompt"'), ({"model": MODEL, "prompt": "w1", "stream": "yes"}, '"stream"'),
+           (b"[" * 200000, "nests too deeply")]
     for body, says in bad:
         st, headers, raw = http("POST", p.url + "/v1/completions", body)
         assert st == 400 and says in json.loads(raw)["error"]["message"], raw
@@ -176,7 +177,7 @@ def test_bad_bodies(proxies):
                       {"X-Request-Id": "x" * 300})
     assert st == 400 and "X-Request-Id" in json.loads(raw)["error"]["message"]
     assert metric(p, "kvpool_proxy_prefill_seconds_count") == prefills  # nothing was forwarded
-    assert metric(p, "kvpool_proxy_requests_total", endpoint="/v1/completions", outcome="bad_request") == 5
+    assert metric(p, "kvpool_proxy_requests_total", endpoint="/v1/completions", outcome="bad_request") == 6
 
 
 def test_health_models_metrics(proxies, servers):

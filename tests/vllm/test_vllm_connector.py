@@ -164,6 +164,27 @@ def test_pd_handoff(engines, kv):
         kv.handoff_claim(params["kvpool"]["handoff_id"])  # acked: closed
 
 
+def test_a_request_naming_another_prompts_handoff_cannot_end_it(engines, kv):
+    """Hostile or misrouted params: a request of prompt B carrying prompt A's hand-off is
+    refused (fail: an error; recompute: computed locally), and A's hand-off stays open, so
+    A's own consumer still loads it. Malformed params are refused the same way."""
+    a, b = prompt_ids(66, 6 * BS + 3), prompt_ids(67, 6 * BS + 3)
+    ref = tokens(engines["ref"].generate([a, b], max_tokens=8))
+    params = engines["prod"].generate([a], max_tokens=1)[0]["kv_transfer_params"]
+    out = engines["cons_fail"].generate([b], max_tokens=8, params=[params])
+    assert out[0]["finish_reason"] == "error", out
+    out = engines["cons"].generate([b], max_tokens=8, params=[params])
+    assert tokens(out) == [ref[1]] and out[0]["num_cached_tokens"] == 0
+    for bad in ({"kvpool": "x"}, {"kvpool": {"handoff_id": 7, "num_blocks": "abc"}},
+                {"kvpool": {"handoff_id": "h" * 5000, "num_blocks": -3}}):
+        out = engines["cons_fail"].generate([b], max_tokens=8, params=[bad])
+        assert out[0]["finish_reason"] == "error", (bad, out)
+    assert "h" * 200 not in engines["cons_fail"].log_text()  # a hostile id is shortened in logs
+    out = engines["cons_fail"].generate([a], max_tokens=8, params=[params])
+    assert tokens(out) == [ref[0]] and out[0]["num_cached_tokens"] == 6 * BS
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-off acked")
+
+
 def test_unknown_handoff(engines, kv):
     """Hand-off params naming no record: recompute computes locally; fail fails clearly."""
     x = prompt_ids(65, 3 * BS + 5)

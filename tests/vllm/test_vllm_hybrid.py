@@ -277,6 +277,9 @@ class TestQwen3Next:
         assert tokens(out) == ref and out[0]["num_cached_tokens"] == 0
         log = engines["cons"].log_text()
         assert "cannot use hand-off foreign:req-1" in log and "LayoutMismatch" in log, engines["cons"].tail()
+        # a request that could not use the hand-off does not end it: its own consumer still can
+        assert kv.handoff_claim("foreign:req-1").request_id == "foreign:req-1"
+        kv.handoff_release("foreign:req-1")
         wait_for(lambda: kv.stats().held_bytes == 0, 10, what="foreign hand-off released")
 
 
