@@ -117,6 +117,7 @@ class KVPoolScheduler:
         self.counted: set[str] = set()  # requests whose lookup was counted (vLLM may ask again)
         self.lookups: dict[str, _Pending] = {}  # background lookups not yet taken
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-lookup")
+        self.closed = False
         kec = getattr(vllm_config, "kv_events_config", None)
         self.emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
         self.events: list[Any] = []
@@ -300,8 +301,9 @@ class KVPoolScheduler:
         try:
             return _Match(start, self._hit(hashes, start, top))
         except KVPoolError as e:
-            log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
-                        request.request_id, type(e).__name__, e)
+            if not self.closed:  # a lookup cut short by shutdown is not worth a warning
+                log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
+                            request.request_id, type(e).__name__, e)
             return _Match(start, start)
 
     def loaded_group_ids(self) -> tuple[int, ...]:
@@ -527,6 +529,7 @@ class KVPoolScheduler:
         return st
 
     def close(self) -> None:
+        self.closed = True
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 

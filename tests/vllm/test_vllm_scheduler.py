@@ -86,5 +86,4 @@ def test_a_master_that_does_not_answer_never_blocks_a_scheduler_step(silent_mast
         # asked again (vLLM may ask several times for one request): counted once
         assert sched.get_num_new_matched_tokens(req, 0)[0] is None
     finally:
-        sched.pool.shutdown(wait=False, cancel_futures=True)
-        sched.client.close()
+        sched.close()
