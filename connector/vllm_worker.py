@@ -82,7 +82,7 @@ class KVPoolWorker:
         except (AssertionError, AttributeError, RuntimeError):
             self.rank = 0
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, self.rank)
-        self.multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        self.multi_group = len(kv_cache_config.kv_cache_groups) > 1  # vLLM takes block-level load errors only with one group
         self.client = client if client is not None else settings.make_client()
         self.caches: dict[str, list] = {}  # layer -> (view, shape, dtype) per sub-tensor of a block
         self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group index, byte offset)
@@ -266,7 +266,7 @@ class KVPoolWorker:
                         reason = reason or ("missing" if r is None else f"{type(r).__name__}: {r}")
                         break
         nbytes, per_group = 0, {}
-        if not reason or (len(self.groups) == 1 and ok_upto):
+        if not reason or (not self.multi_group and ok_upto):
             for (g, gb), buf in zip(zip(self.groups, job.groups), staged):
                 k = len(gb.positions) if not reason else ok_upto
                 self._scatter(g, buf[:k], gb.block_ids[:k])
@@ -275,7 +275,7 @@ class KVPoolWorker:
         failed: set[int] = set()
         n_failed = 0
         if reason:
-            if len(self.groups) == 1:
+            if not self.multi_group:
                 failed.update(job.groups[0].block_ids[ok_upto:])
                 n_failed = n - ok_upto
             else:
@@ -287,7 +287,7 @@ class KVPoolWorker:
                     f" in cache group {min(failed_groups)}" if failed_groups else "",
                     f" from hand-off {job.handoff_id}" if job.handoff_id else "", self.s.policy)
         bs = self.groups[0].layout.tokens_per_block
-        recomputed = job.tokens if (reason and len(self.groups) > 1) else n_failed * bs
+        recomputed = job.tokens if (reason and self.multi_group) else n_failed * bs
         return _LoadResult(job.req_id, failed, n_failed, n - n_failed, nbytes, fetch_s + monotonic() - t0,
                            job.tokens - recomputed, recomputed, per_group)
 
