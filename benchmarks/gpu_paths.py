@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cli.cluster import LocalCluster  # noqa: E402
-from protocol.config import load_config, parse_size  # noqa: E402
+from kvpool.cli.cluster import LocalCluster  # noqa: E402
+from kvpool.protocol.config import load_config, parse_size  # noqa: E402
 
 
 def _median_s(fn, reps: int, sync: bool) -> float:

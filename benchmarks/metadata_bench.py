@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
 
-from master.state import MasterSettings, MasterState  # noqa: E402
-from protocol import messages as M  # noqa: E402
-from protocol.messages import NodeDesc, PutItem  # noqa: E402
+from kvpool.master.state import MasterSettings, MasterState  # noqa: E402
+from kvpool.protocol import messages as M  # noqa: E402
+from kvpool.protocol.messages import NodeDesc, PutItem  # noqa: E402
 
 BATCH = 64
 OBJ_SIZE = 4096
@@ -141,7 +141,7 @@ def bench_redis(n: int, ops_sample: int = 8192) -> dict:
     binary = shutil.which("redis-server")
     if binary is None:
         return {"error": "redis-server not installed"}
-    from cli.cluster import free_port
+    from kvpool.cli.cluster import free_port
 
     port = free_port()
     d = tempfile.mkdtemp(prefix="kvpool-redis-")

@@ -23,14 +23,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from protocol import messages as M  # noqa: E402
+from kvpool.protocol import messages as M  # noqa: E402
 
 _LEN = struct.Struct("<I")
 
 
 def _state(n: int):
-    from master.state import MasterSettings, MasterState
-    from protocol.messages import NodeDesc, PutItem
+    from kvpool.master.state import MasterSettings, MasterState
+    from kvpool.protocol.messages import NodeDesc, PutItem
 
     st = MasterState(MasterSettings())
     st.node_up(NodeDesc("node-0", "inc0", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "unix:///tmp/x.sock", "h0",

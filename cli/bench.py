@@ -41,7 +41,6 @@ from typing import Any
 
 import msgspec
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POOL_BYTES = 64 << 20  # rotate sources/destinations over this much memory (> L3)
 META_BATCHES = (1, 64, 256)  # keys per metadata call
 CEILING_OF = {"shm": "memcpy", "tcp": "tcp", "unix": "unix", "ucx": "ucx"}
@@ -72,7 +71,7 @@ def socket_gbps(kind: str, chunk: int, total: int, reps: int = 3, per_request: b
     process into this one: ``recv_into`` a rotating preallocated pool, ``chunk``-byte sends.
     ``per_request``: ask for each chunk separately and wait for it (request → reply, the
     shape of a one-object get) instead of one request for the whole stream."""
-    from protocol import transport
+    from kvpool.protocol import transport
 
     tmp = tempfile.mkdtemp(prefix="kvpool-bench-")
     addr = f"unix://{tmp}/ceil.sock" if kind == "unix" else f"{kind}://127.0.0.1:0"
@@ -127,9 +126,8 @@ def _spawn_worker() -> subprocess.Popen:
     # UCX variables set in this process by an imported ucx transport would make the child's
     # UCX warn about them; the child sets its own when it needs UCX
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "cli.bench", "--worker"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, cwd=REPO, env=env)
+    return subprocess.Popen([sys.executable, "-m", "kvpool.cli.bench", "--worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
 
 
 def _send(proc: subprocess.Popen, msg: dict) -> None:
@@ -182,7 +180,7 @@ class _Worker:
 
                 c = redis.Redis(host="127.0.0.1", port=msg["redis_port"])
             else:
-                from connector.client import KVPoolClient
+                from kvpool.connector.client import KVPoolClient
 
                 c = KVPoolClient(msg["master"], transport=name, streams_per_node=msg.get("streams", 1))
             self.clients[name] = c
@@ -285,7 +283,7 @@ class _Worker:
 
     def meta(self, msg: dict) -> dict:
         """Metadata ops through the real RPC: per op, keys/s over the wall time and latency."""
-        from protocol import messages as M
+        from kvpool.protocol import messages as M
 
         c = self.client(msg)
         rpc, b, n = c.rpc, msg["batch"], msg["count"]
@@ -313,7 +311,7 @@ class _Worker:
 
     def sender(self, msg: dict) -> dict:
         """Ceiling sender: connect, then for each 8-byte request send that many bytes."""
-        from protocol import transport
+        from kvpool.protocol import transport
 
         chunk = msg["chunk"]
         pool = _aligned(max(chunk, POOL_BYTES))
@@ -345,7 +343,7 @@ class _Worker:
 
 def _has_ucx() -> bool:
     try:  # through our module: it sets the UCX_* environment before ucxx loads UCX
-        import protocol.ucx_transport  # noqa: F401
+        import kvpool.protocol.ucx_transport  # noqa: F401
     except Exception:  # noqa: BLE001 - any failure means the extra is not usable
         return False
     return True
@@ -411,7 +409,7 @@ class _Redis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        from cli.cluster import free_port
+        from kvpool.cli.cluster import free_port
 
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
@@ -465,7 +463,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from protocol.errors import ConfigError
+    from kvpool.protocol.errors import ConfigError
 
     paths = [t.strip() for t in transport.split(",") if t.strip()]
     for t in paths:
@@ -514,7 +512,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                     ceil["ucx_gbps"] = socket_gbps("ucx", chunk, cbytes)
             prog.update(task, advance=1, description="starting cluster")
             if master is None:
-                from cli.cluster import LocalCluster
+                from kvpool.cli.cluster import LocalCluster
 
                 if "ucx" in paths:  # store nodes also serve ucx:// so that clients can pick it
                     cfg = msgspec.structs.replace(cfg, storenodes=[msgspec.structs.replace(n, ucx=True)
@@ -522,7 +520,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                 lc = LocalCluster(cfg)
                 lc.__enter__()
                 master = lc.master_addr
-            from connector.client import KVPoolClient
+            from kvpool.connector.client import KVPoolClient
 
             with KVPoolClient(master) as probe:
                 capacity = probe.stats().capacity

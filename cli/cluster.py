@@ -22,11 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-from protocol.config import ClusterConfig
-from protocol.errors import ConfigError, KVPoolError, Timeout
-from protocol.units import parse_size
+from kvpool.protocol.config import ClusterConfig
+from kvpool.protocol.errors import ConfigError, KVPoolError, Timeout
+from kvpool.protocol.units import parse_size
 
-REPO = Path(__file__).resolve().parent.parent
 RUN_DIR_PREFIX = "kvpool-cluster-"  # a LocalCluster's own run directory under the temp dir
 RUN_DIR_LOCK = "owner.lock"  # in it: flock'ed by the LocalCluster that made it, for its whole life
 
@@ -131,7 +130,7 @@ class Child:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.proc = subprocess.Popen(_die_with_parent(argv), stdout=subprocess.PIPE, stderr=self._log,
-                                     cwd=str(REPO), env=env or os.environ.copy(), start_new_session=True)
+                                     env=env or os.environ.copy(), start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -184,7 +183,7 @@ class Child:
 
 
 def kvpool_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli", *args]
+    return [sys.executable, "-m", "kvpool.cli", *args]
 
 
 class LocalCluster:
@@ -256,7 +255,7 @@ class LocalCluster:
         self._wait_etcd()
 
     def _wait_etcd(self) -> None:
-        from protocol.etcd import read_key_sync
+        from kvpool.protocol.etcd import read_key_sync
 
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
@@ -320,7 +319,7 @@ class LocalCluster:
 
     def wait_nodes(self, count: int, timeout_s: float | None = None) -> None:
         """Wait until the leader sees exactly ``count`` live nodes."""
-        from connector.client import KVPoolClient
+        from kvpool.connector.client import KVPoolClient
 
         deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
         with KVPoolClient(self.master_addr, rpc_timeout_s=5.0) as c:
@@ -333,7 +332,7 @@ class LocalCluster:
                 time.sleep(0.05)
 
     def client(self, **kw):
-        from connector.client import KVPoolClient
+        from kvpool.connector.client import KVPoolClient
 
         return KVPoolClient(self.master_addr, **kw)
 

@@ -14,10 +14,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.cluster import RUN_DIR_PREFIX, probe_run_dir
-from protocol import errors as E
-from protocol.config import ClusterConfig, load_config
-from protocol.units import parse_duration
+from kvpool.cli.cluster import RUN_DIR_PREFIX, probe_run_dir
+from kvpool.protocol import errors as E
+from kvpool.protocol.config import ClusterConfig, load_config
+from kvpool.protocol.units import parse_duration
 
 console = Console()
 err_console = Console(stderr=True)
@@ -170,7 +170,7 @@ def build_config(config: Path | None, cluster: str | None = None, etcd: str | No
 def connect(config: Path | None, master: str | None, etcd: str | None, cluster: str | None):
     """A KVPoolClient for a running cluster: --master, else --etcd/config, else the local
     cluster recorded by `kvpool up`."""
-    from connector.client import KVPoolClient
+    from kvpool.connector.client import KVPoolClient
 
     cfg = build_config(config, cluster, etcd)
     if not master and not cfg.etcd.endpoint:

@@ -41,8 +41,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from cli.proxy_pool import BACKEND_ERRORS, Backend, Pool, describe, health_loop
-from protocol.errors import ConfigError, KVPoolError
+from kvpool.cli.proxy_pool import BACKEND_ERRORS, Backend, Pool, describe, health_loop
+from kvpool.protocol.errors import ConfigError, KVPoolError
 
 log = logging.getLogger("kvpool.proxy")
 
@@ -166,7 +166,7 @@ class Proxy:
 
     async def _start(self, _app: web.Application) -> None:
         if self.s.master or self.s.etcd:
-            from connector.aclient import AsyncKVPoolClient
+            from kvpool.connector.aclient import AsyncKVPoolClient
 
             self._kv = AsyncKVPoolClient(self.s.master, etcd=self.s.etcd, cluster=self.s.cluster, rpc_timeout_s=5.0)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
-from protocol.errors import ConfigError
+from kvpool.protocol.errors import ConfigError
 
 log = logging.getLogger("kvpool.proxy")
 

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from connector.client import KVPoolClient
+from kvpool.connector.client import KVPoolClient
 
 
 class AsyncKVPoolClient:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.errors import KVPoolError
-from protocol.keys import group_key
-from protocol.layout import LayoutSpec
+from kvpool.protocol.errors import KVPoolError
+from kvpool.protocol.keys import group_key
+from kvpool.protocol.layout import LayoutSpec
 
 
 class BlockStore:

@@ -29,15 +29,15 @@ from typing import Any
 
 import xxhash
 
-from connector.dataclient import DataPlane, ReadOp, WriteOp
-from connector.hedge import ReplicaReads
-from connector.rpc import MasterRPC
-from protocol import messages as M
-from protocol.errors import (ChecksumMismatch, ConfigError, InvalidRequest, KVPoolError, LayoutMismatch,
+from kvpool.connector.dataclient import DataPlane, ReadOp, WriteOp
+from kvpool.connector.hedge import ReplicaReads
+from kvpool.connector.rpc import MasterRPC
+from kvpool.protocol import messages as M
+from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, InvalidRequest, KVPoolError, LayoutMismatch,
                              LeaseExpired, NodeUnavailable, NotFound, PutInFlight, StaleExtent, from_wire)
-from protocol.keys import validate_key
-from protocol.layout import LayoutSpec, check_layout
-from protocol.transport import default_host_id
+from kvpool.protocol.keys import validate_key
+from kvpool.protocol.layout import LayoutSpec, check_layout
+from kvpool.protocol.transport import default_host_id
 
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
 _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
@@ -74,7 +74,7 @@ def _as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
         if x.device.type == "meta":
             raise InvalidRequest("a meta tensor has no data to store or fill")
         if x.device.type != "cpu":
-            from connector.device_buffer import DeviceBuffer
+            from kvpool.connector.device_buffer import DeviceBuffer
 
             buf = DeviceBuffer(x)
             return buf, (buf.finish if writable else None)
@@ -181,7 +181,7 @@ class KVPoolClient:
 
     @classmethod
     def from_config(cls, cfg, master: str | None = None) -> "KVPoolClient":
-        from protocol.units import parse_duration
+        from kvpool.protocol.units import parse_duration
 
         return cls(master, etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
                    host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
@@ -665,7 +665,7 @@ def lanes(ops: Sequence, k: int) -> list[list]:
 
 def _seconds_or_none(v) -> float | None:
     """A config duration; None stays None (off)."""
-    from protocol.units import parse_duration
+    from kvpool.protocol.units import parse_duration
 
     return None if v is None else parse_duration(v)
 

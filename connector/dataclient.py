@@ -62,10 +62,10 @@ import msgspec
 import numpy as np
 import xxhash
 
-from protocol import transport
-from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, recv_reply, sendv
-from protocol.errors import ConfigError, InvalidRequest, KVPoolError, NodeUnavailable, from_wire
-from protocol.messages import ExtentRef
+from kvpool.protocol import transport
+from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, recv_reply, sendv
+from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, NodeUnavailable, from_wire
+from kvpool.protocol.messages import ExtentRef
 
 _CHUNK = 256 << 10      # shm copy+hash granularity: fits L2, so the hash reads hot bytes
 _BIG = 64 << 10         # payloads at least this big are read without greedy buffering
@@ -551,7 +551,7 @@ class DataPlane:
             if self._maps.get(ref.incarnation) is not seg:
                 return False  # unmapped meanwhile
             if self._pins is None:
-                from connector.device_buffer import PinnedWindows
+                from kvpool.connector.device_buffer import PinnedWindows
 
                 self._pins = PinnedWindows()
             if not self._pins.ready(ref.incarnation, ref.offset, ref.size):
@@ -573,7 +573,7 @@ class DataPlane:
             return
         import torch
 
-        from connector.device_buffer import window_pieces
+        from kvpool.connector.device_buffer import window_pieces
 
         held, streams, hashed = [], {}, []
         try:

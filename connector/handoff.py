@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.errors import HandoffLoadFailed, HandoffNotFound, InvalidRequest, Timeout
-from protocol.layout import LayoutSpec
-from protocol.messages import HandoffRecord
+from kvpool.protocol.errors import HandoffLoadFailed, HandoffNotFound, InvalidRequest, Timeout
+from kvpool.protocol.layout import LayoutSpec
+from kvpool.protocol.messages import HandoffRecord
 
 POLICIES = ("fail", "recompute")
 

@@ -33,9 +33,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, readable
-from protocol import messages as M
-from protocol.errors import ConfigError, NodeUnavailable
+from kvpool.connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, readable
+from kvpool.protocol import messages as M
+from kvpool.protocol.errors import ConfigError, NodeUnavailable
 
 SLOW_MEMORY_S = 5.0  # how long a node that missed a deadline or failed is read last
 _POLL_S = 0.005  # while a hedge is out: how often the primary's socket and the hedge are looked at

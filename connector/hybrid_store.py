@@ -39,12 +39,12 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from protocol.errors import InvalidRequest, KVPoolError
-from protocol.groups import (CacheGroupSpec, PrefixHit, ReadPiece, SlotInfo, TransferGroup, TransferProjection,
+from kvpool.protocol.errors import InvalidRequest, KVPoolError
+from kvpool.protocol.groups import (CacheGroupSpec, PrefixHit, ReadPiece, SlotInfo, TransferGroup, TransferProjection,
                              check_projection, common_prefix, project, slot_key, storage_layout, tail_hash,
                              tail_key, tail_layout, validate_state_slot)
-from protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key
-from protocol.layout import LayoutSpec
+from kvpool.protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key
+from kvpool.protocol.layout import LayoutSpec
 
 __all__ = ["HybridEngineModel", "HybridStore", "LoadResult", "StateSlot", "pack_tensors", "unpack_tensors"]
 

@@ -19,11 +19,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from protocol import messages as M
-from protocol import rpcwire, transport
-from protocol.errors import ConfigError, InvalidRequest, KVPoolError, NotLeader, Timeout, from_wire
-from protocol.etcd import Keys, parse_endpoints, read_key_sync
-from protocol.transport import default_host_id
+from kvpool.protocol import messages as M
+from kvpool.protocol import rpcwire, transport
+from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, NotLeader, Timeout, from_wire
+from kvpool.protocol.etcd import Keys, parse_endpoints, read_key_sync
+from kvpool.protocol.transport import default_host_id
 
 
 class _Conn:

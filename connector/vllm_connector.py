@@ -4,7 +4,7 @@ Select it with::
 
     kv_transfer_config = {
         "kv_connector": "KVPoolConnector",
-        "kv_connector_module_path": "connector.vllm_connector",
+        "kv_connector_module_path": "kvpool.connector.vllm_connector",
         "kv_role": "kv_both",                      # or kv_producer / kv_consumer (P/D)
         "kv_load_failure_policy": "recompute",     # or "fail" (vLLM's default)
         "kv_connector_extra_config": {"master": "tcp://127.0.0.1:PORT", "namespace": "vllm"},
@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.vllm_meta import (
+from kvpool.connector.vllm_meta import (
     ConnectorSettings,
     KVPoolConnectorMetadata,
     KVPoolConnectorStats,
@@ -78,11 +78,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from connector.vllm_scheduler import KVPoolScheduler
+            from kvpool.connector.vllm_scheduler import KVPoolScheduler
 
             self.sched = KVPoolScheduler(self.settings, vllm_config, kv_cache_config)
         else:
-            from connector.vllm_worker import KVPoolWorker
+            from kvpool.connector.vllm_worker import KVPoolWorker
 
             self.worker = KVPoolWorker(self.settings, vllm_config, kv_cache_config)
         log.info("kvpool connector: role=%s kv_role=%s namespace=%s model=%s policy=%s", role.name,

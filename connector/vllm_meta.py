@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from protocol.errors import ConfigError
-from protocol.keys import block_hashes, extra_bytes, group_key
-from protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
+from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.keys import block_hashes, extra_bytes, group_key
+from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
 
-from connector.vllm_plan import GroupRule, window_blocks
+from kvpool.connector.vllm_plan import GroupRule, window_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,7 +130,7 @@ class ConnectorSettings:
         return self.role == "kv_producer"
 
     def make_client(self):
-        from connector.client import KVPoolClient
+        from kvpool.connector.client import KVPoolClient
 
         return KVPoolClient(self.master, etcd=self.etcd, cluster=self.cluster, transport=self.transport,
                             rpc_timeout_s=self.rpc_timeout_s, io_timeout_s=self.io_timeout_s)

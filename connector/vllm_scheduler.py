@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connector.vllm_meta import (
+from kvpool.connector.vllm_meta import (
     PARAMS_KEY,
     ConnectorSettings,
     GroupBlocks,
@@ -46,9 +46,9 @@ from connector.vllm_meta import (
     monotonic,
     request_extra,
 )
-from connector.vllm_plan import NULL_BLOCK, find_hit, needed
-from protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
-from protocol.layout import first_difference
+from kvpool.connector.vllm_plan import NULL_BLOCK, find_hit, needed
+from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
+from kvpool.protocol.layout import first_difference
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connector.vllm_meta import (
+from kvpool.connector.vllm_meta import (
     ConnectorSettings,
     GroupLayout,
     KVPoolConnectorMetadata,
@@ -38,8 +38,8 @@ from connector.vllm_meta import (
     keys_for,
     monotonic,
 )
-from protocol.errors import ConfigError, KVPoolError
-from protocol.layout import DTYPE_BYTES
+from kvpool.protocol.errors import ConfigError, KVPoolError
+from kvpool.protocol.layout import DTYPE_BYTES
 
 log = logging.getLogger("kvpool.vllm")
 

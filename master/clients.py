@@ -32,10 +32,10 @@ from collections.abc import Callable
 
 import zmq
 
-from master.durable import Pending
-from protocol import messages as M
-from protocol import rpcwire
-from protocol.errors import KVPoolError
+from kvpool.master.durable import Pending
+from kvpool.protocol import messages as M
+from kvpool.protocol import rpcwire
+from kvpool.protocol.errors import KVPoolError
 
 OUT_MAX = 16 << 20  # bytes of unsent replies after which a client's requests wait
 PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not read

@@ -22,7 +22,7 @@ import time
 import traceback
 from collections import deque
 
-from protocol.errors import EtcdFull, EtcdUnavailable, KVPoolError
+from kvpool.protocol.errors import EtcdFull, EtcdUnavailable, KVPoolError
 
 WAIT_S = 3.0  # seconds a durable write may take before its request is answered
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from protocol import errors as E
-from protocol.messages import EvictReport, EvictSelector
+from kvpool.protocol import errors as E
+from kvpool.protocol.messages import EvictReport, EvictSelector
 
 if TYPE_CHECKING:
-    from master.state import Node, Obj
+    from kvpool.master.state import Node, Obj
 
 
 class EvictionMixin:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from protocol import errors as E
-from protocol.messages import HandoffRecord
+from kvpool.protocol import errors as E
+from kvpool.protocol.messages import HandoffRecord
 
 @dataclass
 class Handoff:

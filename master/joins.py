@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from protocol import messages as M
-from protocol.errors import InvalidRequest, NodeUnavailable
+from kvpool.protocol import messages as M
+from kvpool.protocol.errors import InvalidRequest, NodeUnavailable
 
 _SLICE_S = 0.1  # a fetch looks at the stop flag this often while it waits
 

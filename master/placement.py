@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from master.state import Node
+    from kvpool.master.state import Node
 
 
 def spread(nodes: Sequence[Node], rank: Callable[[Node], object], high_watermark: float,

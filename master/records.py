@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from protocol.layout import LayoutSpec
-from protocol.messages import HandoffRecord, PinRecord
+from kvpool.protocol.layout import LayoutSpec
+from kvpool.protocol.messages import HandoffRecord, PinRecord
 
 
 class _HandoffRecordV1(msgspec.Struct, frozen=True):

@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from master.allocator import align_up
-from protocol import errors as E
-from protocol.grants import grant_token
-from protocol.messages import ExtentEntry, ExtentRef, NodeCommit, NodeCopy, NodeFree
+from kvpool.master.allocator import align_up
+from kvpool.protocol import errors as E
+from kvpool.protocol.grants import grant_token
+from kvpool.protocol.messages import ExtentEntry, ExtentRef, NodeCommit, NodeCopy, NodeFree
 
 if TYPE_CHECKING:
-    from master.state import Node, Obj
+    from kvpool.master.state import Node, Obj
 
 REPAIR_SCAN = 256  # queued objects one pump looks at, at most
 REPAIR_RETRY_S = 5.0  # parked objects are queued again after this many seconds (or when a node joins)

@@ -45,18 +45,18 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from master.clients import ClientConns
-from master.durable import DurableWrites, Pending
-from master.joins import JoinQueue, Table, fetch_table
-from master.metrics import Metrics
-from master.records import decode_records
-from master.state import MasterSettings, MasterState
-from protocol import messages as M
-from protocol import transport
-from protocol.config import MasterConfig
-from protocol.errors import ConfigError, EtcdFull, EtcdUnavailable, InvalidRequest, KVPoolError, NotFound, NotLeader
-from protocol.etcd import Etcd, Keys, kept_alive
-from protocol.units import parse_duration
+from kvpool.master.clients import ClientConns
+from kvpool.master.durable import DurableWrites, Pending
+from kvpool.master.joins import JoinQueue, Table, fetch_table
+from kvpool.master.metrics import Metrics
+from kvpool.master.records import decode_records
+from kvpool.master.state import MasterSettings, MasterState
+from kvpool.protocol import messages as M
+from kvpool.protocol import transport
+from kvpool.protocol.config import MasterConfig
+from kvpool.protocol.errors import ConfigError, EtcdFull, EtcdUnavailable, InvalidRequest, KVPoolError, NotFound, NotLeader
+from kvpool.protocol.etcd import Etcd, Keys, kept_alive
+from kvpool.protocol.units import parse_duration
 
 
 @dataclass(frozen=True)

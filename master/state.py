@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from master.allocator import RangeAllocator, align_up
-from master.eviction import EvictionMixin
-from master.handoffs import Handoff, HandoffMixin
-from master.placement import spread
-from master.repair import RepairMixin, commit_row, grant as _grant
-from protocol import errors as E
-from protocol.config import MasterConfig
-from protocol.errors import ErrorInfo
-from protocol.keys import validate_key
-from protocol.layout import LayoutSpec
-from protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, NodeCommit,
+from kvpool.master.allocator import RangeAllocator, align_up
+from kvpool.master.eviction import EvictionMixin
+from kvpool.master.handoffs import Handoff, HandoffMixin
+from kvpool.master.placement import spread
+from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
+from kvpool.protocol import errors as E
+from kvpool.protocol.config import MasterConfig
+from kvpool.protocol.errors import ErrorInfo
+from kvpool.protocol.keys import validate_key
+from kvpool.protocol.layout import LayoutSpec
+from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, NodeCommit,
                                NodeDesc, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
                                WIRE_VERSION)
 

@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 import yaml
 
-from protocol.errors import ConfigError
-from protocol.messages import ClusterSettings
-from protocol.units import parse_duration, parse_size
+from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.messages import ClusterSettings
+from kvpool.protocol.units import parse_duration, parse_size
 
 MIN_SEGMENT = 1 << 20
 DEVICE_RE = r"cpu|cuda(:\d+)?"  # a store node segment's device: cpu (shared memory) or cuda[:N]
@@ -50,7 +50,7 @@ class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def endpoints(self) -> list[str]:
         """The configured endpoints, normalised (empty for an embedded etcd)."""
-        from protocol.etcd import parse_endpoints
+        from kvpool.protocol.etcd import parse_endpoints
 
         return [] if self.endpoint is None else parse_endpoints(self.endpoint, key="etcd.endpoint")
 

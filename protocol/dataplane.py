@@ -20,7 +20,7 @@ import struct
 
 import msgspec
 
-from protocol.errors import ErrorInfo, InvalidRequest, NodeUnavailable
+from kvpool.protocol.errors import ErrorInfo, InvalidRequest, NodeUnavailable
 
 _LEN = struct.Struct("<I")
 MAX_HEADER = 1 << 16

@@ -28,7 +28,7 @@ import aetcd
 import aetcd.exceptions
 from aetcd import rpc
 
-from protocol.errors import ConfigError, EtcdFull, EtcdUnavailable
+from kvpool.protocol.errors import ConfigError, EtcdFull, EtcdUnavailable
 
 # the call could not reach the member: try the next endpoint
 _UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)

@@ -33,9 +33,9 @@ from typing import Any
 import msgspec
 import xxhash
 
-from protocol.errors import InvalidRequest, LayoutMismatch
-from protocol.keys import group_key, validate_key
-from protocol.layout import LayoutSpec
+from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
+from kvpool.protocol.keys import group_key, validate_key
+from kvpool.protocol.layout import LayoutSpec
 
 ATTENTION_KINDS = ("full_attention", "sliding_window")
 PAGED_KINDS = ("full_attention", "sliding_window", "mla")  # restorable at any length <= stored

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from protocol.errors import InvalidKey
+from kvpool.protocol.errors import InvalidKey
 
 MAX_KEY_BYTES = 512
 ROOT_HASH = bytes(16)

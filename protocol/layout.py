@@ -14,7 +14,7 @@ import math
 import msgspec
 import xxhash
 
-from protocol.errors import InvalidRequest, LayoutMismatch
+from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
 
 KINDS = ("full_attention", "sliding_window", "mla", "mamba", "raw")
 PARALLEL = ("split", "replicate")

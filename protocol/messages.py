@@ -11,8 +11,8 @@ from typing import Any, Union
 
 import msgspec
 
-from protocol.errors import ConfigError, ErrorInfo, InvalidRequest
-from protocol.layout import LayoutSpec
+from kvpool.protocol.errors import ConfigError, ErrorInfo, InvalidRequest
+from kvpool.protocol.layout import LayoutSpec
 
 WIRE_VERSION = 2
 """Version of every message and data frame kvpool processes exchange. Bump it with any

@@ -18,8 +18,8 @@ from __future__ import annotations
 import select
 import struct
 
-from protocol.dataplane import FrameReader
-from protocol.errors import InvalidRequest
+from kvpool.protocol.dataplane import FrameReader
+from kvpool.protocol.errors import InvalidRequest
 
 HEAD = struct.Struct("<IQ")
 MAX_FRAME = 64 << 20  # bytes; a batch of ~500k keys. Larger frames are refused

@@ -13,9 +13,9 @@ import os
 import socket
 from typing import Any, Callable
 
-from protocol.errors import ConfigError, NodeUnavailable
+from kvpool.protocol.errors import ConfigError, NodeUnavailable
 
-_LAZY: dict[str, str] = {"ucx": "protocol.ucx_transport"}
+_LAZY: dict[str, str] = {"ucx": "kvpool.protocol.ucx_transport"}
 _CONNECT: dict[str, Callable[[str, float], Any]] = {}
 _LISTEN: dict[str, Callable[[str], Any]] = {}
 

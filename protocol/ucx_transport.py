@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import ucxx._lib.libucxx as ucx_api  # noqa: E402  (ImportError here: the extra is absent)
 from ucxx._lib.arr import Array  # noqa: E402
 
-from protocol import transport  # noqa: E402
+from kvpool.protocol import transport  # noqa: E402
 
 _LEN = struct.Struct("<Q")
 _HELLO = struct.Struct("<QI")  # connection id, worker address length

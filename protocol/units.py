@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from protocol.errors import ConfigError
+from kvpool.protocol.errors import ConfigError
 
 _SIZE = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "tb": 10**12}

@@ -28,14 +28,14 @@ import threading
 
 import msgspec
 
-from protocol import transport
-from protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
-from protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
-from protocol.grants import check_token
-from protocol.messages import ExtentEntry
-from storenode.device_segment import DeviceSegment
-from storenode.extents import ExtentTable
-from storenode.segment import Segment
+from kvpool.protocol import transport
+from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
+from kvpool.protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
+from kvpool.protocol.grants import check_token
+from kvpool.protocol.messages import ExtentEntry
+from kvpool.storenode.device_segment import DeviceSegment
+from kvpool.storenode.extents import ExtentTable
+from kvpool.storenode.segment import Segment
 
 _FLUSH_BYTES = 1 << 20
 _req_dec = msgspec.msgpack.Decoder(DataRequest)

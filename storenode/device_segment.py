@@ -18,9 +18,9 @@ import queue
 import re
 import threading
 
-from protocol.config import DEVICE_RE
-from protocol.errors import ConfigError
-from storenode.segment import Segment
+from kvpool.protocol.config import DEVICE_RE
+from kvpool.protocol.errors import ConfigError
+from kvpool.storenode.segment import Segment
 
 STAGE_BYTES = 4 << 20  # one staging buffer (bytes): the largest piece of one device copy
 STAGE_BUFFERS = 4  # staging buffers per segment, shared by all connections (pinned memory is scarce)

@@ -11,8 +11,8 @@ import threading
 
 import msgspec
 
-from protocol.errors import InvalidRequest, StaleExtent
-from protocol.messages import ExtentEntry
+from kvpool.protocol.errors import InvalidRequest, StaleExtent
+from kvpool.protocol.messages import ExtentEntry
 
 
 class ExtentTable:

@@ -26,15 +26,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from protocol import messages as M
-from protocol import transport
-from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
-from protocol.errors import ConfigError, EtcdFull, KVPoolError
-from protocol.etcd import Etcd, Keys, kept_alive
-from storenode.dataserver import DataServer
-from storenode.device_segment import DeviceSegment
-from storenode.extents import ExtentTable
-from storenode.segment import Segment
+from kvpool.protocol import messages as M
+from kvpool.protocol import transport
+from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
+from kvpool.protocol.errors import ConfigError, EtcdFull, KVPoolError
+from kvpool.protocol.etcd import Etcd, Keys, kept_alive
+from kvpool.storenode.dataserver import DataServer
+from kvpool.storenode.device_segment import DeviceSegment
+from kvpool.storenode.extents import ExtentTable
+from kvpool.storenode.segment import Segment
 
 
 @dataclass(frozen=True)

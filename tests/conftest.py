@@ -14,8 +14,8 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from cli.cluster import LocalCluster
-from protocol.config import load_config
+from kvpool.cli.cluster import LocalCluster
+from kvpool.protocol.config import load_config
 
 
 def wait_for(cond: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from master.allocator import ALIGN, RangeAllocator
+from kvpool.master.allocator import ALIGN, RangeAllocator
 
 
 def test_alloc_free_coalesce():

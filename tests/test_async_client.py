@@ -2,8 +2,8 @@
 bootstrap included), and the awaitable facade for proxies and async schedulers."""
 import asyncio
 
-from connector.aclient import AsyncKVPoolClient
-from connector.client import KVPoolClient
+from kvpool.connector.aclient import AsyncKVPoolClient
+from kvpool.connector.client import KVPoolClient
 
 
 def test_client_built_inside_a_running_loop_follows_etcd(cluster):

@@ -6,11 +6,11 @@ import struct
 import msgspec
 import pytest
 
-from connector.dataclient import DataPlane, WriteOp
-from protocol import errors as E
-from protocol import messages as M
-from protocol import rpcwire
-from protocol.dataplane import DataReply, DataRequest, frame, recv_reply
+from kvpool.connector.dataclient import DataPlane, WriteOp
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol import rpcwire
+from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
 from tests.conftest import wait_for
 
 
@@ -232,7 +232,7 @@ def test_a_second_store_node_under_a_live_nodes_name_stops_and_takes_nothing(mak
     """The name of a live store node cannot be taken over: a second process started under
     it waits for the name's lease to lapse (a crashed previous run's would), then stops
     with a config error; the first node keeps serving and keeps its data."""
-    from cli.cluster import Child, kvpool_argv
+    from kvpool.cli.cluster import Child, kvpool_argv
 
     lc = make_cluster(nodes=1, memory="64MiB", node_ttl="1s")
     with lc.client() as c:

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from rich.console import Console
 
-from cli.bench import memcpy_gbps, render_bench, render_markdown, run_bench
+from kvpool.cli.bench import memcpy_gbps, render_bench, render_markdown, run_bench
 
 KiB = 1 << 10
 
@@ -63,7 +63,7 @@ def test_two_replicas(cluster):
 
 
 def test_bad_options_are_config_errors(cluster):
-    from protocol.errors import ConfigError
+    from kvpool.protocol.errors import ConfigError
 
     with pytest.raises(ConfigError, match="transport"):
         _quick(cluster, transport="carrier-pigeon")

@@ -9,7 +9,7 @@ from tests.conftest import wait_for
 
 
 def kv(cluster, *args, ok=True):
-    p = subprocess.run([sys.executable, "-m", "cli", *args, "--master", cluster.master_addr],
+    p = subprocess.run([sys.executable, "-m", "kvpool.cli", *args, "--master", cluster.master_addr],
                        capture_output=True, text=True, timeout=60)
     if ok:
         assert p.returncode == 0, p.stderr + p.stdout
@@ -79,11 +79,11 @@ def test_bad_selectors_fail_clearly(cluster, args, msg):
 
 
 def test_errors_say_what_to_do(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "cli", "status", "--master", "tcp://127.0.0.1:1"],
+    p = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", "tcp://127.0.0.1:1"],
                        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
                                                                          "KVPOOL_CLIENT__RPC_TIMEOUT": "1s"})
     assert p.returncode == 4 and "is it running?" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "cli", "status", "--cluster", "nothing-here"],
+    p = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--cluster", "nothing-here"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "kvpool up" in p.stderr
 
@@ -91,7 +91,7 @@ def test_errors_say_what_to_do(tmp_path):
 def test_metrics_endpoint(make_cluster):
     import urllib.request
 
-    from cli.cluster import free_port
+    from kvpool.cli.cluster import free_port
 
     port = free_port()
     lc = make_cluster(nodes=1, memory="32MiB", metrics_port=port)
@@ -115,7 +115,7 @@ def test_metrics_scrapes_under_write_load_all_succeed(make_cluster):
     import threading
     import urllib.request
 
-    from cli.cluster import free_port
+    from kvpool.cli.cluster import free_port
 
     port = free_port()
     lc = make_cluster(nodes=1, memory="64MiB", metrics_port=port)
@@ -162,7 +162,7 @@ def test_master_addresses_that_cannot_work_fail_at_once():
     for addr, want in [("tcp://127.0.0.1:99999", "port 1-65535"), ("tcp://no-such-host.invalid:1", "cannot resolve"),
                        ("127.0.0.1:5000", "no scheme"), ("http://127.0.0.1:1", "use tcp://host:port")]:
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "cli", "status", "--master", addr], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", addr], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and want in r.stderr, (addr, r.stderr)
         assert time.monotonic() - t0 < 8.0

@@ -25,12 +25,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from cli.cluster import REPO
-from connector.client import KVPoolClient
-from master.records import decode_records
-from protocol import errors as E
-from protocol import messages as M
-from protocol.layout import LayoutSpec, TensorSpec
+REPO = Path(__file__).resolve().parent.parent
+from kvpool.connector.client import KVPoolClient
+from kvpool.master.records import decode_records
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 from tests.conftest import wait_for
 
@@ -141,8 +141,8 @@ def test_stepping_the_masters_wall_clock_neither_ends_nor_stretches_leases_pins_
 
 _PUBLISH = """
 import sys, time
-from connector.client import KVPoolClient
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("b", (4096,), "uint8"),))
 master, key, rid, ttl = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 with KVPoolClient(master) as c:

@@ -11,8 +11,8 @@ import psutil
 import pytest
 from rich.console import Console
 
-from cli.demo import render_demo, run_demo
-from connector.reference import ReferenceModel
+from kvpool.cli.demo import render_demo, run_demo
+from kvpool.connector.reference import ReferenceModel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def test_namespaces_isolate_runs(cluster, report):
 
 
 def test_bad_master_fails_cleanly():
-    from protocol.errors import KVPoolError
+    from kvpool.protocol.errors import KVPoolError
 
     with pytest.raises(KVPoolError, match="engine"):
         run_demo("tcp://127.0.0.1:9", quick=True, timeout_s=60, rpc_timeout_s=1.0)
@@ -89,7 +89,7 @@ def test_bad_master_fails_cleanly():
 @pytest.mark.slow
 def test_cli_demo_quick_json():
     """`kvpool demo --quick --json` brings up its own cluster, runs, tears down."""
-    p = subprocess.run([sys.executable, "-m", "cli", "demo", "--quick", "--json"], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--quick", "--json"], cwd=REPO,
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads(p.stdout[p.stdout.index("{"):])

@@ -14,7 +14,7 @@ def test_drain_moves_pinned_objects(make_cluster):
         assert on0
         for k in on0:
             c.pin(k)
-        p = subprocess.run([sys.executable, "-m", "cli", "drain", "node-0", "--master", lc.master_addr],
+        p = subprocess.run([sys.executable, "-m", "kvpool.cli", "drain", "node-0", "--master", lc.master_addr],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and "draining node-0" in p.stdout
         wait_for(lambda: all(o.nodes == ["node-1"] for o in c.ls("dr/") if o.key in on0), 10,
@@ -25,9 +25,9 @@ def test_drain_moves_pinned_objects(make_cluster):
         assert c.ls("dr/new")[0].nodes == ["node-1"]
         st = c.stats()
         assert [n.draining for n in st.nodes if n.node_id == "node-0"] == [True]
-        p = subprocess.run([sys.executable, "-m", "cli", "drain", "node-0", "--undo", "--master", lc.master_addr],
+        p = subprocess.run([sys.executable, "-m", "kvpool.cli", "drain", "node-0", "--undo", "--master", lc.master_addr],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and not any(n.draining for n in c.stats().nodes)
-        p = subprocess.run([sys.executable, "-m", "cli", "drain", "nope", "--master", lc.master_addr],
+        p = subprocess.run([sys.executable, "-m", "kvpool.cli", "drain", "nope", "--master", lc.master_addr],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "no live node" in p.stderr

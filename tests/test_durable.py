@@ -3,8 +3,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from master import durable
-from protocol import errors as E
+from kvpool.master import durable
+from kvpool.protocol import errors as E
 
 
 class Harness:

@@ -16,12 +16,12 @@ import msgspec
 import pytest
 from aetcd import rpc
 
-from cli.cluster import Child, find_etcd, free_port
-from connector.client import KVPoolClient
-from protocol import errors as E
-from protocol import messages as M
-from protocol.config import load_config
-from protocol.etcd import Etcd, Keys, parse_endpoints, read_key_sync
+from kvpool.cli.cluster import Child, find_etcd, free_port
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol.config import load_config
+from kvpool.protocol.etcd import Etcd, Keys, parse_endpoints, read_key_sync
 from tests.conftest import wait_for
 
 MiB = 1 << 20

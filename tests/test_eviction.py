@@ -8,8 +8,8 @@ import time
 import pytest
 import xxhash
 
-from protocol import errors as E
-from protocol import messages as M
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
 from tests.conftest import wait_for
 
 MiB = 1 << 20
@@ -128,8 +128,8 @@ def test_pins_survive_evict_all_and_soft_pins_go_last(make_cluster):
 
 WRITER = r"""
 import sys
-from connector.client import KVPoolClient
-from protocol import messages as M
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol import messages as M
 c = KVPoolClient(sys.argv[1])
 g = c.rpc.call(M.PutStart([M.PutItem("stuck/key", 1 << 20, 0)], c.host_id, 1))[0]
 print(g.put_id, flush=True)

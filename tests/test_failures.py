@@ -9,12 +9,12 @@ import pytest
 import torch
 import xxhash
 
-from connector.client import KVPoolClient
-from connector.dataclient import DataPlane, ReadOp
-from connector.handoff import HandoffConsumer, HandoffProducer
-from protocol import errors as E
-from protocol import messages as M
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.connector.client import KVPoolClient
+from kvpool.connector.dataclient import DataPlane, ReadOp
+from kvpool.connector.handoff import HandoffConsumer, HandoffProducer
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.chaos
@@ -235,7 +235,7 @@ def test_pins_through_an_etcd_outage_and_a_failover(make_cluster):
     """Pin and unpin are durable before they are acknowledged: with etcd down an unpin is
     refused (the pin stays), a forced remove still works and its leftover record is deleted
     once etcd is back; a new object under that key is not pinned by a new leader."""
-    from protocol.etcd import Keys, read_key_sync
+    from kvpool.protocol.etcd import Keys, read_key_sync
 
     lc = make_cluster(nodes=2, memory="32MiB", node_ttl="2s")
     standby = lc.start_master(wait_leader=False)
@@ -289,7 +289,7 @@ def test_durable_writes_during_an_etcd_stall_end_where_the_calls_say(make_cluste
     """While etcd stalls, a pin waits for its record; the object is force-removed meanwhile,
     so the pin answers NotFound and its record is deleted again. A hand-off acked before
     its publish record landed does not reappear: the delete runs after the put."""
-    from protocol.etcd import Keys, read_key_sync
+    from kvpool.protocol.etcd import Keys, read_key_sync
 
     lc = make_cluster(nodes=2, memory="32MiB", node_ttl="6s")
     keys = Keys(lc.cfg.cluster)
@@ -360,7 +360,7 @@ def test_a_client_pointed_at_a_standby_is_told_where_the_leader_is(make_cluster)
         return lc.master_addr in str(ei.value)  # once the standby has read the leader key
 
     wait_for(told, 10, what="the standby to name the leader")
-    r = subprocess.run([sys.executable, "-m", "cli", "status", "--master", addr], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", addr], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 4 and lc.master_addr in r.stderr
 

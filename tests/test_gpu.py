@@ -3,7 +3,7 @@ device machine); skipped cleanly where torch sees no CUDA device."""
 import pytest
 import torch
 
-from protocol.errors import ChecksumMismatch, InvalidRequest
+from kvpool.protocol.errors import ChecksumMismatch, InvalidRequest
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
@@ -54,7 +54,7 @@ def test_cuda_tensors_move_by_dma_into_and_out_of_a_same_host_segment(cluster):
     TCP reader (host bytes, its own checksum check) reads exactly what was DMA'd in. An
     object spanning two registration windows works; a staged client (cuda_direct=False)
     reads the same bytes without registering anything."""
-    from connector.device_buffer import PIN_WINDOW
+    from kvpool.connector.device_buffer import PIN_WINDOW
 
     with cluster.client() as c, cluster.client(transport="tcp") as net, cluster.client(cuda_direct=False) as staged:
         small = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
@@ -118,7 +118,7 @@ def test_copies_run_on_the_callers_stream(cluster):
     """A tensor made on a side stream is copied on that stream (whichever client thread
     issues the copy), so the copy waits for the kernel that produced it: put right after a
     kernel on the side stream, with no synchronisation by the caller, stores its result."""
-    from connector.device_buffer import DeviceBuffer
+    from kvpool.connector.device_buffer import DeviceBuffer
 
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):

@@ -6,10 +6,10 @@ import sys
 import pytest
 import torch
 
-from connector.handoff import HandoffConsumer, HandoffProducer
-from protocol import errors as E
-from protocol.layout import LayoutSpec, TensorSpec
-from protocol.messages import EvictSelector
+from kvpool.connector.handoff import HandoffConsumer, HandoffProducer
+from kvpool.protocol import errors as E
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
+from kvpool.protocol.messages import EvictSelector
 from tests.conftest import wait_for
 
 LAYOUT = LayoutSpec(kind="full_attention", tokens_per_block=16,
@@ -28,8 +28,8 @@ def keys(rid: str) -> list[str]:
 
 PRODUCER = r"""
 import json, sys
-from connector.client import KVPoolClient
-from connector.handoff import HandoffProducer
+from kvpool.connector.client import KVPoolClient
+from kvpool.connector.handoff import HandoffProducer
 from tests.test_handoff import LAYOUT, block, keys, N
 master, rid, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
 with KVPoolClient(master) as c:
@@ -40,8 +40,8 @@ print(json.dumps(params), flush=True)
 
 CONSUMER = r"""
 import json, sys, torch
-from connector.client import KVPoolClient
-from connector.handoff import HandoffConsumer
+from kvpool.connector.client import KVPoolClient
+from kvpool.connector.handoff import HandoffConsumer
 from tests.test_handoff import block
 master, params = sys.argv[1], json.loads(sys.argv[2])
 with KVPoolClient(master) as c:
@@ -82,12 +82,12 @@ def test_producer_exits_consumer_loads_and_acks(cluster):
 def test_unacked_hold_expires_and_ls_shows_it(cluster):
     with cluster.client() as c:
         HandoffProducer(c, ttl_s=4.0).publish("req-exp", {"0": (LAYOUT, keys("req-exp"), [block(i) for i in range(N)])})
-        p = subprocess.run([sys.executable, "-m", "cli", "ls", "--prefix", "pd/req-exp/", "--json",
+        p = subprocess.run([sys.executable, "-m", "kvpool.cli", "ls", "--prefix", "pd/req-exp/", "--json",
                             "--master", cluster.master_addr], capture_output=True, text=True, timeout=60)
         rows = json.loads(p.stdout)
         assert len(rows) == N and all(r["held"] for r in rows)
         wait_for(lambda: c.stats().held_bytes == 0, 15, what="hold released at the deadline")
-        p = subprocess.run([sys.executable, "-m", "cli", "ls", "--prefix", "pd/req-exp/", "--json",
+        p = subprocess.run([sys.executable, "-m", "kvpool.cli", "ls", "--prefix", "pd/req-exp/", "--json",
                             "--master", cluster.master_addr], capture_output=True, text=True, timeout=60)
         assert not any(r["held"] for r in json.loads(p.stdout))
         with pytest.raises(E.HandoffExpired):

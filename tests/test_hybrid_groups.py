@@ -4,12 +4,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol.errors import InvalidRequest, LayoutMismatch
-from protocol.groups import (CacheGroupSpec, ReadPiece, SlotInfo, TransferProjection, check_projection,
+from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
+from kvpool.protocol.groups import (CacheGroupSpec, ReadPiece, SlotInfo, TransferProjection, check_projection,
                              common_prefix, project, slot_key, storage_layout, tail_hash, tail_key, tail_layout,
                              tp_read_plan, validate_state_slot)
-from protocol.keys import group_key
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.protocol.keys import group_key
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 
 def attn(heads=4, tp=1, rank=0, block=16, layers=1, kind="full_attention"):

@@ -13,11 +13,11 @@ import uuid
 import pytest
 import torch
 
-from connector.hybrid_store import HybridStore, pack_tensors
-from connector.reference.hybrid import HybridCache, HybridConfig, HybridModel
-from connector.reference.tokenizer import encode, load_text
-from protocol.errors import InvalidRequest, LayoutMismatch
-from protocol.groups import project
+from kvpool.connector.hybrid_store import HybridStore, pack_tensors
+from kvpool.connector.reference.hybrid import HybridCache, HybridConfig, HybridModel
+from kvpool.connector.reference.tokenizer import encode, load_text
+from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
+from kvpool.protocol.groups import project
 
 TOL = 1e-5
 MIXES = [("attn",), ("mla",), ("kda",), ("swa",), ("attn", "mla"), ("attn", "kda"), ("mla", "kda"),
@@ -149,7 +149,7 @@ def test_put_time_rejections(client):
     _, cache = m.prefill(P)
     spec = next(g for g in m.cache_groups() if g.name == "kda")
     good = m.state_slot(cache.checkpoints[128], spec, 0, 128)
-    from protocol.keys import block_hashes, extra_bytes
+    from kvpool.protocol.keys import block_hashes, extra_bytes
 
     h = block_hashes(P, 64, extra_bytes(m.model_id))[1]
     no_conv = m.state_slot(cache.checkpoints[128], spec, 0, 128)

@@ -10,13 +10,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from cli.demo import render_demo, run_demo
-from connector.hybrid_store import HybridEngineModel, HybridStore, pack_tensors, unpack_tensors
-from connector.reference.hybrid import HybridConfig, HybridModel
-from connector.reference.tokenizer import encode, load_text
-from protocol.errors import InvalidRequest, LayoutMismatch
-from protocol.keys import block_hashes, extra_bytes
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.cli.demo import render_demo, run_demo
+from kvpool.connector.hybrid_store import HybridEngineModel, HybridStore, pack_tensors, unpack_tensors
+from kvpool.connector.reference.hybrid import HybridConfig, HybridModel
+from kvpool.connector.reference.tokenizer import encode, load_text
+from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
+from kvpool.protocol.keys import block_hashes, extra_bytes
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 TOL = 1e-5
 TEXT = encode(load_text("declaration_of_independence"))

@@ -3,13 +3,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from protocol import errors as E
-from protocol import messages as M
-from protocol import rpcwire
-from protocol.config import load_config
-from protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key, validate_key
-from protocol.layout import LayoutSpec, TensorSpec, check_layout
-from protocol.units import parse_duration, parse_size
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol import rpcwire
+from kvpool.protocol.config import load_config
+from kvpool.protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key, validate_key
+from kvpool.protocol.layout import LayoutSpec, TensorSpec, check_layout
+from kvpool.protocol.units import parse_duration, parse_size
 
 
 def kv_layout(**kw):

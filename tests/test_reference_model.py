@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.reference import ModelConfig, ReferenceModel, decode, demo_requests, encode, system_prompt
-from connector.reference.tokenizer import DOCUMENTS, TEXT_DIR, load_text
-from protocol.keys import block_hashes, extra_bytes
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.connector.reference import ModelConfig, ReferenceModel, decode, demo_requests, encode, system_prompt
+from kvpool.connector.reference.tokenizer import DOCUMENTS, TEXT_DIR, load_text
+from kvpool.protocol.keys import block_hashes, extra_bytes
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 TOL = 1e-5
 

@@ -3,11 +3,11 @@ from collections import Counter
 
 import pytest
 
-from master.repair import REPAIR_RETRY_S
-from master.state import MasterSettings, MasterState
-from protocol.config import MasterConfig, load_config
-from protocol.errors import ConfigError
-from protocol.messages import HandoffRecord, NodeCopy, NodeDesc, NodeFree
+from kvpool.master.repair import REPAIR_RETRY_S
+from kvpool.master.state import MasterSettings, MasterState
+from kvpool.protocol.config import MasterConfig, load_config
+from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.messages import HandoffRecord, NodeCopy, NodeDesc, NodeFree
 from tests.test_state import put
 
 MiB = 1 << 20

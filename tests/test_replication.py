@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from protocol import errors as E
+from kvpool.protocol import errors as E
 from tests.conftest import wait_for
 
 KiB = 1 << 10
@@ -64,10 +64,10 @@ def test_a_put_reports_how_many_replicas_it_landed(make_cluster, tmp_path):
         assert c.put_batch(["sp/c"], [b"c"]) == [None] and c.put("sp/d", b"d") is True  # unchanged API
         src = tmp_path / "f"
         src.write_bytes(b"cli" * 100)
-        p = subprocess.run([sys.executable, "-m", "cli", "put", "sp/cli", str(src), "--master", lc.master_addr],
+        p = subprocess.run([sys.executable, "-m", "kvpool.cli", "put", "sp/cli", str(src), "--master", lc.master_addr],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and "on 1 of 2 replicas" in p.stdout, p.stdout + p.stderr
-        p = subprocess.run([sys.executable, "-m", "cli", "put", "sp/cli1", str(src), "--replicas", "1",
+        p = subprocess.run([sys.executable, "-m", "kvpool.cli", "put", "sp/cli1", str(src), "--replicas", "1",
                             "--master", lc.master_addr], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and "on 1 replica" in p.stdout and " of " not in p.stdout, p.stdout
         assert c.stats().under_replicated == 4  # sp/a, sp/c, sp/d, sp/cli (sp/b and sp/cli1 asked for one)

@@ -7,10 +7,10 @@ import pytest
 import torch
 import xxhash
 
-from connector.blocks import BlockStore
-from protocol import errors as E
-from protocol.keys import block_hashes
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.connector.blocks import BlockStore
+from kvpool.protocol import errors as E
+from kvpool.protocol.keys import block_hashes
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
@@ -33,7 +33,7 @@ def test_same_host_clients_reach_the_master_over_its_unix_alias(cluster):
     socket it names, however the master's address is spelled; both reach the same master."""
     import socket
 
-    from connector.client import KVPoolClient
+    from kvpool.connector.client import KVPoolClient
 
     with cluster.client() as c:
         c.put("alias/k", b"v")
@@ -56,9 +56,9 @@ def test_alias_is_used_only_when_its_peer_is_the_master(honest):
 
     import msgspec
 
-    from connector.rpc import MasterRPC
-    from protocol import messages as M
-    from protocol import rpcwire, transport
+    from kvpool.connector.rpc import MasterRPC
+    from kvpool.protocol import messages as M
+    from kvpool.protocol import rpcwire, transport
 
     name = f"unix://@kvpool-test-{secrets.token_hex(8)}"
     tcp = transport.listen("tcp://127.0.0.1:0")
@@ -93,7 +93,7 @@ def test_alias_is_used_only_when_its_peer_is_the_master(honest):
 def test_lanes_split_a_nodes_batch_by_bytes():
     from types import SimpleNamespace as NS
 
-    from connector.client import lanes
+    from kvpool.connector.client import lanes
 
     ops = [NS(ref=NS(size=n)) for n in (3 << 20, 1 << 20, 2 << 20, 2 << 20)]
     assert lanes(ops, 1) == [ops]
@@ -257,7 +257,7 @@ def test_prehash_stops_when_the_answer_is_in():
     """The put_start wait hashes host buffers of at most 4 MiB in order and stops at the
     first look at the socket that finds the answer (it looks every 256 KiB hashed);
     bigger buffers and device buffers are left to the write."""
-    from connector.client import _PREHASH_POLL, _prehash
+    from kvpool.connector.client import _PREHASH_POLL, _prehash
 
     small = [memoryview(bytes([i]) * (100 << 10)) for i in range(5)]  # 3 fit before the first look
     big = memoryview(bytes(5 << 20))
@@ -278,7 +278,7 @@ def test_work_beside_a_master_call_runs_once_and_keeps_its_own_errors(client):
     reply; the work may send one-way messages but not call (RuntimeError); an error of the
     work propagates as is (not taken for a broken connection and the request resent), and
     the reply it left unread does not confuse the next call."""
-    from protocol import messages as M
+    from kvpool.protocol import messages as M
 
     runs, nested = [], []
 
@@ -323,7 +323,7 @@ def test_reply_ready_on_a_closed_connection_says_read_it():
     follows raises the connection error the caller handles), not an untyped OSError."""
     import socket
 
-    from protocol.rpcwire import BlockingFrames
+    from kvpool.protocol.rpcwire import BlockingFrames
 
     a, b = socket.socketpair()
     frames = BlockingFrames(a)

@@ -8,10 +8,10 @@ import sys
 import msgspec
 import pytest
 
-from connector.client import KVPoolClient
-from protocol import errors as E
-from protocol import messages as M
-from protocol.etcd import Keys, read_key_sync
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol.etcd import Keys, read_key_sync
 
 
 def _record(lc) -> M.ClusterSettings:
@@ -69,7 +69,7 @@ def test_bad_settings_are_refused_and_change_nothing(cluster, changes, err, matc
 
 def test_settings_cli(cluster):
     def kv(*args):
-        return subprocess.run([sys.executable, "-m", "cli", "settings", *args, "--master", cluster.master_addr],
+        return subprocess.run([sys.executable, "-m", "kvpool.cli", "settings", *args, "--master", cluster.master_addr],
                               capture_output=True, text=True, timeout=60)
 
     with cluster.client() as c:
@@ -141,7 +141,7 @@ def _try(fn):
 
 
 def test_max_handoff_ttl_bounds_publishes(cluster):
-    from protocol.layout import LayoutSpec, TensorSpec
+    from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
     lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("b", (8,), "uint8"),))
     with cluster.client() as c:
@@ -158,6 +158,6 @@ def test_max_handoff_ttl_bounds_publishes(cluster):
 
 
 def test_master_flags_outside_the_settings_bounds_are_refused():
-    p = subprocess.run([sys.executable, "-m", "cli", "master", "--etcd", "http://127.0.0.1:1", "--replicas", "20"],
+    p = subprocess.run([sys.executable, "-m", "kvpool.cli", "master", "--etcd", "http://127.0.0.1:1", "--replicas", "20"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "replicas: 20; accepted: 1 to 16" in p.stderr

@@ -12,12 +12,12 @@ import msgspec
 import pytest
 import xxhash
 
-from cli.cluster import free_port
-from connector.dataclient import ReadOp
-from master.joins import JoinQueue
-from protocol import errors as E
-from protocol import messages as M
-from protocol.etcd import Etcd, Keys
+from kvpool.cli.cluster import free_port
+from kvpool.connector.dataclient import ReadOp
+from kvpool.master.joins import JoinQueue
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol.etcd import Etcd, Keys
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.chaos

@@ -1,10 +1,10 @@
 """The master's state machine, driven without sockets (time is a parameter)."""
 import pytest
 
-from master.state import MasterSettings, MasterState
-from protocol import errors as E
-from protocol.errors import ErrorInfo
-from protocol.messages import EvictSelector, HandoffRecord, NodeCommit, NodeCopy, NodeDesc, NodeFree, PutItem
+from kvpool.master.state import MasterSettings, MasterState
+from kvpool.protocol import errors as E
+from kvpool.protocol.errors import ErrorInfo
+from kvpool.protocol.messages import EvictSelector, HandoffRecord, NodeCommit, NodeCopy, NodeDesc, NodeFree, PutItem
 
 MiB = 1 << 20
 
@@ -301,8 +301,8 @@ def test_put_end_checksums_replace_put_start_and_reach_the_commit_notice():
 
 
 def test_node_extent_table_records_committed_rows_and_ignores_stale_ones():
-    from protocol.messages import ExtentEntry
-    from storenode.extents import ExtentTable
+    from kvpool.protocol.messages import ExtentEntry
+    from kvpool.storenode.extents import ExtentTable
 
     t = ExtentTable(10 * MiB)
     t.commit(ExtentEntry("a", 0, MiB, 2, 7, None, True))  # a same-host write: no row before the commit
@@ -314,8 +314,8 @@ def test_node_extent_table_records_committed_rows_and_ignores_stale_ones():
 
 
 def test_node_notices_keep_their_order_when_coalesced():
-    from master.server import _coalesce
-    from protocol.messages import ExtentEntry
+    from kvpool.master.server import _coalesce
+    from kvpool.protocol.messages import ExtentEntry
 
     row = ExtentEntry("a", 0, MiB, 1, 7, None, True)
     msgs = [NodeCommit([row]), NodeCommit([row]), NodeFree([(0, 1)]), NodeFree([(MiB, 2)]), NodeCommit([row])]
@@ -325,7 +325,7 @@ def test_node_notices_keep_their_order_when_coalesced():
 
 
 def test_pins_restore_from_records_and_report_dropped_pinned_keys():
-    from protocol.messages import PinRecord
+    from kvpool.protocol.messages import PinRecord
 
     st = make()
     put(st, "hard")
@@ -344,8 +344,8 @@ def test_pins_restore_from_records_and_report_dropped_pinned_keys():
 
 
 def test_node_table_refuses_writes_of_a_revoked_generation():
-    from protocol.messages import ExtentEntry
-    from storenode.extents import ExtentTable
+    from kvpool.protocol.messages import ExtentEntry
+    from kvpool.storenode.extents import ExtentTable
 
     t = ExtentTable(10 * MiB)
     t.check_write(0, 1)
@@ -382,8 +382,8 @@ def test_a_returning_node_does_not_bring_back_what_was_removed_meanwhile():
 def test_writer_commit_copy_never_replaces_the_masters_row():
     """The writer's copy of a commit (sent for master failover) fills in a missing row but
     never overrides what the master committed (e.g. the resolved replica count)."""
-    from protocol.messages import ExtentEntry
-    from storenode.extents import ExtentTable
+    from kvpool.protocol.messages import ExtentEntry
+    from kvpool.storenode.extents import ExtentTable
 
     t = ExtentTable(1 << 20)
     t.record_write("k", 0, 100, 3, 7, None)
@@ -405,7 +405,7 @@ def test_put_ids_do_not_repeat_across_leaders():
 
 
 def test_nodes_of_another_wire_version_are_screened_out_and_reported_once():
-    from protocol.messages import WIRE_VERSION
+    from kvpool.protocol.messages import WIRE_VERSION
 
     st = make(nodes=0)
 
@@ -429,8 +429,8 @@ def test_pins_and_holds_wait_for_a_node_that_is_away():
     with other bytes makes the pin record stale; an unpin cancels a waiting pin; a waiting
     pin is forgotten after DEPARTED_KEEP_S or when its soft pin lapses; closed hand-offs
     hold nothing."""
-    from master.state import DEPARTED_KEEP_S
-    from protocol.messages import PinRecord
+    from kvpool.master.state import DEPARTED_KEEP_S
+    from kvpool.protocol.messages import PinRecord
 
     st = make(nodes=1)
     away = NodeDesc("away", "inc-away", "tcp://x:2", "", "", "h1", 10 * MiB)
@@ -475,7 +475,7 @@ def test_pins_and_holds_wait_for_a_node_that_is_away():
 def test_holds_and_soft_pins_are_durations_rearmed_in_full_at_a_rebuild():
     """A hold runs ttl_s from its publish; a leader rebuilding from the record holds for the
     full ttl_s again from the rebuild (never shorter), and so re-arms a soft pin."""
-    from protocol.messages import PinRecord
+    from kvpool.protocol.messages import PinRecord
 
     st = make()
     put(st, "b", now=100.0)

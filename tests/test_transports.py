@@ -10,15 +10,15 @@ import msgspec
 import pytest
 import xxhash
 
-from connector.dataclient import DataPlane, ReadOp, WriteOp, sendv
-from protocol import errors as E
-from protocol import transport
-from protocol.grants import grant_token
-from protocol.messages import ExtentRef
-from storenode.dataserver import DataServer
-from storenode.device_segment import STAGE_BYTES, DeviceSegment
-from storenode.extents import ExtentTable
-from storenode.segment import Segment
+from kvpool.connector.dataclient import DataPlane, ReadOp, WriteOp, sendv
+from kvpool.protocol import errors as E
+from kvpool.protocol import transport
+from kvpool.protocol.grants import grant_token
+from kvpool.protocol.messages import ExtentRef
+from kvpool.storenode.dataserver import DataServer
+from kvpool.storenode.device_segment import STAGE_BYTES, DeviceSegment
+from kvpool.storenode.extents import ExtentTable
+from kvpool.storenode.segment import Segment
 
 
 def _has_ucx() -> bool:
@@ -202,7 +202,7 @@ def test_data_plane_over_transport(data_node):
 def test_commit_copy_is_one_way_and_refused_without_grant_or_after_free(data_node):
     """The writer's ``commit`` frame has no reply (the stream stays in step); it marks the
     row committed only with the extent's grant, and never for a generation already freed."""
-    from protocol.dataplane import DataRequest, frame
+    from kvpool.protocol.dataplane import DataRequest, frame
 
     seg, table, addr = data_node
     dp = DataPlane("this-host", "tcp", 10.0)
@@ -271,7 +271,7 @@ def test_device_segment_is_not_mapped_and_serves_the_unix_socket(tmp_path):
 def test_device_that_is_not_here_is_a_config_error():
     import torch
 
-    from storenode.device_segment import check_device
+    from kvpool.storenode.device_segment import check_device
 
     for bad in ("gpu0", "meta", "mps", "cpu:0", "CPU", "cuda:-1", "cuda:abc", "cuda:0 ", ""):
         with pytest.raises(E.ConfigError, match="accepted: cpu, cuda:N"):
@@ -291,7 +291,7 @@ def test_device_that_is_not_here_is_a_config_error():
 def test_device_segment_staging_is_bounded_and_refuses_written(tmp_path):
     """Many connections share at most STAGE_BUFFERS staging buffers; a ``written`` notice
     (bytes copied by a same-host client) is refused, since nobody maps device memory."""
-    from storenode.device_segment import STAGE_BUFFERS
+    from kvpool.storenode.device_segment import STAGE_BUFFERS
 
     seg = DeviceSegment(8 << 20, "cpu")
     table = ExtentTable(seg.capacity)
@@ -309,7 +309,7 @@ def test_device_segment_staging_is_bounded_and_refuses_written(tmp_path):
         assert seg._free.qsize() == 1
         ref = _ref(seg, srv.addrs[0], 1 << 20, 4096, 99, "x")
         s = transport.connect(srv.addrs[0], 5.0)
-        from protocol.dataplane import DataRequest, frame, recv_reply
+        from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
         s.sendall(frame(DataRequest("written", seg.incarnation, ref.offset, ref.size, ref.gen, "x", 0, None,
                                     ref.token)))
         rep = recv_reply(s)
@@ -331,7 +331,7 @@ def test_missing_extra_is_a_clear_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ucxx", None)
     monkeypatch.setitem(sys.modules, "ucxx._lib", None)
     monkeypatch.setitem(sys.modules, "ucxx._lib.libucxx", None)
-    monkeypatch.delitem(sys.modules, "protocol.ucx_transport", raising=False)
+    monkeypatch.delitem(sys.modules, "kvpool.protocol.ucx_transport", raising=False)
     monkeypatch.setattr(transport, "_CONNECT", {k: v for k, v in transport._CONNECT.items() if k != "ucx"})
     with pytest.raises(E.ConfigError, match=r"kvpool\[ucx\]"):
         transport.connect("ucx://127.0.0.1:1", 1.0)
@@ -408,7 +408,7 @@ def test_cluster_end_to_end_over_ucx(make_cluster):
 
 
 def test_window_pieces_split_extents_at_registration_windows():
-    from connector.device_buffer import PIN_WINDOW, window_pieces
+    from kvpool.connector.device_buffer import PIN_WINDOW, window_pieces
 
     W = PIN_WINDOW
     assert window_pieces(0, W) == [(0, W)]
@@ -425,7 +425,7 @@ def host_direct(tmp_path, monkeypatch):
     windows are 64 KiB, and stream sync fails on demand. The copies are torch ``copy_``
     as on a GPU; only registration and stream sync are CUDA's parts.
     Yields (segment, data plane, make_ref(offset, size, gen, key), state)."""
-    from connector import device_buffer as db
+    from kvpool.connector import device_buffer as db
 
     monkeypatch.setattr(db, "PIN_WINDOW", 64 << 10)
     state = {"fail_sync": False, "pieces": [], "before_dma": None, "on_sync": None}
@@ -470,7 +470,7 @@ def host_direct(tmp_path, monkeypatch):
 def _dev(data: bytes | int):
     import torch
 
-    from connector.device_buffer import DeviceBuffer
+    from kvpool.connector.device_buffer import DeviceBuffer
 
     t = torch.zeros(data, dtype=torch.uint8) if isinstance(data, int) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return DeviceBuffer(t)
@@ -551,7 +551,7 @@ def test_a_segment_unmapped_before_its_direct_copy_is_a_typed_error(host_direct)
 def test_unregistration_waits_for_transfers_in_flight(monkeypatch):
     """Dropping a mapping that direct transfers still hold defers cudaHostUnregister until
     the last of them is released (unregistering memory a copy uses is undefined)."""
-    from connector import device_buffer as db
+    from kvpool.connector import device_buffer as db
 
     done = []
     monkeypatch.setattr(db, "_unregister", lambda base, windows: done.append((base, sorted(windows))))

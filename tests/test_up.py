@@ -18,14 +18,14 @@ def test_up_status_and_clean_teardown(tmp_path):
     cluster = f"up-{uuid.uuid4().hex[:6]}"
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"cluster: {cluster}\nstorenodes:\n  - name: a\n    memory: 16MiB\n  - name: b\n    memory: 16MiB\n")
-    p = subprocess.Popen([sys.executable, "-m", "cli", "up", "--config", str(cfg)], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "up", "--config", str(cfg)], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
         line = p.stdout.readline()  # the one-line ready message (flushed, not wrapped)
         assert f"cluster '{cluster}' up" in line and "Ctrl-C to stop" in line, line
         kids = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
         assert len(kids) >= 4  # etcd, master, two store nodes
-        base = [sys.executable, "-m", "cli"]
+        base = [sys.executable, "-m", "kvpool.cli"]
         st = subprocess.run(base + ["status", "--json", "--cluster", cluster, "--config", str(cfg)],
                             capture_output=True, text=True, timeout=60)
         assert st.returncode == 0, st.stderr
@@ -44,7 +44,7 @@ def test_up_status_and_clean_teardown(tmp_path):
     for pid in kids:
         wait_for(lambda q=pid: not psutil.pid_exists(q) or psutil.Process(q).status() == "zombie", 10,
                  what=f"child {pid} gone")
-    st = subprocess.run([sys.executable, "-m", "cli", "status", "--config", str(cfg)], capture_output=True,
+    st = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--config", str(cfg)], capture_output=True,
                         text=True, timeout=60)
     assert st.returncode == 2 and "kvpool up" in st.stderr
     assert not [f for f in os.listdir("/dev/shm") if "kvpool" in f]
@@ -55,13 +55,13 @@ def test_a_second_up_of_the_same_cluster_is_refused_and_a_stale_record_replaced(
     for the same name fails at once (exit 2, naming the first's pid) and leaves the first's
     record alone; a record left by a killed `kvpool up` is called gone by other commands and
     replaced by the next `up`."""
-    from cli.cluster import lock_run_dir
-    from cli.common import _remove_run_dir, state_file
+    from kvpool.cli.cluster import lock_run_dir
+    from kvpool.cli.common import _remove_run_dir, state_file
 
     cluster = f"up2-{uuid.uuid4().hex[:6]}"
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"cluster: {cluster}\nstorenodes:\n  - name: a\n    memory: 16MiB\n")
-    base = [sys.executable, "-m", "cli"]
+    base = [sys.executable, "-m", "kvpool.cli"]
     rec = state_file(cluster)
     rec.parent.mkdir(parents=True, exist_ok=True)
     # a record whose pid is not visible here (another PID namespace) but whose run directory
@@ -115,8 +115,8 @@ def test_local_records_are_judged_by_their_run_dirs_lock(tmp_path):
     lives; odd records raise nothing."""
     import threading
 
-    from cli.cluster import RUN_DIR_LOCK, lock_run_dir, probe_run_dir
-    from cli.common import _recorded, _remove_run_dir
+    from kvpool.cli.cluster import RUN_DIR_LOCK, lock_run_dir, probe_run_dir
+    from kvpool.cli.common import _recorded, _remove_run_dir
 
     dead = 2 ** 22 + 12345
     rec = tmp_path / "c.json"

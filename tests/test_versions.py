@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from cli import cluster as cluster_mod
-from connector.client import KVPoolClient
-from protocol import errors as E
-from protocol import messages as M
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.cli import cluster as cluster_mod
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol import errors as E
+from kvpool.protocol import messages as M
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 from tests.conftest import wait_for
 
@@ -19,7 +19,7 @@ from tests.conftest import wait_for
 def _release(wire: int):
     """``kvpool_argv`` for a release of another wire version: the same code, its version
     constant changed, as the other processes see it."""
-    code = f"import protocol.messages as M; M.WIRE_VERSION = {wire}; from cli.app import main; main()"
+    code = f"import kvpool.protocol.messages as M; M.WIRE_VERSION = {wire}; from kvpool.cli.app import main; main()"
     return lambda *args: [sys.executable, "-c", code, *args]
 
 

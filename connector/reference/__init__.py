@@ -5,8 +5,8 @@ byte-level tokenizer and public-domain prompts (:mod:`.tokenizer`), and the engi
 worker process used by ``kvpool demo`` (:mod:`.worker`). No store is needed to use
 the model; the worker talks to a running cluster through ``connector.blocks``.
 """
-from connector.reference.model import ModelConfig, PagedKVCache, ReferenceModel
-from connector.reference.tokenizer import decode, demo_requests, encode, load_text, system_prompt
+from kvpool.connector.reference.model import ModelConfig, PagedKVCache, ReferenceModel
+from kvpool.connector.reference.tokenizer import decode, demo_requests, encode, load_text, system_prompt
 
 __all__ = ["ModelConfig", "PagedKVCache", "ReferenceModel", "decode", "demo_requests", "encode",
            "load_text", "system_prompt"]

@@ -43,12 +43,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from connector.hybrid_store import HybridStore, StateSlot, pack_tensors, unpack_tensors
-from connector.reference.model import apply_rope, causal_attention, rms_norm, rope_cos_sin
-from connector.reference.tokenizer import demo_requests, encode, user_turn
-from protocol.errors import InvalidRequest, KVPoolError
-from protocol.groups import CacheGroupSpec, TransferProjection, describe, project
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.connector.hybrid_store import HybridStore, StateSlot, pack_tensors, unpack_tensors
+from kvpool.connector.reference.model import apply_rope, causal_attention, rms_norm, rope_cos_sin
+from kvpool.connector.reference.tokenizer import demo_requests, encode, user_turn
+from kvpool.protocol.errors import InvalidRequest, KVPoolError
+from kvpool.protocol.groups import CacheGroupSpec, TransferProjection, describe, project
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 __all__ = ["HybridConfig", "HybridCache", "HybridModel", "HybridEngine"]
 
@@ -478,7 +478,7 @@ def hybrid_requests(quick: bool) -> tuple[list, list]:
     """(A's, B's) requests for the hybrid demo: shared documents + questions, a repeat, a
     new question, a multi-turn continuation of A's first prompt (restored exactly at its
     end through the stored partial tails) and a miss."""
-    from connector.reference.tokenizer import Request
+    from kvpool.connector.reference.tokenizer import Request
 
     a, b = demo_requests(quick=True)  # one document: the KDA recurrence runs token by token
     a = a[:2]
@@ -497,7 +497,7 @@ class HybridEngine:
         self.model = HybridModel(config, tp_size)
         self.client = self.store = None
         if master:
-            from connector.client import KVPoolClient
+            from kvpool.connector.client import KVPoolClient
 
             self.client = KVPoolClient(master=master, rpc_timeout_s=rpc_timeout_s)
             self.store = HybridStore(self.client, self.model, namespace, source_tp=source_tp)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from protocol.layout import LayoutSpec, TensorSpec
+from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
 __all__ = ["ModelConfig", "PagedKVCache", "ReferenceModel", "rope_cos_sin", "apply_rope", "rms_norm"]
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from connector.reference.model import ModelConfig, ReferenceModel
-from connector.reference.tokenizer import encode
-from protocol.keys import block_hashes, extra_bytes
+from kvpool.connector.reference.model import ModelConfig, ReferenceModel
+from kvpool.connector.reference.tokenizer import encode
+from kvpool.protocol.keys import block_hashes, extra_bytes
 
 RESULT_PREFIX = "KVPOOL_RESULT "
 READY_LINE = "KVPOOL_WORKER_READY"
@@ -66,8 +66,8 @@ class Engine:
         self.extra = extra_bytes(self.model.model_id)
         self.client = self.store = None
         if master:
-            from connector.blocks import BlockStore
-            from connector.client import KVPoolClient
+            from kvpool.connector.blocks import BlockStore
+            from kvpool.connector.client import KVPoolClient
 
             self.client = KVPoolClient(master=master, rpc_timeout_s=rpc_timeout_s)
             self.store = BlockStore(self.client, model=self.model.model_id, group_id=0,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     if args.engine == "hybrid":
-        from connector.reference.hybrid import HybridEngine
+        from kvpool.connector.reference.hybrid import HybridEngine
 
         eng: Any = HybridEngine(args.master, args.namespace, rpc_timeout_s=args.rpc_timeout)
     else:

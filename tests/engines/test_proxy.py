@@ -26,7 +26,7 @@ import urllib.request
 
 import pytest
 
-from protocol.errors import HandoffNotFound
+from kvpool.protocol.errors import HandoffNotFound
 
 from harness import kv_config
 from servers import (MODEL, Proc, every_backend_healthy, http, prompt_text, start_proxy, start_vllm_server,

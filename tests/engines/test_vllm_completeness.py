@@ -23,7 +23,7 @@ def _params(fn) -> list[tuple[str, object, object]]:
 
 
 def test_implements_every_abstract_method_with_matching_signature():
-    from connector.vllm_connector import KVPoolConnector
+    from kvpool.connector.vllm_connector import KVPoolConnector
 
     assert issubclass(KVPoolConnector, base.KVConnectorBase_V1)
     assert issubclass(KVPoolConnector, base.SupportsHMA) and base.supports_hma(KVPoolConnector)
@@ -38,7 +38,7 @@ def test_implements_every_abstract_method_with_matching_signature():
 
 
 def test_overridden_hooks_keep_vllm_signatures():
-    from connector.vllm_connector import KVPoolConnector
+    from kvpool.connector.vllm_connector import KVPoolConnector
 
     for name, ours in KVPoolConnector.__dict__.items():
         theirs = getattr(base.KVConnectorBase_V1, name, None)
@@ -53,7 +53,7 @@ def test_overridden_hooks_keep_vllm_signatures():
 
 
 def test_kvpool_imports_without_vllm():
-    code = ("import sys, connector, connector.client, connector.reference; "
+    code = ("import sys, kvpool, kvpool.client, kvpool.connector.reference, kvpool.connector.vllm_plugin; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=str(REPO), check=True, timeout=60)
@@ -63,7 +63,7 @@ def _vllm_config(extra: dict, role: str = "kv_both", policy: str = "fail", tp: i
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role=role, kv_load_failure_policy=policy,
-                           kv_connector_module_path="connector.vllm_connector", kv_connector_extra_config=extra)
+                           kv_connector_module_path="kvpool.connector.vllm_connector", kv_connector_extra_config=extra)
     return SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/org/tiny"),
                            cache_config=SimpleNamespace(block_size=32),
                            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
@@ -71,8 +71,8 @@ def _vllm_config(extra: dict, role: str = "kv_both", policy: str = "fail", tp: i
 
 
 def test_settings():
-    from connector.vllm_meta import ConnectorSettings
-    from protocol.errors import ConfigError
+    from kvpool.connector.vllm_meta import ConnectorSettings
+    from kvpool.protocol.errors import ConfigError
 
     s = ConnectorSettings.from_vllm(_vllm_config({"master": "tcp://127.0.0.1:1"}))
     assert (s.model_id, s.namespace, s.policy, s.loads, s.saves) == ("models--org--tiny", "vllm", "fail", True, True)
@@ -96,7 +96,7 @@ def test_layouts_from_vllm_specs():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    from connector.vllm_meta import group_layouts
+    from kvpool.connector.vllm_meta import group_layouts
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32)
     (g,) = group_layouts(_vllm_config({"master": "x"}, tp=2), _cache_config(full), tp_rank=1)
@@ -129,8 +129,8 @@ def test_state_group_layouts_and_refusals():
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec
 
-    from connector.vllm_meta import group_layouts
-    from protocol.errors import ConfigError
+    from kvpool.connector.vllm_meta import group_layouts
+    from kvpool.protocol.errors import ConfigError
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.bfloat16)
     gdn = MambaSpec(block_size=32, shapes=((3, 768), (4, 128, 128)), dtypes=(torch.bfloat16, torch.bfloat16),
@@ -151,7 +151,7 @@ def test_state_group_layouts_and_refusals():
 
 
 def test_stats_aggregate_and_reduce():
-    from connector.vllm_connector import KVPoolConnector
+    from kvpool.connector.vllm_connector import KVPoolConnector
 
     a = KVPoolConnector.build_kv_connector_stats()
     assert a.is_empty()

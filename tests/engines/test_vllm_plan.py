@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from connector.vllm_plan import (
+from kvpool.connector.vllm_plan import (
     NULL_BLOCK,
     PAGED,
     STATE,

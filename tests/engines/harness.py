@@ -21,9 +21,9 @@ MODEL_ID = "tiny-llama"
 
 
 def kv_config(role: str, master: str, namespace: str, policy: str | None = None, **extra) -> dict:
-    """A kv_transfer_config for the kvpool connector (``policy`` via vLLM's own field)."""
-    cfg = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "connector.vllm_connector",
-           "kv_role": role,
+    """A kv_transfer_config for the kvpool connector (``policy`` via vLLM's own field). The
+    connector is named only: kvpool's ``vllm.general_plugins`` entry point registers it."""
+    cfg = {"kv_connector": "KVPoolConnector", "kv_role": role,
            "kv_connector_extra_config": {"master": master, "namespace": namespace, "model_id": MODEL_ID,
                                          **extra}}
     if policy is not None:

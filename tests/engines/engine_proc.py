@@ -1,6 +1,6 @@
 """A vLLM engine in its own process, driven over stdin/stdout with JSON lines.
 
-Run as ``python tests/vllm/engine_proc.py '<json config>'`` with the repo on PYTHONPATH. The
+Run as ``python tests/engines/engine_proc.py '<json config>'`` with the repo on PYTHONPATH. The
 config: ``model`` (path), ``kv_transfer_config`` (dict or null), ``multiprocess``
 (bool: vLLM's default engine-core process, else in-process), ``seed``, ``log_stats``,
 ``engine_kwargs`` (``LLM(...)`` arguments over the defaults below).

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from protocol.keys import block_hashes, extra_bytes
+from kvpool.protocol.keys import block_hashes, extra_bytes
 
 from harness import Engine, close_all, corrupt, kv_config
 from tests.conftest import wait_for
@@ -263,7 +263,7 @@ class TestQwen3Next:
         """A hand-off whose groups differ from the consumer's (here: Gemma-3's groups
         published under this namespace) is refused, never reinterpreted; with policy
         recompute the consumer computes the prompt itself."""
-        from protocol.layout import LayoutSpec, TensorSpec
+        from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
         x = prompt_ids(331, 2 * QBS + 5)
         ref = tokens(engines["ref"].generate([x], max_tokens=6))

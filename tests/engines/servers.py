@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-from cli.cluster import free_port
+from kvpool.cli.cluster import free_port
 
 from harness import REPO
 from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids
@@ -138,7 +138,7 @@ def start_vllm_server(name: str, model: str, log_dir: Path, chat_template: Path,
 def start_proxy(name: str, args: list[str], log_dir: Path) -> Proc:
     """Start ``python -m cli proxy --port <free> *args`` (``args``: --prefill, --decode, ...)."""
     port = free_port()
-    return Proc(name, [sys.executable, "-m", "cli", "proxy", "--port", str(port), *args], log_dir, port)
+    return Proc(name, [sys.executable, "-m", "kvpool.cli", "proxy", "--port", str(port), *args], log_dir, port)
 
 
 def every_backend_healthy(status: int, doc) -> bool:

@@ -41,11 +41,11 @@ def _scheduler(master: str, lookup_timeout_s: float):
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from connector.vllm_meta import ConnectorSettings
-    from connector.vllm_scheduler import KVPoolScheduler
+    from kvpool.connector.vllm_meta import ConnectorSettings
+    from kvpool.connector.vllm_scheduler import KVPoolScheduler
 
     ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both",
-                           kv_connector_module_path="connector.vllm_connector",
+                           kv_connector_module_path="kvpool.connector.vllm_connector",
                            kv_connector_extra_config={"master": master, "lookup_timeout_s": lookup_timeout_s,
                                                       "rpc_timeout_s": 30})
     cfg = SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/tiny"),

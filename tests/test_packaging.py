@@ -1,0 +1,80 @@
+"""One ``kvpool`` import namespace: the repository's folders install as ``kvpool.<folder>``,
+no generic top-level module is importable, the master and store node start without torch,
+and a wheel built by ``python -m build`` installs in a fresh venv and runs ``kvpool demo``."""
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _py(code: str, cwd: str, python: str = sys.executable, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+
+
+def test_no_generic_top_level_modules(tmp_path):
+    code = ("import importlib.util as u; "
+            "print([n for n in ('cli', 'master', 'storenode', 'protocol', 'connector') if u.find_spec(n)])")
+    p = _py(code, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
+def test_master_and_store_node_do_not_import_torch(tmp_path):
+    code = ("import sys, kvpool, kvpool.master.server, kvpool.storenode.server, kvpool.cli.app; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'numpy.testing')); "
+            "assert not bad, bad")
+    p = _py(code, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+
+
+def test_public_api_names():
+    import kvpool
+    from kvpool.client import AsyncKVPoolClient, KVPoolClient
+    from kvpool.errors import KVPoolError, NotFound
+
+    assert kvpool.KVPoolClient is KVPoolClient and kvpool.AsyncKVPoolClient is AsyncKVPoolClient
+    assert issubclass(NotFound, KVPoolError) and kvpool.NotFound is NotFound
+    with pytest.raises(AttributeError):
+        kvpool.no_such_name  # noqa: B018
+
+
+def _site_packages(python: str) -> str:
+    return subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   text=True).strip()
+
+
+@pytest.mark.slow
+def test_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path):
+    """``python -m build --wheel``, then a fresh venv that gets the wheel and nothing from the
+    repository. Its third-party dependencies come from this venv through a .pth file (which
+    does not load this venv's editable finder), so the test needs no package index."""
+    pytest.importorskip("build")
+    dist = tmp_path / "dist"
+    b = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(REPO)],
+                       capture_output=True, text=True, timeout=300)
+    assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
+    wheels = list(dist.glob("kvpool-*.whl"))
+    assert len(wheels) == 1, wheels
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    deps = _site_packages(sys.executable)
+    Path(_site_packages(py), "deps.pth").write_text(deps + "\n")
+    i = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels[0])],
+                       capture_output=True, text=True, timeout=300)
+    assert i.returncode == 0, i.stderr[-2000:]
+    with tempfile.TemporaryDirectory() as cwd:
+        p = _py("import kvpool, kvpool.cli.app, sys; print(kvpool.__file__)", cwd=cwd, python=py)
+        assert p.returncode == 0, p.stderr
+        assert str(venv) in p.stdout, p.stdout  # the wheel's copy, not the repository's
+        p = _py("import cli", cwd=cwd, python=py)
+        assert p.returncode != 0 and "No module named 'cli'" in p.stderr
+        d = subprocess.run([str(venv / "bin" / "kvpool"), "demo", "--quick", "--json"], cwd=cwd, capture_output=True,
+                           text=True, timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]
