@@ -10,12 +10,20 @@ in this process:
   ``enforce_watermarks`` evicts down to the low one (LRU, every victim freed and announced);
 * memory per object in the master (RSS growth while filling / N, after ``gc.collect``).
 
+``--memory`` measures the index itself at each size, each figure in a fresh process and
+repeated ``--runs`` times (min / median / max): bytes per object (key strings included,
+created after the baseline) by tracemalloc and, in another process, by RSS growth, after
+filling with 4 KiB objects and again after reading every object once (lookup with a lease,
+then its release, 64 keys a call); then the latency of single 8 KiB puts (put_start +
+put_end, p50 / p99 of 2000) before and after removing half of the objects at random.
+
 ``--redis`` adds a peer: a local redis-server on a free loopback port, SET/GET/EXISTS/DEL of
 small values through redis-py, single and pipelined 64, plus its memory per key
 (``used_memory`` growth / N). The master side of ``kvpool bench --metadata`` measures the
 same ops through the real RPC.
 
     python benchmarks/metadata_bench.py [--sizes 10000,100000,1000000] [--redis] [--json]
+    python benchmarks/metadata_bench.py --memory [--sizes 1000000] [--runs 3] [--json]
 """
 from __future__ import annotations
 
@@ -23,6 +31,8 @@ import argparse
 import gc
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -130,6 +140,104 @@ def bench_index(n: int, ops_sample: int = 8192) -> dict:
     return row
 
 
+# ---- memory and fragmentation ------------------------------------------------------------
+
+def _put_latency(st: MasterState, tag: str, size: int, count: int, now: float) -> tuple[float, float]:
+    """p50 and p99 (microseconds) of ``count`` single puts of ``size`` bytes on fresh keys,
+    removed again afterwards (the index is left as it was)."""
+    ts = []
+    keys = [f"lat/{tag}/{i}" for i in range(count)]
+    for k in keys:
+        t0 = time.perf_counter()
+        g = st.put_start([PutItem(k, size, 1)], "host-0", 1, now)
+        st.put_end([k], [g[0].put_id], now)
+        ts.append(time.perf_counter() - t0)
+    for i in range(0, count, BATCH):
+        st.remove(keys[i:i + BATCH], True, now)
+    st.take_outbox()
+    ts.sort()
+    return ts[count // 2] * 1e6, ts[int(count * 0.99)] * 1e6
+
+
+def bench_memory(n: int, tracer: str, lat_puts: int = 2000) -> dict:
+    """Bytes per object of an index of ``n`` 4 KiB objects, measured by ``tracer``
+    ("tracemalloc" or "rss"), after filling and after reading each object once; with
+    "rss" also 8 KiB put latency before and after removing half of the objects at random."""
+    import tracemalloc
+
+    st = _state((n + 4 * lat_puts) * OBJ_SIZE * 2)  # room for everything, and for the 8 KiB puts
+    gc.collect()
+    if tracer == "tracemalloc":
+        tracemalloc.start()
+
+        def used() -> int:
+            return tracemalloc.get_traced_memory()[0]
+    else:
+        def used() -> int:
+            return psutil.Process().memory_info().rss
+    base = used()
+    keys = [_key(i) for i in range(n)]  # counted: the index keeps these very strings
+    _fill(st, keys, 1.0)
+    gc.collect()
+    row: dict = {"objects": n, "tracer": tracer, "bytes_per_object": (used() - base) / n}
+    now = 2.0
+    for i in range(0, n, BATCH):
+        ks = keys[i:i + BATCH]
+        st.lookup(ks, True, now)
+        st.release_leases(ks, now)
+        now += 1e-6
+    gc.collect()
+    row["bytes_per_object_after_reads"] = (used() - base) / n
+    if tracer == "tracemalloc":
+        tracemalloc.stop()
+        return row
+    now += 10.0
+    row["put8k_p50_us"], row["put8k_p99_us"] = _put_latency(st, "before", 8192, lat_puts, now)
+    gone = random.Random(1).sample(keys, n // 2)
+    for i in range(0, len(gone), BATCH):
+        st.remove(gone[i:i + BATCH], True, now)
+    st.take_outbox()
+    row["put8k_p50_after_removals_us"], row["put8k_p99_after_removals_us"] = _put_latency(
+        st, "after", 8192, lat_puts, now)
+    return row
+
+
+def memory_runs(sizes: list[int], runs: int) -> list[dict]:
+    """min / median / max over ``runs`` fresh processes per size and tracer."""
+    out = []
+    for n in sizes:
+        got: dict[str, list[float]] = {}
+        for _ in range(runs):
+            for tracer in ("tracemalloc", "rss"):
+                r = json.loads(subprocess.run([sys.executable, __file__, "--mem-one", f"{n}:{tracer}"], check=True,
+                                              capture_output=True, text=True).stdout)
+                for k, v in r.items():
+                    if k not in ("objects", "tracer"):
+                        got.setdefault(k if tracer == "rss" and k.startswith("put") else f"{tracer}_{k}", []).append(v)
+        out.append({"objects": n, "runs": runs,
+                    **{k: [min(v), statistics.median(v), max(v)] for k, v in got.items()}})
+    return out
+
+
+def render_memory(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="master index memory and 8 KiB put latency (min / median / max)")
+    cols = [("tracemalloc_bytes_per_object", "B/obj tracemalloc"),
+            ("tracemalloc_bytes_per_object_after_reads", "… after reads"),
+            ("rss_bytes_per_object", "B/obj RSS"), ("rss_bytes_per_object_after_reads", "… after reads"),
+            ("put8k_p50_us", "put p50 µs"), ("put8k_p99_us", "put p99 µs"),
+            ("put8k_p50_after_removals_us", "p50 after ½ removed"),
+            ("put8k_p99_after_removals_us", "p99 after ½ removed")]
+    t.add_column("objects", justify="right")
+    for _, name in cols:
+        t.add_column(name, justify="right")
+    for r in rows:
+        t.add_row(f"{r['objects']:,}", *[" / ".join(f"{x:,.0f}" for x in r[k]) for k, _ in cols])
+    Console(width=max(Console().width, 160)).print(t)
+
+
 # ---- redis peer ---------------------------------------------------------------------------
 
 def bench_redis(n: int, ops_sample: int = 8192) -> dict:
@@ -234,12 +342,23 @@ def main() -> None:
     ap.add_argument("--sizes", default="10000,100000,1000000", help="index sizes, comma separated")
     ap.add_argument("--redis", action="store_true", help="also measure a local redis-server as a peer")
     ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--memory", action="store_true", help="measure memory per object and put latency after removals")
+    ap.add_argument("--runs", type=int, default=3, help="with --memory: fresh processes per figure")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: one size, in a fresh process
+    ap.add_argument("--mem-one", help=argparse.SUPPRESS)  # internal: N:tracer, in a fresh process
     a = ap.parse_args()
     if a.one:
         print(json.dumps(bench_index(a.one)))
         return
+    if a.mem_one:
+        n, tracer = a.mem_one.split(":")
+        print(json.dumps(bench_memory(int(n), tracer)))
+        return
     sizes = [int(s) for s in a.sizes.split(",")]
+    if a.memory:
+        rows = memory_runs(sizes, a.runs)
+        print(json.dumps(rows, indent=2)) if a.json else render_memory(rows)
+        return
     # each size in its own process, so memory per object is not hidden by reused heap
     rows = [json.loads(subprocess.run([sys.executable, __file__, "--one", str(n)], check=True,
                                       capture_output=True, text=True).stdout) for n in sizes]

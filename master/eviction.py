@@ -29,24 +29,31 @@ class EvictionMixin:
         return ""
 
     def _lru_add(self, obj: Obj) -> None:
-        kind = obj.evictable_kind()
-        for r in obj.replicas:
-            node = self.nodes.get(r.node_id)
+        """Put ``obj`` at the hot end of its LRU list on each of its nodes (or, when it is
+        never evicted, in their ``fixed`` sets)."""
+        kind, key = obj.evictable_kind(), obj.key
+        for nid in obj.node_ids():
+            node = self.nodes.get(nid)
             if node is None:
                 continue
-            node.lru.pop(obj.key, None)
-            node.soft_lru.pop(obj.key, None)
+            node.lru.pop(key, None)
+            node.soft_lru.pop(key, None)
             if kind == "":
-                node.lru[obj.key] = None
+                node.fixed.discard(key)
+                node.lru[key] = None
             elif kind == "soft":
-                node.soft_lru[obj.key] = None
+                node.fixed.discard(key)
+                node.soft_lru[key] = None
+            else:
+                node.fixed.add(key)
 
     def _lru_remove(self, obj: Obj) -> None:
-        for r in obj.replicas:
-            node = self.nodes.get(r.node_id)
-            if node is not None:
-                node.lru.pop(obj.key, None)
-                node.soft_lru.pop(obj.key, None)
+        """Take ``obj`` off its nodes' LRU lists (into their ``fixed`` sets)."""
+        key = obj.key
+        for nid in obj.node_ids():
+            node = self.nodes.get(nid)
+            if node is not None and (node.lru.pop(key, 0) is None or node.soft_lru.pop(key, 0) is None):
+                node.fixed.add(key)
 
     def enforce_watermarks(self, now: float) -> int:
         """Evict LRU objects on every node above the high watermark down to the low one."""
@@ -63,7 +70,7 @@ class EvictionMixin:
         def done() -> bool:
             if target_used is not None:
                 return node.alloc.used <= target_used
-            return node.alloc.largest_free() >= need
+            return node.alloc.fits(need)
 
         evicted = 0
         for lru in (node.lru, node.soft_lru):
@@ -82,6 +89,42 @@ class EvictionMixin:
                 lru[key] = None
                 lru.move_to_end(key, last=False)
             if done():
+                break
+        return evicted
+
+    def _evict_count(self, count: int, now: float) -> int:
+        """Evict up to ``count`` objects to keep the index within ``max_objects``: the least
+        recently used across nodes first (the oldest cold end of the nodes' plain LRU lists,
+        then of their soft-pin lists), skipping leased objects as :meth:`_evict_node` does.
+        Returns how many went. Cost per object: one look at each node's cold end."""
+        evicted = 0
+        for attr in ("lru", "soft_lru"):
+            skipped: list[tuple[Node, list[str]]] = []
+            while evicted < count:
+                best = None
+                for node in self.nodes.values():
+                    lru, held = getattr(node, attr), []
+                    while lru:
+                        obj = self.objects.get(next(iter(lru)))
+                        if obj is None or obj.lease_until > now:
+                            held.append(lru.popitem(last=False)[0])
+                            continue
+                        if best is None or obj.last_access < best.last_access:
+                            best = obj
+                        break
+                    if held:
+                        skipped.append((node, held))
+                if best is None:
+                    break
+                self._drop(best, reason="max_objects")
+                evicted += 1
+            for node, keys in skipped:  # leased objects stay, at the cold end, for next time
+                lru = getattr(node, attr)
+                for key in reversed(keys):
+                    if key in self.objects and node.node_id in self.nodes and key not in lru:
+                        lru[key] = None
+                        lru.move_to_end(key, last=False)
+            if evicted >= count:
                 break
         return evicted
 

@@ -47,7 +47,7 @@ class HandoffMixin:
             for k in ks:
                 obj = self.objects[k]
                 self._lru_remove(obj)
-                obj.holds.add(rec.request_id)
+                obj.add_holds([rec.request_id])
                 self._maybe_repair(obj)
         self.counters["handoffs_published"] += 1
         return rec
@@ -81,7 +81,7 @@ class HandoffMixin:
             for k in ks:
                 obj = self.objects.get(k)
                 if obj is not None and rid in obj.holds:
-                    obj.holds.discard(rid)
+                    obj.discard_hold(rid)
                     self._lru_add(obj)
                 waiting = self.waiting_holds.get(k)
                 if waiting is not None:
@@ -101,6 +101,6 @@ class HandoffMixin:
                 obj = self.objects.get(k)
                 if obj is not None:
                     self._lru_remove(obj)
-                    obj.holds.add(rec.request_id)
+                    obj.add_holds([rec.request_id])
                 else:  # on a node not joined yet: held once its extent comes back
                     self.waiting_holds.setdefault(k, set()).add(rec.request_id)

@@ -70,7 +70,7 @@ class RepairMixin:
         """True when ``obj`` has fewer replicas than it wants. Replicas on draining nodes count
         only for objects that are neither held nor pinned (a drain moves held and pinned
         objects off its node, and leaves the rest)."""
-        if not obj.replicas:
+        if not obj.replica_count():
             return False
         have = len(self._live_replicas(obj)) if (obj.holds or obj.pin) else len(obj.replicas)
         return have < obj.replicas_wanted
@@ -155,13 +155,13 @@ class RepairMixin:
         without a replica first. Returns "" when queued, "node" when every node that is not
         draining holds a replica, "room" when no node can take it now."""
         need = align_up(max(obj.size, 1))
-        used = {r.node_id for r in obj.replicas}
+        used = set(obj.node_ids())
         if all(n.node_id in used or n.draining for n in self.nodes.values()):
             return "node"
         hosts = {self.nodes[n].desc.host_id for n in used if n in self.nodes}
         urgent = bool(obj.holds or obj.pin)
         cands = [n for n in self._placeable(now) if n.node_id not in used and n.suspect_until <= now
-                 and n.alloc.largest_free() >= need
+                 and n.alloc.fits(need)
                  and (urgent or n.alloc.used + need <= self.s.high_watermark * n.alloc.capacity)]
         for dst in self._spread(cands, lambda n: n.desc.host_id in hosts):
             off = dst.alloc.alloc(obj.size)
@@ -204,15 +204,16 @@ class RepairMixin:
             node.alloc.free(dst.offset, dst.size)
             self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
         else:
-            obj.replicas.append(dst)
-            obj._read_refs = None
-            node.keys.add(key)
+            obj.replicas = [*obj.replicas, dst]
+            node.fixed.add(key)
             self.outbox[dst.node_id].append(NodeCommit([commit_row(obj, dst)]))
         if len(self._live_replicas(obj)) >= obj.replicas_wanted:
             # moved off draining nodes: drop those copies
-            for r in [r for r in obj.replicas if self.nodes[r.node_id].draining]:
-                obj.replicas.remove(r)
-                self.nodes[r.node_id].keys.discard(key)
+            gone = [r for r in obj.replicas if self.nodes[r.node_id].draining]
+            if gone:
+                obj.replicas = [r for r in obj.replicas if not self.nodes[r.node_id].draining]
+            for r in gone:
+                self.nodes[r.node_id].drop_key(key)
                 self._free_extent(r)
         self._lru_add(obj)
         self.counters["repairs_done"] += 1
@@ -248,7 +249,7 @@ class RepairMixin:
         if undo:
             self._unpark()
             return
-        for key in list(node.keys):
+        for key in node.all_keys():
             obj = self.objects.get(key)
             if obj is not None:
                 self._maybe_repair(obj)

@@ -12,6 +12,11 @@ Messages that must reach store nodes (commit/free/copy notices) are appended to
 
 Eviction order is LRU per node (an ``OrderedDict`` moved-to-end on access), so choosing a
 victim is O(1) amortised regardless of index size; pinned and held objects leave the LRU.
+The index keeps each key once (the same str in :attr:`MasterState.objects` and the LRU
+lists) and each object as a lean :class:`~master.objects.Obj` naming nodes by number; a
+node's keys are its LRU lists plus a small ``fixed`` set (pending, held, hard-pinned), so
+no per-node key set is kept. ``max_objects`` bounds the index: a put past it evicts the
+least recently used object across nodes, or fails with NoSpace.
 """
 from __future__ import annotations
 
@@ -23,9 +28,8 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from kvpool.master.allocator import RangeAllocator, align_up
+from kvpool.master.objects import COMMITTED, PENDING, Obj
 from kvpool.master.eviction import EvictionMixin
 from kvpool.master.handoffs import Handoff, HandoffMixin
 from kvpool.master.placement import spread
@@ -39,7 +43,6 @@ from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, 
                                NodeDesc, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
                                WIRE_VERSION)
 
-PENDING, COMMITTED = 0, 1
 MAX_REPLICAS = 16
 DEPARTED_KEEP_S = 120.0  # how long a dropped node's memory may come back and be indexed again
 DEPARTED_MAX_KEYS = 200_000  # removals tracked per away node; past that it comes back empty
@@ -53,15 +56,18 @@ class MasterSettings(ClusterSettings, frozen=True):
     suspect_s: float = 3.0  # how long a node reported dead is not placed on (its etcd TTL)
     repair_rate: float = MasterConfig().repair_rate  # re-replication copies started per second (average)
     repair_in_flight: int = MasterConfig().repair_in_flight  # re-replication copies in flight at most
+    max_objects: int = MasterConfig().max_objects  # objects in the index (committed + pending) at most; 0: no bound
 
 
 @dataclass(eq=False, slots=True)
 class Node:
     desc: NodeDesc
     alloc: RangeAllocator
-    keys: set[str] = field(default_factory=set)
+    # every key with a replica here is in exactly one of: lru (plain), soft_lru (soft-pinned)
+    # or fixed (pending, held, hard-pinned, or between two LRU moves); see all_keys()
     lru: OrderedDict = field(default_factory=OrderedDict)
     soft_lru: OrderedDict = field(default_factory=OrderedDict)
+    fixed: set[str] = field(default_factory=set)
     quarantine: list[tuple[float, int, int]] = field(default_factory=list)
     draining: bool = False
     suspect_until: float = 0.0
@@ -74,44 +80,18 @@ class Node:
     def node_id(self) -> str:
         return self.desc.node_id
 
+    def all_keys(self) -> list[str]:
+        """Every key with a replica (pending or committed) on this node."""
+        return [*self.lru, *self.soft_lru, *self.fixed]
+
+    def drop_key(self, key: str) -> None:
+        """``key`` has no replica here any more."""
+        self.lru.pop(key, None)
+        self.soft_lru.pop(key, None)
+        self.fixed.discard(key)
+
     def usage(self) -> float:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
-
-
-@dataclass(eq=False, slots=True)
-class Obj:
-    key: str
-    size: int
-    checksum: int
-    layout: LayoutSpec | None
-    replicas: list[ExtentRef]
-    state: int
-    put_id: int
-    created: float
-    last_access: float
-    writer_deadline: float = 0.0
-    lease_until: float = 0.0
-    lease_count: int = 0
-    pin: str = ""
-    pin_until: float = 0.0
-    holds: set[str] = field(default_factory=set)
-    replicas_wanted: int = 1
-    repairing: bool = False
-    queued: int = 0  # where it waits for re-replication (master/repair.py), 0: nowhere
-    _read_refs: list[ExtentRef] | None = None
-
-    def read_refs(self) -> list[ExtentRef]:
-        """Replicas without write tokens (readers never get write authority); cached until
-        the replica list changes."""
-        if self._read_refs is None:
-            self._read_refs = [msgspec.structs.replace(r, token=b"") for r in self.replicas]
-        return self._read_refs
-
-    def evictable_kind(self) -> str:
-        """"" when in the plain LRU, "soft" in the soft-pin LRU, "none" when never evicted."""
-        if self.holds or self.pin == "hard":
-            return "none"
-        return "soft" if self.pin == "soft" else ""
 
 
 class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
@@ -147,6 +127,19 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         self._init_repair()
         self.repair_timeout_s = 30.0
         self.rng = random.Random(seed)
+        self._layouts: dict[LayoutSpec, LayoutSpec] = {}  # one instance per distinct layout
+
+    def _intern(self, layout: LayoutSpec | None) -> LayoutSpec | None:
+        """The shared instance equal to ``layout`` (objects of one model share a few layouts)."""
+        if layout is None:
+            return None
+        try:
+            got = self._layouts.get(layout)
+            if got is None and len(self._layouts) < 4096:
+                got = self._layouts[layout] = layout
+        except TypeError:  # unhashable (a list inside): keep it as it is
+            return layout
+        return got or layout
 
     # ---- membership ---------------------------------------------------------------------
 
@@ -175,12 +168,11 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         self.counters["node_deaths"] += 1
         self.outbox.pop(node_id, None)
         lost: list[str] = []
-        for key in list(node.keys):
+        for key in node.all_keys():
             obj = self.objects.get(key) or self.pending.get(key)
             if obj is None:
                 continue
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
-            obj._read_refs = None
             if obj.state == PENDING:
                 self._revoke_pending(obj, now, quarantine=False)
                 continue
@@ -217,9 +209,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             self._drop(obj, reason="corrupt")
             return
         self._lru_remove(obj)
-        obj.replicas.remove(bad[0])
-        obj._read_refs = None
-        self.nodes[node_id].keys.discard(key)
+        obj.replicas = [r for r in obj.replicas if r != bad[0]]
+        self.nodes[node_id].drop_key(key)
         self._free_extent(bad[0])
         self._lru_add(obj)
         self._maybe_repair(obj)
@@ -246,18 +237,17 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
         obj = self.objects.get(key)
         if obj is None:
-            obj = Obj(key, size, checksum, layout, [ref], COMMITTED, 0, now, now,
-                      replicas_wanted=replicas or self.s.replicas)
+            obj = Obj.new(key, size, checksum, self._intern(layout), [ref], COMMITTED, 0, now, now,
+                          replicas_wanted=replicas or self.s.replicas)
             self.objects[key] = obj
         elif obj.checksum == checksum and obj.size == size and (
                 not replicas or len(obj.replicas) < max(obj.replicas_wanted, replicas)):
-            obj.replicas.append(ref)
-            obj._read_refs = None
+            obj.replicas = [*obj.replicas, ref]
             obj.replicas_wanted = max(obj.replicas_wanted, replicas)
         else:  # other bytes under the key, or a copy more than wanted (re-replicated while this node was away)
             self._free_extent(ref)
             return
-        node.keys.add(key)
+        node.fixed.add(key)
         self._lru_add(obj)
         self._settle_waiting(obj, now)
         if len(obj.replicas) < obj.replicas_wanted:
@@ -272,7 +262,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             open_ = {r for r in holds if (h := self.handoffs.get(r)) is not None and h.status == "open"}
             if open_:
                 self._lru_remove(obj)
-                obj.holds.update(open_)
+                obj.add_holds(open_)
                 self._lru_add(obj)
         waiting = self.waiting_pins.pop(obj.key, None)
         if waiting is not None and not self._restore_pin(waiting[0], waiting[1], now):
@@ -306,13 +296,22 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             self._revoke_pending(p, now, quarantine=True)
         if it.size < 0:
             raise E.InvalidRequest(f"object {key!r}: negative size {it.size}", key=key)
+        cap = self.s.max_objects
+        if cap and len(self.objects) + len(self.pending) >= cap:
+            self._evict_count(len(self.objects) + len(self.pending) - cap + 1, now)
+            if len(self.objects) + len(self.pending) >= cap:
+                raise E.NoSpace(
+                    f"no room for {key!r}: the master holds {len(self.objects)} objects and {len(self.pending)} "
+                    f"being written, its bound master.max_objects = {cap}, and none can be evicted (all "
+                    "leased, pinned, held or being written); remove or unpin objects, wait for leases to "
+                    "lapse, or raise master.max_objects", key=key, max_objects=cap)
         refs = self._place(key, it.size, host_id, replicas, now, live)
         put_id = next(self._put_ids)
-        obj = Obj(key, it.size, it.checksum, it.layout, refs, PENDING, put_id, now, now,
-                  writer_deadline=now + self.s.put_timeout_s, replicas_wanted=replicas)
+        obj = Obj.new(key, it.size, it.checksum, self._intern(it.layout), refs, PENDING, put_id, now, now,
+                      writer_deadline=now + self.s.put_timeout_s, replicas_wanted=replicas)
         self.pending[key] = obj
         for r in refs:
-            self.nodes[r.node_id].keys.add(key)
+            self.nodes[r.node_id].fixed.add(key)
         return PutGrant(key, "write", put_id, list(refs), replicas)
 
     def _placeable(self, now: float) -> list[Node]:
@@ -407,6 +406,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             if checksums:
                 obj.checksum = checksums[i]
             obj.state = COMMITTED
+            obj.writer_deadline = 0.0
             obj.last_access = now
             self.objects[key] = obj
             for r in obj.replicas:
@@ -436,7 +436,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             node = self.nodes.get(r.node_id)
             if node is None:
                 continue
-            node.keys.discard(obj.key)
+            node.drop_key(obj.key)
             self.outbox[r.node_id].append(NodeFree([(r.offset, r.gen)]))
             if quarantine:
                 node.quarantine.append((now + self.s.quarantine_s, r.offset, r.size))
@@ -457,6 +457,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
 
     def lookup(self, keys: list[str], lease: bool, now: float) -> list[ObjectInfo | ErrorInfo]:
         out: list[ObjectInfo | ErrorInfo] = []
+        ttl = self.s.lease_ttl_s if lease else 0.0
+        until = now + ttl
         for key in keys:
             obj = self.objects.get(key)
             if lease:  # a read; lease-free lookups are metadata queries and are not counted
@@ -467,14 +469,14 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
                 continue
             self.counters["hits"] += lease
             self._touch(obj, now)
-            ttl = 0.0
             if lease:
-                ttl = self.s.lease_ttl_s
                 if obj.lease_until <= now:
                     obj.lease_count = 0
                 obj.lease_count += 1
-                obj.lease_until = max(obj.lease_until, now + ttl)
-            out.append(ObjectInfo(key, obj.size, obj.checksum, obj.layout, obj.read_refs(), ttl))
+                if obj.lease_until < until:
+                    obj.lease_until = until  # one float per call, shared by its objects
+            size, checksum, refs = obj.read_view()
+            out.append(ObjectInfo(key, size, checksum, obj.layout, refs, ttl))
         return out
 
     def release_leases(self, keys: list[str], now: float) -> None:
@@ -495,8 +497,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         kind = obj.evictable_kind()
         if kind == "none":
             return
-        for r in obj.replicas:
-            node = self.nodes.get(r.node_id)
+        for nid in obj.node_ids():
+            node = self.nodes.get(nid)
             if node is not None:
                 lru = node.soft_lru if kind == "soft" else node.lru
                 if obj.key in lru:
@@ -545,7 +547,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             self._free_extent(r)
             node = self.nodes.get(r.node_id)
             if node is not None:
-                node.keys.discard(obj.key)
+                node.drop_key(obj.key)
         self.counters[f"evictions_{reason}"] += 1
 
     def _free_extent(self, r: ExtentRef) -> None:
@@ -643,7 +645,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             if o.key.startswith(prefix):
                 pin = o.pin if (o.pin != "soft" or o.pin_until > now) else ""
                 out.append(ObjectMeta(o.key, o.size, o.layout.kind if o.layout else "raw",
-                                      [r.node_id for r in o.replicas], o.created + to_wall, o.last_access + to_wall,
+                                      o.node_ids(), o.created + to_wall, o.last_access + to_wall,
                                       o.lease_until > now, pin, bool(o.holds), o.replicas_wanted,
                                       now - o.created, now - o.last_access))
                 if len(out) >= limit:
@@ -669,11 +671,11 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         per_node: dict[str, int] = defaultdict(int)
         held = under = 0
         for o in self.objects.values():
-            for r in o.replicas:
-                per_node[r.node_id] += 1
-            if o.holds:
-                held += o.size * len(o.replicas)
-            if len(o.replicas) < o.replicas_wanted:
+            for nid in o.node_ids():
+                per_node[nid] += 1
+            if o.ext is not None and o.holds:
+                held += o.size * o.replica_count()
+            if o.replica_count() < o.replicas_wanted:
                 under += 1
         nodes = [NodeStats(n.node_id, n.desc.data_addr, n.desc.host_id, n.alloc.capacity, n.alloc.used,
                            per_node[n.node_id], True, n.draining, n.desc.incarnation, n.desc.device)
