@@ -1,5 +1,5 @@
 """``kvpool proxy``: an OpenAI-compatible HTTP front for pools of prefill (``kv_producer``)
-and decode (``kv_consumer``) vLLM servers, following the README's router contract.
+and decode (``kv_consumer``) vLLM servers, following the router contract in docs/vllm.md.
 
 Each ``POST /v1/completions`` or ``/v1/chat/completions`` is sent first to a healthy
 prefill server with ``max_tokens: 1`` (chat: also ``max_completion_tokens: 1``) and
@@ -28,21 +28,25 @@ the proxy's own registry) complete the API. Every backend call has a deadline.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import re
 import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpool.cli.proxy_pool import BACKEND_ERRORS, Backend, Pool, describe, health_loop
+from kvpool.protocol.config import ProxyConfig
 from kvpool.protocol.errors import ConfigError, KVPoolError
+from kvpool.protocol.units import parse_duration
 
 log = logging.getLogger("kvpool.proxy")
 
@@ -50,25 +54,49 @@ MAX_BODY_BYTES = 64 << 20  # largest request body accepted (long prompts, inline
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # visible ASCII, as a header value can carry it
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DONE = b"data: [DONE]\n\n"
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # metric labels: no client-made ones
 
 
 @dataclass(frozen=True)
 class ProxySettings:
-    """``kvpool proxy`` options. Durations in seconds: ``health_interval_s`` between
+    """``kvpool proxy`` options, resolved from the ``proxy`` section of the config tree
+    (:class:`~kvpool.protocol.config.ProxyConfig` states each default; build with
+    :meth:`from_config`). Durations in seconds: ``health_interval_s`` between
     health-check rounds, ``timeout_s`` the deadline of one backend request (a whole
-    stream included). ``master`` / ``etcd`` + ``cluster``: the kvpool cluster, used only
-    to release the hand-off of a request no decode server took (optional)."""
+    stream included), ``read_timeout_s`` the deadline for a client to send its whole
+    request body (then 408). ``max_in_flight``: generate requests served at once; more get
+    503 ``overloaded`` at once instead of queueing without bound. ``api_key``: clients must
+    send ``Authorization: Bearer <api_key>`` on ``/v1/*`` (401 otherwise; ``/health`` and
+    ``/metrics`` stay open for probes and scrapers); ``backend_api_key``: what the proxy
+    sends to the vLLM servers (their ``--api-key``); without it a client's own
+    ``Authorization`` is passed on, unless it was the proxy's key. ``master`` / ``etcd`` +
+    ``cluster``: the kvpool cluster, used only to release the hand-off of a request no
+    decode server took (optional)."""
 
     prefill: list[str]
     decode: list[str]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    health_interval_s: float = 2.0
-    timeout_s: float = 300.0
-    master: str | None = None
-    etcd: str | None = None
-    cluster: str = "default"
+    host: str
+    port: int
+    health_interval_s: float
+    timeout_s: float
+    master: str | None
+    etcd: str | None
+    cluster: str
+    read_timeout_s: float
+    max_in_flight: int
+    api_key: str | None = None
+    backend_api_key: str | None = None
     connect_timeout_s: float = 10.0
+
+    @classmethod
+    def from_config(cls, p: ProxyConfig, etcd: str | None = None, cluster: str = "default") -> "ProxySettings":
+        """Settings from the config tree's ``proxy`` section; the API keys are read from
+        ``api_key_file`` / ``backend_api_key_file``, else ``KVPOOL_PROXY_API_KEY`` /
+        ``KVPOOL_BACKEND_API_KEY``. Raises ConfigError for an unreadable key file."""
+        return cls(list(p.prefill), list(p.decode), p.host, p.port, parse_duration(p.health_interval),
+                   parse_duration(p.timeout), p.master, etcd, cluster, parse_duration(p.read_timeout),
+                   p.max_in_flight, _key(p.api_key_file, "KVPOOL_PROXY_API_KEY", "proxy.api_key_file"),
+                   _key(p.backend_api_key_file, "KVPOOL_BACKEND_API_KEY", "proxy.backend_api_key_file"))
 
     def check(self) -> None:
         """Raise ConfigError naming the bad option."""
@@ -76,15 +104,32 @@ class ProxySettings:
             raise ConfigError("--health-interval must be > 0", key="health_interval")
         if not 0 < self.timeout_s < float("inf"):
             raise ConfigError("--timeout must be > 0", key="timeout")
+        if not 0 < self.read_timeout_s < float("inf"):
+            raise ConfigError("--read-timeout must be > 0", key="read_timeout")
+        if self.max_in_flight < 1:
+            raise ConfigError("--max-in-flight must be >= 1", key="max_in_flight")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: use 0 (any free port) to 65535", key="port")
+
+
+def _key(path: str | None, env: str, key: str) -> str | None:
+    """An API key: the first line of ``path``, else the environment variable ``env``."""
+    if path:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot read {path} ({e.strerror})", key=key) from None
+        if not text:
+            raise ConfigError(f"{key}: {path} is empty", key=key)
+        return text
+    return os.environ.get(env) or None
 
 
 class ProxyMetrics:
     """The proxy's Prometheus metrics, in a registry of their own (``registry``).
 
-    ``kvpool_proxy_requests_total{endpoint, outcome}``: ok, bad_request (400/413, nothing
-    forwarded), no_backend (503), rejected (a server's 4xx passed on), prefill_failed /
+    ``kvpool_proxy_requests_total{endpoint, outcome}``: ok, bad_request (400/408/413, nothing
+    forwarded), unauthorized (401), no_backend and overloaded (503), rejected (a server's 4xx passed on), prefill_failed /
     decode_failed (502), stream_error (the stream ended with an error event), client_gone,
     failed (/v1/models). Latency histograms in seconds: ``kvpool_proxy_prefill_seconds``,
     ``kvpool_proxy_decode_ttfb_seconds`` (until the decode server's first byte),
@@ -129,6 +174,12 @@ def error_response(status: int, message: str, kind: str, **extra) -> web.Respons
                              status=status)
 
 
+def _not_json(name: str):
+    """``json.loads`` hook: NaN and Infinity are Python's extension, not JSON; a server
+    would read them differently (or fail later), so they are refused here."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def _sse_error(message: str) -> bytes:
     return b"data: " + json.dumps({"error": {"message": message, "type": "BadGateway", "code": 502}}).encode() \
         + b"\n\n" + _DONE
@@ -149,6 +200,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self._kv = None  # AsyncKVPoolClient, when --master/--etcd is given
+        self.in_flight = 0  # generate requests being served (event-loop thread only)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -186,7 +238,13 @@ class Proxy:
     async def _request_id(self, request: web.Request, handler) -> web.StreamResponse:
         """Honour or make the request id; put it on every response that is not streaming yet."""
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        if not _REQUEST_ID.fullmatch(rid):
+        if self.s.api_key and request.path.startswith("/v1/") and not self._authorized(request):
+            resp = error_response(401, "missing or wrong API key: send Authorization: Bearer <key> (the proxy's "
+                                  "--api-key-file / KVPOOL_PROXY_API_KEY)", "authentication_error")
+            self.metrics.requests.labels(request.path if request.path in _ENDPOINTS else "other",
+                                         "unauthorized").inc()
+            rid = uuid.uuid4().hex
+        elif not _REQUEST_ID.fullmatch(rid):
             resp: web.StreamResponse = error_response(400, "X-Request-Id must be 1 to 256 visible ASCII characters",
                                                       "invalid_request_error")
             rid = uuid.uuid4().hex
@@ -200,10 +258,26 @@ class Proxy:
             resp.headers["X-Request-Id"] = rid
         return resp
 
+    def _authorized(self, request: web.Request) -> bool:
+        got = request.headers.get("Authorization", "")
+        want = f"Bearer {self.s.api_key}"
+        return hmac.compare_digest(got.encode("utf-8", "surrogateescape"), want.encode())
+
     # ---- the generate path ----------------------------------------------------------------
 
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
         chat = path == "/v1/chat/completions"
+        if self.in_flight >= self.s.max_in_flight:
+            self.metrics.requests.labels(path, "overloaded").inc()
+            return error_response(503, f"the proxy is serving {self.in_flight} requests (--max-in-flight); retry "
+                                  "later", "overloaded")
+        self.in_flight += 1
+        try:
+            return await self._generate_one(request, path, chat)
+        finally:
+            self.in_flight -= 1
+
+    async def _generate_one(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         try:
             body = await self._parse(request, chat)
             for pool in (self.prefill, self.decode):
@@ -222,7 +296,11 @@ class Proxy:
             return _Answer(error_response(400, msg, "invalid_request_error"), "bad_request")
 
         try:
-            body = json.loads(await request.read())
+            raw = await asyncio.wait_for(request.read(), self.s.read_timeout_s)
+            body = json.loads(raw, parse_constant=_not_json)
+        except asyncio.TimeoutError:
+            raise _Answer(error_response(408, f"request body not received within {self.s.read_timeout_s:g} s",
+                                         "invalid_request_error"), "bad_request") from None
         except web.HTTPRequestEntityTooLarge:
             raise _Answer(error_response(413, f"request body over {MAX_BODY_BYTES >> 20} MiB",
                                          "invalid_request_error"), "bad_request") from None
@@ -244,7 +322,9 @@ class Proxy:
 
     def _headers(self, request: web.Request) -> dict[str, str]:
         h = {"X-Request-Id": request["request_id"]}
-        if "Authorization" in request.headers:  # servers started with --api-key
+        if self.s.backend_api_key:  # servers started with --api-key
+            h["Authorization"] = f"Bearer {self.s.backend_api_key}"
+        elif "Authorization" in request.headers and not self.s.api_key:
             h["Authorization"] = request.headers["Authorization"]
         return h
 
@@ -470,9 +550,12 @@ async def serve(s: ProxySettings, stop: asyncio.Event | None = None,
 
 
 def run_proxy(s: ProxySettings) -> None:
-    """``kvpool proxy``: log to stderr, serve until SIGINT/SIGTERM."""
+    """``kvpool proxy``: serve until SIGINT/SIGTERM, logging through the process's one log
+    setup (:func:`protocol.logs.setup_logging`, stderr; set up here when nobody did)."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s proxy %(levelname)s %(message)s")
+        from kvpool.protocol.logs import setup_logging
+
+        setup_logging("info")
 
     def ready(url: str) -> None:
         log.info("kvpool proxy on %s: prefill %s, decode %s%s", url, ", ".join(s.prefill), ", ".join(s.decode),

@@ -14,7 +14,16 @@
   layer ran; ``wait_for_save`` completes any layer vLLM did not pass and then puts the
   objects from a background thread — except a producer's last prompt chunk, which is
   committed before returning so the hand-off can be published when the request ends.
-  After ``wait_for_save`` returns, no vLLM block is read by a save.
+  Host-memory pages of paged groups (full attention, MLA, sliding window) are copied on
+  a gather thread, beside the layers that follow, and the next step's
+  ``bind_connector_metadata`` waits for those copies before its forward pass. That is the
+  earliest a saved block can change: a saved block is full and no layer writes its pages
+  again in this step, and a block freed by this step (request finished or preempted,
+  out of a sliding window) is handed out and written only in a later step, after that
+  bind; loads into newly allocated blocks start in ``start_load_kv``, after it too. State
+  groups (their checkpoints can be copied between blocks before a forward) and device
+  caches copy inside the forward, as before. After ``wait_for_save`` returns, no vLLM block
+  is read by a save once the next step's metadata is bound.
 """
 from __future__ import annotations
 
@@ -56,6 +65,7 @@ class _Staged:
     job: SaveJob
     bufs: list[torch.Tensor]
     done_layers: set[str] = field(default_factory=set)
+    gathers: list[Future] = field(default_factory=list)  # host copies still running on the gather thread
 
 
 @dataclass
@@ -91,6 +101,8 @@ class KVPoolWorker:
         self.barrier = False  # a producer's prompt ended this step: commit queued saves in wait_for_save
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+        self.gatherer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-gather")
+        self.gathers: list[Future] = []  # this step's host copies: awaited before the next forward
         self.loads: dict[str, Future] = {}
         self.saves: list[Future] = []
         self.invalid: set[int] = set()
@@ -180,6 +192,7 @@ class KVPoolWorker:
         return not (g.replicated and self.rank != 0)
 
     def bind(self, meta) -> None:
+        self._drain_gathers()  # before this step's forward can write a block the last step saved
         self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
         self.staged = []
         self.barrier = False
@@ -373,13 +386,26 @@ class KVPoolWorker:
         gi = self.layer_pos[layer_name][0]
         g = self.groups[gi]
         ids = st.job.groups[gi].block_ids
-        if ids and self._mine(g):
-            for view, lo, hi, shape, dtype in self._parts(g, layer_name):
-                idx = torch.tensor(ids, dtype=torch.long, device=view.device)
-                pages = view.index_select(0, idx)
-                dst = st.bufs[gi][:, lo:hi].view(_TORCH_DTYPES[dtype]).view(len(ids), *shape)
-                dst.copy_(pages)  # synchronous for CPU caches (and device->host copies)
         st.done_layers.add(layer_name)
+        if not ids or not self._mine(g):
+            return
+        for view, lo, hi, shape, dtype in self._parts(g, layer_name):
+            src = None if g.is_state else _host_bytes(view)
+            if src is not None:
+                fut = self.gatherer.submit(_copy_pages, src, st.bufs[gi][:, lo:hi].numpy(), ids)
+                st.gathers.append(fut)
+                self.gathers.append(fut)
+                continue
+            idx = torch.tensor(ids, dtype=torch.long, device=view.device)
+            pages = view.index_select(0, idx)
+            dst = st.bufs[gi][:, lo:hi].view(_TORCH_DTYPES[dtype]).view(len(ids), *shape)
+            dst.copy_(pages)  # synchronous for CPU caches (and device->host copies)
+
+    def _drain_gathers(self) -> None:
+        """Wait for every host copy queued so far (their errors are the saves' to report)."""
+        if self.gathers:
+            wait(self.gathers)
+            self.gathers = []
 
     def wait_for_save(self) -> None:
         staged, self.staged = self.staged, []
@@ -394,6 +420,7 @@ class KVPoolWorker:
                 if name not in st.done_layers:
                     self._gather(st, name)
             if st.job.sync:
+                wait(st.gathers)
                 sync.append(st)
             else:
                 self._throttle()
@@ -417,6 +444,14 @@ class KVPoolWorker:
         failed = 0
         nbytes = 0
         n_paged = 0
+        wait(st.gathers)
+        bad = next((f.exception() for f in st.gathers if f.exception() is not None), None)
+        if bad is not None:  # staging is incomplete: store nothing of this job
+            log.error("kvpool: copying the pages of request %s out of the KV cache failed (%s: %s); its blocks are "
+                      "not saved", job.req_id, type(bad).__name__, bad)
+            with self.lock:
+                self.stats.add("blocks_save_failed", max((len(gb.positions) for gb in job.groups), default=0))
+            return
         for gi, g in enumerate(self.groups):
             gb = job.groups[gi]
             n = len(gb.positions)
@@ -470,6 +505,7 @@ class KVPoolWorker:
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait for every queued save (used at shutdown and by tests)."""
+        self._drain_gathers()
         for f in list(self.saves):
             f.result(timeout=timeout_s)
         self.saves = []
@@ -481,7 +517,17 @@ class KVPoolWorker:
             log.warning("kvpool: saves still pending at shutdown: %s", e)
         self.loader.shutdown(wait=True, cancel_futures=True)
         self.saver.shutdown(wait=True)
+        self.gatherer.shutdown(wait=True)
         self.client.close()
+
+
+def _copy_pages(src, dst, block_ids: list[int]) -> None:
+    """Gather thread: ``dst[i] = src[block_ids[i]]`` as bytes. ``src``: a layer's host cache
+    ``[blocks, ...]`` uint8 (last axis in bytes); ``dst``: ``[len(block_ids), page bytes]``
+    uint8, a column range of the staging buffer. numpy copies without the GIL and without
+    an OpenMP team beside the engine's."""
+    for i, b in enumerate(block_ids):
+        dst[i] = src[b].reshape(-1)
 
 
 def _host_bytes(view):

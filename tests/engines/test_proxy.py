@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 import urllib.request
 
@@ -39,6 +40,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 NS = "proxy"
 PROMPT_TOKENS = 250
 HIT = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # tokens a hand-off carries (whole blocks but the last token)
+
+
+API_KEY = "proxy-test-key-0123456789"
 
 
 def request_body(kind: str, seed: int, stream: bool, max_tokens: int = 12, **extra) -> dict:
@@ -109,12 +113,15 @@ def servers(cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def proxies(servers, cluster, tmp_path_factory):
     logs = tmp_path_factory.mktemp("proxy-logs")
+    (logs / "api-key").write_text(API_KEY + "\n")
     ref, prod, cons = servers["ref"].url, servers["prod"].url, servers["cons"].url
-    specs = {"main": ["--prefill", prod, "--decode", cons, "--health-interval", "0.5s"],
+    specs = {"main": ["--prefill", prod, "--decode", cons, "--health-interval", "0.5s", "--read-timeout", "2s"],
              "plain": ["--prefill", ref, "--decode", cons],
              "stale": ["--prefill", prod, "--decode", cons, "--health-interval", "1h",
                        "--master", cluster.master_addr],
              "stale_p": ["--prefill", prod, "--decode", ref, "--health-interval", "1h"],
+             "keyed": ["--prefill", prod, "--decode", cons, "--api-key-file", str(logs / "api-key")],
+             "tight": ["--prefill", prod, "--decode", cons, "--max-in-flight", "1", "--read-timeout", "60s"],
              "retry": ["--prefill", prod, "--prefill", ref, "--decode", cons, "--decode", ref,
                        "--health-interval", "1h", "--timeout", "60s"]}
     started: dict[str, Proc] = {}
@@ -166,7 +173,8 @@ def test_bad_bodies(proxies):
     prefills = metric(p, "kvpool_proxy_prefill_seconds_count")
     bad = [(b"not json", "not JSON"), (b"[1, 2]", "JSON object"), ({"prompt": "w1 w2"}, '"model"'),
            ({"model": MODEL}, '"prompt"'), ({"model": MODEL, "prompt": "w1", "stream": "yes"}, '"stream"'),
-           (b"[" * 200000, "nests too deeply")]
+           (b"[" * 200000, "nests too deeply"),
+           (b'{"model": "m", "prompt": "w1", "temperature": NaN}', "not JSON")]
     for body, says in bad:
         st, headers, raw = http("POST", p.url + "/v1/completions", body)
         assert st == 400 and says in json.loads(raw)["error"]["message"], raw
@@ -177,7 +185,62 @@ def test_bad_bodies(proxies):
                       {"X-Request-Id": "x" * 300})
     assert st == 400 and "X-Request-Id" in json.loads(raw)["error"]["message"]
     assert metric(p, "kvpool_proxy_prefill_seconds_count") == prefills  # nothing was forwarded
-    assert metric(p, "kvpool_proxy_requests_total", endpoint="/v1/completions", outcome="bad_request") == 6
+    assert metric(p, "kvpool_proxy_requests_total", endpoint="/v1/completions", outcome="bad_request") == 7
+
+
+def test_api_key(proxies, servers):
+    """With --api-key-file, /v1/* needs ``Authorization: Bearer <key>`` (401 without it or
+    with another key, nothing forwarded); /health stays open; the right key gets the
+    reference text."""
+    p = proxies["keyed"]
+    body = request_body("completions", 46, False, max_tokens=4)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        st, _, raw = http("POST", p.url + "/v1/completions", body, headers)
+        assert st == 401 and json.loads(raw)["error"]["type"] == "authentication_error", raw
+    assert http("GET", p.url + "/v1/models")[0] == 401
+    assert http("GET", p.url + "/health")[0] == 200
+    assert metric(p, "kvpool_proxy_prefill_seconds_count") == 0
+    st, _, raw = http("POST", p.url + "/v1/completions", body, {"Authorization": f"Bearer {API_KEY}"})
+    assert st == 200, raw
+    _, _, ref_raw = http("POST", servers["ref"].url + "/v1/completions", body)
+    assert answer("completions", raw, False)[0] == answer("completions", ref_raw, False)[0]
+
+
+def _partial_request(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"model\"")
+    return s
+
+
+def test_over_max_in_flight_gets_503(proxies):
+    """With --max-in-flight 1, a request whose body is still arriving takes the one slot:
+    the next gets 503 ``overloaded`` at once; once it is gone, requests are served again."""
+    p = proxies["tight"]
+    body = request_body("completions", 45, False, max_tokens=2)
+    s = _partial_request(p.url)
+    try:
+        wait_for(lambda: http("POST", p.url + "/v1/completions", body)[0] == 503, 10, what="the slot to be taken")
+        st, _, raw = http("POST", p.url + "/v1/completions", body)
+        assert st == 503 and json.loads(raw)["error"]["type"] == "overloaded", raw
+    finally:
+        s.close()
+    wait_for(lambda: http("POST", p.url + "/v1/completions", body)[0] == 200, 30, what="the slot to be free")
+    assert metric(p, "kvpool_proxy_requests_total", endpoint="/v1/completions", outcome="overloaded") >= 2
+
+
+def test_slow_body_gets_408(proxies):
+    """A client that sends its headers and then too little of its body gets 408 at the
+    proxy's --read-timeout, and the proxy goes on serving."""
+    p = proxies["main"]
+    with _partial_request(p.url) as s:
+        got = b""
+        while b"\r\n\r\n" not in got and (chunk := s.recv(4096)):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    st, _, _ = http("GET", p.url + "/health")
+    assert st == 200
 
 
 def test_health_models_metrics(proxies, servers):
