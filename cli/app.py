@@ -3,7 +3,7 @@ ls, rm, pin, unpin), admin (status, evict, drain), the P/D proxy, demo and bench
 from __future__ import annotations
 
 import json
-import re
+import os
 import signal
 import sys
 import threading
@@ -16,11 +16,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvpool.cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, MasterOpt, build_config, claim_record, connect,
-                        console, fail, release_record, write_record)
+from kvpool.cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, LogLevelOpt, MasterOpt, build_config,
+                               claim_record, connect, console, fail, local_metrics, process_config, release_record, write_record)
 from kvpool.protocol import errors as E
 from kvpool.protocol import messages as M
-from kvpool.protocol.config import MasterConfig
+from kvpool.protocol.config import MasterConfig, StoreNodeConfig
 from kvpool.protocol.units import format_bytes, parse_duration, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -51,7 +51,7 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
         f = claim_record(cfg.cluster)
         try:
             with console.status("starting etcd, master and store nodes..."):
-                lc = LocalCluster(cfg)
+                lc = LocalCluster(cfg, metrics=True, secure=True)
                 if lc.owns_run_dir:  # named from the start: a kill -9 while starting leaves nothing behind
                     write_record(f, {"run_dir": lc.run_dir})
                 lc.__enter__()
@@ -60,9 +60,15 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
             raise
         try:
             write_record(f, {"master": lc.master_addr, "etcd": lc.etcd_endpoint,
-                             "run_dir": lc.run_dir if lc.owns_run_dir else ""})
+                             "run_dir": lc.run_dir if lc.owns_run_dir else "", "metrics": lc.metrics_urls,
+                             "secret_file": lc.security.secret_file or ""})
             console.print(f"[green]cluster {cfg.cluster!r} up[/]: etcd {lc.etcd_endpoint}, master {lc.master_addr}, "
                           f"{len(lc.nodes)} store nodes. Ctrl-C to stop.", soft_wrap=True)
+            console.print("metrics (/metrics, /healthz, /readyz): " + ", ".join(
+                f"{name} {url}" for name, url in lc.metrics_urls.items()), soft_wrap=True, highlight=False)
+            if lc.secret_file:
+                console.print(f"cluster secret: {lc.secret_file} (kvpool commands find it; other clients: export "
+                              f"KVPOOL_SECRET_FILE={lc.secret_file})", soft_wrap=True, highlight=False)
             sys.stdout.flush()  # visible at once when piped to a log
             try:
                 reported: set[str] = set()
@@ -85,92 +91,115 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
     _run(go)
 
 
-_MASTER = MasterConfig()  # defaults of the flags below that the config also has
+_Str = Annotated[Optional[str], typer.Option()]
+_Int = Annotated[Optional[int], typer.Option()]
+_Float = Annotated[Optional[float], typer.Option()]
+_SecretFile = Annotated[Optional[str], typer.Option(
+    help="File holding the cluster secret (config security.secret_file; env KVPOOL_SECRET_FILE or KVPOOL_SECRET)")]
+_TlsCert = Annotated[Optional[str], typer.Option(help="PEM certificate chain the TCP servers present (security.tls_cert)")]
+_TlsKey = Annotated[Optional[str], typer.Option(help="PEM private key of --tls-cert (security.tls_key)")]
+_TlsCa = Annotated[Optional[str], typer.Option(help="PEM CA that verifies servers, and client certificates "
+                                                    "with --tls-client-certs (security.tls_ca)")]
+_TlsClientCerts = Annotated[Optional[bool], typer.Option("--tls-client-certs/--no-tls-client-certs",
+                                                         help="Require client certificates signed by --tls-ca")]
+
+
+def _security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs) -> dict:
+    """The ``security`` overrides of the flags that were given."""
+    got = {k: v for k, v in (("secret_file", secret_file), ("tls_cert", tls_cert), ("tls_key", tls_key),
+                             ("tls_ca", tls_ca), ("tls_client_certs", tls_client_certs)) if v is not None}
+    return {"security": got} if got else {}
 
 
 @app.command()
-def master(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port, several comma-separated")],
-           cluster: Annotated[str, typer.Option()] = "default",
-           host: Annotated[str, typer.Option()] = "127.0.0.1",
-           rpc_port: Annotated[int, typer.Option(help="0 = any free port")] = 0,
-           metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus /metrics here")] = None,
-           replicas: Annotated[int, typer.Option()] = 1,
-           lease_ttl: Annotated[str, typer.Option()] = "5s",
-           put_timeout: Annotated[str, typer.Option()] = "30s",
-           quarantine: Annotated[str, typer.Option()] = "5s",
-           node_ttl: Annotated[str, typer.Option()] = "3s",
-           high_watermark: Annotated[float, typer.Option()] = 0.90,
-           low_watermark: Annotated[float, typer.Option()] = 0.80,
-           max_handoff_ttl: Annotated[str, typer.Option(help="Longest hold a hand-off may ask for")] = "24h",
-           membership_poll: Annotated[str, typer.Option()] = "250ms",
-           etcd_compaction_interval: Annotated[str, typer.Option(help="How often the leader compacts etcd's "
-                                               "history (0 = never)")] = str(_MASTER.etcd_compaction_interval),
-           etcd_compaction_retention: Annotated[int, typer.Option(
-               help="Revisions of history that compaction keeps")] = _MASTER.etcd_compaction_retention,
-           repair_rate: Annotated[float, typer.Option(help="Re-replication copies started per second "
-                                                           "(average)")] = _MASTER.repair_rate,
-           repair_in_flight: Annotated[int, typer.Option(help="Re-replication copies in flight at "
-                                                              "most")] = _MASTER.repair_in_flight) -> None:
-    """Run one master (several may run; one leads through etcd election)."""
+def master(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None, log_level: LogLevelOpt = None,
+           host: Annotated[Optional[str], typer.Option(help="Bind address (0.0.0.0: every interface)")] = None,
+           advertise: Annotated[Optional[str], typer.Option(
+               help="Address other hosts reach this master at, published in etcd (default: --host; for 0.0.0.0 "
+                    "the host's primary address)")] = None,
+           rpc_port: Annotated[Optional[int], typer.Option(help="0 = any free port")] = None,
+           metrics_port: Annotated[Optional[int], typer.Option(
+               help="Serve /metrics, /healthz, /readyz here (0 = any free port)")] = None,
+           replicas: _Int = None, lease_ttl: _Str = None, put_timeout: _Str = None, quarantine: _Str = None,
+           node_ttl: _Str = None, high_watermark: _Float = None, low_watermark: _Float = None,
+           max_handoff_ttl: Annotated[Optional[str], typer.Option(help="Longest hold a hand-off may ask for")] = None,
+           membership_poll: _Str = None,
+           etcd_compaction_interval: Annotated[Optional[str], typer.Option(
+               help="How often the leader compacts etcd's history (0 = never)")] = None,
+           etcd_compaction_retention: Annotated[Optional[int], typer.Option(
+               help="Revisions of history that compaction keeps")] = None,
+           repair_rate: Annotated[Optional[float], typer.Option(
+               help="Re-replication copies started per second (average)")] = None,
+           repair_in_flight: Annotated[Optional[int], typer.Option(help="Re-replication copies in flight at most")
+                                       ] = None,
+           join_timeout: Annotated[Optional[str], typer.Option(
+               help="Deadline of a first request for a joining store node's extent table")] = None,
+           join_backoff: Annotated[Optional[str], typer.Option(
+               help="Wait after a failed join request before the next (doubled per failure)")] = None,
+           join_backoff_max: Annotated[Optional[str], typer.Option(help="Cap of the doubled join deadline and wait")
+                                       ] = None,
+           secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None, tls_ca: _TlsCa = None,
+           tls_client_certs: _TlsClientCerts = None) -> None:
+    """Run one master (several may run; one leads through etcd election). Settings: the `master` section of
+    --config (defaults: protocol/config.py MasterConfig), each flag overriding its key."""
+    flags = {k: v for k, v in locals().items() if k in MasterConfig.__struct_fields__ and v is not None}
     from kvpool.master.server import MasterServerSettings, main as run_master
-    from kvpool.master.state import MasterSettings
-    from kvpool.protocol.etcd import parse_endpoints
 
     def go() -> None:
-        if not 0 < low_watermark <= high_watermark <= 1:
-            raise E.ConfigError("need 0 < --low-watermark <= --high-watermark <= 1", key="watermark")
-        st = MasterSettings(replicas, parse_duration(lease_ttl, key="lease_ttl"),
-                            parse_duration(put_timeout, key="put_timeout"),
-                            parse_duration(quarantine, key="quarantine"), high_watermark, low_watermark,
-                            parse_duration(max_handoff_ttl, key="max_handoff_ttl"),
-                            suspect_s=parse_duration(node_ttl, key="node_ttl"))
-        st.check()  # the first leader records these as the cluster's settings: same bounds as `settings --set`
-        parse_endpoints(etcd, key="--etcd")
-        if etcd_compaction_retention < 0:
-            raise E.ConfigError(f"--etcd-compaction-retention {etcd_compaction_retention}: a number of revisions "
-                                ">= 0", key="etcd_compaction_retention")
-        MasterConfig(repair_rate=repair_rate, repair_in_flight=repair_in_flight).check_repair("--")
-        st = msgspec.structs.replace(st, repair_rate=repair_rate, repair_in_flight=repair_in_flight)
-        run_master(MasterServerSettings(etcd, cluster, host, rpc_port, metrics_port,
-                                        parse_duration(membership_poll, key="membership_poll"),
-                                        parse_duration(node_ttl, key="node_ttl"), st,
-                                        parse_duration(etcd_compaction_interval, key="etcd_compaction_interval"),
-                                        etcd_compaction_retention))
+        cfg = process_config(config, cluster, etcd, log_level,
+                             {"master": flags, **_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs)})
+        run_master(MasterServerSettings.from_config(cfg))
 
     _run(go)
 
 
 @app.command()
-def storenode(etcd: Annotated[str, typer.Option(help="etcd endpoint http://host:port, several comma-separated")],
-              cluster: Annotated[str, typer.Option()] = "default",
-              name: Annotated[Optional[str], typer.Option(help="Node id (default: random)")] = None,
-              memory: Annotated[str, typer.Option(help="Segment size, e.g. 2GiB")] = "1GiB",
-              host: Annotated[str, typer.Option()] = "127.0.0.1",
-              data_port: Annotated[int, typer.Option()] = 0,
+def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None,
+              log_level: LogLevelOpt = None,
+              name: Annotated[Optional[str], typer.Option(
+                  help="Node id; with --config, picks its `storenodes` entry (default: the only entry, else random)"
+              )] = None,
+              memory: Annotated[Optional[str], typer.Option(help="Segment size, e.g. 2GiB")] = None,
+              host: Annotated[Optional[str], typer.Option(help="Bind address (0.0.0.0: every interface)")] = None,
+              advertise: Annotated[Optional[str], typer.Option(
+                  help="Address other hosts reach this node at, published in etcd (default: --host; for 0.0.0.0 "
+                       "the host's primary address)")] = None,
+              data_port: Annotated[Optional[int], typer.Option(help="0 = any free port")] = None,
+              control_port: Annotated[Optional[int], typer.Option(
+                  help="Port of the master's control connection (0 = any free port)")] = None,
+              ucx_port: Annotated[Optional[int], typer.Option(help="Port of ucx:// data, with --ucx (0 = any free port)")
+                                  ] = None,
               host_id: Annotated[Optional[str], typer.Option(help="Override host identity")] = None,
-              node_ttl: Annotated[str, typer.Option()] = "3s",
-              run_dir: Annotated[Optional[str], typer.Option()] = None,
-              device: Annotated[str, typer.Option(
-                  help="cpu (shared memory) or cuda:N (device memory, served through pinned staging)")] = "cpu",
-              ucx: Annotated[bool, typer.Option(
-                  help="Also serve data on ucx:// (needs the ucx extra: pip install kvpool\\[ucx])")] = False) -> None:
-    """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N)."""
-    from kvpool.protocol.etcd import parse_endpoints
+              node_ttl: Annotated[Optional[str], typer.Option(help="etcd lease TTL (config: master.node_ttl)")] = None,
+              run_dir: Annotated[Optional[str], typer.Option(help="Directory for the node's Unix socket")] = None,
+              device: Annotated[Optional[str], typer.Option(
+                  help="cpu (shared memory) or cuda:N (device memory, served through pinned staging)")] = None,
+              ucx: Annotated[Optional[bool], typer.Option(
+                  "--ucx/--no-ucx", help="Also serve data on ucx:// (needs the ucx extra: pip install kvpool\\[ucx])")
+              ] = None,
+              metrics_port: Annotated[Optional[int], typer.Option(
+                  help="Serve /metrics, /healthz, /readyz here (0 = any free port)")] = None,
+              secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None,
+              tls_ca: _TlsCa = None, tls_client_certs: _TlsClientCerts = None) -> None:
+    """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N).
+    Settings: its `storenodes` entry in --config (defaults: protocol/config.py StoreNodeConfig), each flag
+    overriding its key."""
+    flags = {k: v for k, v in locals().items() if k in StoreNodeConfig.__struct_fields__ and v is not None}
     from kvpool.storenode.server import NodeSettings, main as run_node
 
     def go() -> None:
-        parse_endpoints(etcd, key="--etcd")
-        if parse_size(memory, key="memory") < (1 << 20):
-            raise E.ConfigError(f"--memory {memory}: a segment needs at least 1MiB", key="memory")
-        if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-            raise E.ConfigError(f"--name {name!r}: use letters, digits, '_', '.', '-'", key="name")
-        dev = device
-        if device != "cpu":
+        common = {"master": {"node_ttl": node_ttl}} if node_ttl is not None else {}
+        common.update(_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs))
+        cfg = process_config(config, cluster, etcd, log_level, common, logs=False)
+        entry = cfg.storenode(name) if config is not None else StoreNodeConfig(name=name)
+        cfg = process_config(config, cluster, etcd, log_level,
+                             {**common, "storenodes": [{**msgspec.structs.asdict(entry), **flags}]})
+        node = cfg.storenodes[0]
+        if node.device != "cpu":
             from kvpool.storenode.device_segment import check_device
 
-            dev = check_device(device, parse_size(memory, key="memory"))  # "cuda" -> "cuda:0"
-        run_node(NodeSettings(etcd, cluster, name, parse_size(memory, key="memory"), host, data_port, host_id,
-                              parse_duration(node_ttl, key="node_ttl"), run_dir, dev, ucx))
+            node = msgspec.structs.replace(node, device=check_device(node.device, parse_size(node.memory)))
+        run_node(NodeSettings.from_config(cfg, node, run_dir))
 
     _run(go)
 
@@ -299,14 +328,19 @@ def unpin(key: str, config: ConfigOpt = None, master: MasterOpt = None, etcd: Et
 @app.command()
 def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
            cluster: ClusterOpt = None) -> None:
-    """Cluster table: leader, nodes (address, host, device, capacity, used, objects, alive), totals."""
+    """Cluster table: leader, nodes (address, host, device, capacity, used, objects, alive), totals; for the
+    cluster of a local `kvpool up`, its processes' metrics URLs."""
     def go() -> None:
         with connect(config, master, etcd, cluster) as c:
             st = c.stats()
+        urls = local_metrics(config, master, etcd, cluster)
         if json_:
-            print(msgspec.json.encode(st).decode())
+            print(msgspec.json.encode({**msgspec.to_builtins(st), **({"metrics": urls} if urls else {})}).decode())
             return
         console.print(f"cluster [bold]{st.cluster}[/]  leader [bold]{st.leader}[/]")
+        if urls:
+            console.print("metrics (/metrics, /healthz, /readyz): " + ", ".join(f"{k} {v}" for k, v in urls.items()),
+                          soft_wrap=True, highlight=False)
         t = Table("node", "address", "host", "device", "capacity", "used", "use %", "objects", "alive")
         for n in st.nodes:
             pct = 100 * n.used / n.capacity if n.capacity else 0
@@ -436,29 +470,48 @@ def drain(node: str, undo: Annotated[bool, typer.Option("--undo", help="Place on
 # ---- serving ---------------------------------------------------------------------------------
 
 @app.command()
-def proxy(prefill: Annotated[list[str], typer.Option(
-              "--prefill", help="Prefill (kv_producer) vLLM server URL, e.g. http://127.0.0.1:8100; repeatable")],
-          decode: Annotated[list[str], typer.Option(
-              "--decode", help="Decode (kv_consumer) vLLM server URL; repeatable")],
-          host: Annotated[str, typer.Option()] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="0 = any free port")] = 8000,
-          health_interval: Annotated[str, typer.Option(help="Between health checks of every server")] = "2s",
-          timeout: Annotated[str, typer.Option(help="Deadline of one backend request, a whole stream included")
-                             ] = "300s",
+def proxy(prefill: Annotated[Optional[list[str]], typer.Option(
+              "--prefill", help="Prefill (kv_producer) vLLM server URL, e.g. http://127.0.0.1:8100; repeatable")
+          ] = None,
+          decode: Annotated[Optional[list[str]], typer.Option(
+              "--decode", help="Decode (kv_consumer) vLLM server URL; repeatable")] = None,
+          host: Annotated[Optional[str], typer.Option(help="Bind address")] = None,
+          port: Annotated[Optional[int], typer.Option(help="0 = any free port")] = None,
+          health_interval: Annotated[Optional[str], typer.Option(help="Between health checks of every server")
+                                     ] = None,
+          timeout: Annotated[Optional[str], typer.Option(
+              help="Deadline of one backend request, a whole stream included")] = None,
           master: Annotated[Optional[str], typer.Option(
               "--master", help="kvpool master tcp://host:port: release the hand-offs no decode server took")] = None,
           etcd: Annotated[Optional[str], typer.Option(
               "--etcd", help="kvpool etcd http://host:port (instead of --master)")] = None,
-          cluster: Annotated[str, typer.Option(help="Cluster name, with --etcd")] = "default") -> None:
+          cluster: Annotated[Optional[str], typer.Option(help="Cluster name, with --etcd")] = None,
+          read_timeout: Annotated[Optional[str], typer.Option(help="Deadline for a client to send its request body")
+                                  ] = None,
+          max_in_flight: Annotated[Optional[int], typer.Option(help="Generate requests served at once; more get 503")
+                                   ] = None,
+          api_key_file: Annotated[Optional[str], typer.Option(
+              help="File with the API key clients must send (Authorization: Bearer); else $KVPOOL_PROXY_API_KEY")
+                                  ] = None,
+          backend_api_key_file: Annotated[Optional[str], typer.Option(
+              help="File with the vLLM servers' --api-key; else $KVPOOL_BACKEND_API_KEY")] = None,
+          config: ConfigOpt = None, log_level: LogLevelOpt = None) -> None:
     """OpenAI-compatible front for prefill/decode vLLM pools: prefill with max_tokens=1, then decode with its
-    kv_transfer_params (README: router contract). Serves /v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics until Ctrl-C."""
+    kv_transfer_params (docs/vllm.md: router contract). Serves /v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics until Ctrl-C. Settings: the `proxy` section of --config (its `etcd.endpoint`, when set,
+    is the cluster's), each flag overriding its key."""
+    from kvpool.protocol.config import ProxyConfig
+
+    flags = {k: v for k, v in locals().items() if k in ProxyConfig.__struct_fields__ and v is not None}
     from kvpool.cli.proxy import ProxySettings, run_proxy
 
     def go() -> None:
-        run_proxy(ProxySettings(list(prefill), list(decode), host, port,
-                                parse_duration(health_interval, key="health_interval"),
-                                parse_duration(timeout, key="timeout"), master, etcd, cluster))
+        cfg = process_config(config, cluster, etcd, log_level, {"proxy": flags})
+        p = cfg.proxy
+        if not p.prefill or not p.decode:
+            raise E.ConfigError("the proxy needs prefill and decode servers: pass --prefill URL and --decode URL "
+                                "(repeatable) or set proxy.prefill / proxy.decode in --config", key="proxy.prefill")
+        run_proxy(ProxySettings.from_config(p, ",".join(cfg.etcd.endpoints()) or None, cfg.cluster))
 
     _run(go)
 
@@ -478,8 +531,10 @@ def demo(json_: JsonOpt = False, quick: Annotated[bool, typer.Option(help="A few
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.default_int_handler)  # tear the cluster down on the way out
         with console.status("starting local cluster (etcd, master, 2 store nodes)...", spinner="dots"):
-            lc = LocalCluster(cfg)
+            lc = LocalCluster(cfg, secure=True)
             lc.__enter__()
+        if lc.secret_file:  # the demo's engine processes inherit it (protocol/auth.py Security.load)
+            os.environ["KVPOOL_SECRET_FILE"] = lc.secret_file
         try:
             report = run_demo(lc.master_addr, quick=quick, hybrid=hybrid)
         finally:

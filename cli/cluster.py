@@ -22,7 +22,11 @@ import threading
 import time
 from pathlib import Path
 
-from kvpool.protocol.config import ClusterConfig
+import msgspec
+from msgspec.structs import replace
+
+from kvpool.protocol.auth import SECRET_ENV, SECRET_FILE_ENV, Security, write_secret_file
+from kvpool.protocol.config import ClusterConfig, StoreNodeConfig
 from kvpool.protocol.errors import ConfigError, KVPoolError, Timeout
 from kvpool.protocol.units import parse_size
 
@@ -190,15 +194,28 @@ class LocalCluster:
     """Real etcd + master + store nodes on 127.0.0.1. Use as a context manager.
 
     ``master_env``: environment variables set (over this process's environment) for every
-    master process it starts, e.g. to run masters under libfaketime in tests; None: none."""
+    master process it starts, e.g. to run masters under libfaketime in tests; None: none.
+    ``secure``: make a random cluster secret when none is configured (``kvpool up``,
+    ``kvpool demo``): :attr:`secret_file` (0600, in the run directory), and :attr:`security`
+    is what this cluster's clients need (:meth:`client` passes it).
+    ``metrics``: every master and store node serves ``/metrics``, ``/healthz`` and ``/readyz``
+    (on a free port where the config sets none); :attr:`metrics_urls` maps process names
+    (``master-0``, node names) to their base URLs.
+
+    Each process gets the cluster's tree as a file (``--config <run_dir>/cluster.yaml``,
+    :meth:`write_config`), not as flags."""
 
     def __init__(self, cfg: ClusterConfig, run_dir: str | None = None, ready_timeout_s: float = 30.0,
-                 master_env: dict[str, str] | None = None) -> None:
+                 master_env: dict[str, str] | None = None, metrics: bool = False, secure: bool = False) -> None:
         self.cfg = cfg
+        self.metrics = metrics
+        self.metrics_urls: dict[str, str] = {}
         self.master_env = dict(master_env or {})
         self.owns_run_dir = run_dir is None  # made here, removed at stop
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
         self._lock_fd = lock_run_dir(self.run_dir) if self.owns_run_dir else None
+        self.secret_file = self._own_secret() if secure else None
+        self.security = Security.from_config(self.cfg.security)  # what its own clients use
         self.ready_timeout_s = ready_timeout_s
         self.etcd: Child | None = None
         self.etcd_endpoint = ",".join(cfg.etcd.endpoints())  # "": start an embedded etcd
@@ -270,25 +287,57 @@ class LocalCluster:
                     raise Timeout(f"etcd at {self.etcd_endpoint} not ready in {self.ready_timeout_s:g}s") from None
                 time.sleep(0.1)
 
+    def _own_secret(self) -> str | None:
+        """With no secret configured (config or environment), make one for this cluster:
+        ``<run_dir>/secret``, mode 0600, named in the tree its processes get. Its path, or
+        None when a secret was configured already."""
+        if self.cfg.security.secret_file or os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV):
+            return None
+        path = write_secret_file(os.path.join(self.run_dir, "secret"))
+        self.cfg = replace(self.cfg, security=replace(self.cfg.security, secret_file=path))
+        return path
+
     def _common(self) -> list[str]:
         return ["--etcd", self.etcd_endpoint, "--cluster", self.cfg.cluster]
 
+    def write_config(self) -> str:
+        """Write the tree this cluster's processes run with to ``<run_dir>/cluster.yaml`` and
+        return its path: ``cfg`` with this cluster's etcd endpoint, every store node named
+        (``node-<i>`` where the entry has no name) and, with ``metrics``, a metrics port of 0
+        (any free one) where none is set. Written again at each process start, so a changed
+        ``cfg`` applies to the processes started after the change."""
+        import yaml
+
+        c = self.cfg
+        nodes = [replace(n, name=n.name or f"node-{i}") for i, n in enumerate(c.storenodes)]
+        master = c.master
+        if self.metrics:
+            nodes = [n if n.metrics_port is not None else replace(n, metrics_port=0) for n in nodes]
+            master = master if master.metrics_port is not None else replace(master, metrics_port=0)
+        tree = replace(c, etcd=replace(c.etcd, endpoint=self.etcd_endpoint), master=master, storenodes=nodes)
+        path = os.path.join(self.run_dir, "cluster.yaml")
+        with open(path + ".tmp", "w") as f:
+            yaml.safe_dump(msgspec.to_builtins(tree), f, sort_keys=False)
+        os.replace(path + ".tmp", path)
+        return path
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The children's environment: this one's without ``KVPOOL_<SECTION>__<KEY>`` settings
+        (the written tree holds what they set already) plus ``extra``."""
+        env = {k: v for k, v in os.environ.items() if not (k.startswith("KVPOOL_") and "__" in k)}
+        return {**env, **(extra or {})}
+
+    def _metrics_url(self, child: Child) -> None:
+        for line in child.lines:
+            if line.startswith("KVPOOL_METRICS "):
+                self.metrics_urls[child.name] = line.split()[-1]
+
     def start_master(self, wait_leader: bool = True) -> Child:
-        m = self.cfg.master
-        args = ["master", *self._common(), "--host", m.host, "--replicas", str(m.replicas),
-                "--lease-ttl", str(m.lease_ttl), "--put-timeout", str(m.put_timeout),
-                "--quarantine", str(m.quarantine), "--node-ttl", str(m.node_ttl),
-                "--high-watermark", str(m.high_watermark), "--low-watermark", str(m.low_watermark),
-                "--max-handoff-ttl", str(m.max_handoff_ttl), "--membership-poll", str(m.membership_poll),
-                "--etcd-compaction-interval", str(m.etcd_compaction_interval),
-                "--etcd-compaction-retention", str(m.etcd_compaction_retention),
-                "--repair-rate", str(m.repair_rate), "--repair-in-flight", str(m.repair_in_flight)]
-        if m.metrics_port is not None:
-            args += ["--metrics-port", str(m.metrics_port)]
-        child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir,
-                      {**os.environ, **self.master_env} if self.master_env else None)
+        args = ["master", "--config", self.write_config()]
+        child = Child(f"master-{len(self.masters)}", kvpool_argv(*args), self.run_dir, self._env(self.master_env))
         self.masters.append(child)
         line = child.wait_line("KVPOOL_READY master", self.ready_timeout_s)
+        self._metrics_url(child)
         if wait_leader:
             child.wait_line("KVPOOL_LEADER", self.ready_timeout_s)
             self.master_addr = line.split()[-1]
@@ -299,17 +348,24 @@ class LocalCluster:
         old = self.nodes.get(name)
         if old is not None and old.alive():
             raise KVPoolError(f"store node {name} is already running")
-        args = ["storenode", *self._common(), "--name", name, "--memory", str(parse_size(memory)),
-                "--node-ttl", str(self.cfg.master.node_ttl), "--run-dir", self.run_dir]
-        if host_id:
+        path = self.write_config()
+        listed = {n.name or f"node-{i}": n for i, n in enumerate(self.cfg.storenodes)}
+        entry = listed.get(name, StoreNodeConfig(name=name))
+        args = ["storenode", "--config", path, "--name", name, "--run-dir", self.run_dir]
+        if parse_size(memory) != parse_size(entry.memory):  # only what differs from its entry in the file
+            args += ["--memory", str(parse_size(memory))]
+        if host_id and host_id != entry.host_id:
             args += ["--host-id", host_id]
-        if ucx:
-            args.append("--ucx")
-        if device != "cpu":
+        if ucx != entry.ucx:
+            args.append("--ucx" if ucx else "--no-ucx")
+        if device != entry.device:
             args += ["--device", device]
-        child = Child(name, kvpool_argv(*args), self.run_dir)
+        if self.metrics and name not in listed:
+            args += ["--metrics-port", "0"]
+        child = Child(name, kvpool_argv(*args), self.run_dir, self._env())
         self.nodes[name] = child
         child.wait_line("KVPOOL_READY storenode", self.ready_timeout_s)
+        self._metrics_url(child)
         return child
 
     def kill_node(self, name: str) -> None:
@@ -322,7 +378,7 @@ class LocalCluster:
         from kvpool.connector.client import KVPoolClient
 
         deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
-        with KVPoolClient(self.master_addr, rpc_timeout_s=5.0) as c:
+        with KVPoolClient(self.master_addr, rpc_timeout_s=5.0, security=self.security) as c:
             while True:
                 st = c.stats()
                 if len(st.nodes) == count:
@@ -334,7 +390,7 @@ class LocalCluster:
     def client(self, **kw):
         from kvpool.connector.client import KVPoolClient
 
-        return KVPoolClient(self.master_addr, **kw)
+        return KVPoolClient(self.master_addr, **{"security": self.security, **kw})
 
     def stop(self) -> None:
         for child in [*self.nodes.values(), *self.masters]:

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
+import msgspec
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -28,6 +29,8 @@ EtcdOpt = Annotated[Optional[str], typer.Option("--etcd", help="etcd endpoint ht
                                                                 "comma-separated)")]
 ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="Cluster name (etcd prefix)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts")]
+LogLevelOpt = Annotated[Optional[str], typer.Option("--log-level", help="debug, info, warning or error (config: "
+                                                                        "log_level)")]
 
 EXIT_CODES: dict[type, int] = {E.NotFound: 3, E.ConfigError: 2, E.InvalidRequest: 2, E.InvalidKey: 2,
                                E.Timeout: 4, E.EtcdUnavailable: 4, E.NotLeader: 4, E.NoSpace: 5, E.HasLease: 6,
@@ -167,6 +170,27 @@ def build_config(config: Path | None, cluster: str | None = None, etcd: str | No
     return load_config(config, over)
 
 
+def process_config(config: Path | None, cluster: str | None, etcd: str | None, log_level: str | None,
+                   over: dict, logs: bool = True) -> ClusterConfig:
+    """The config tree of one process (master, store node, proxy): defaults < ``config``
+    (default configs/local.yaml) < environment < flags (``cluster``, ``etcd``,
+    ``log_level`` and the section overrides ``over``; None flags are left out). With
+    ``logs``, logging is set up at the tree's ``log_level``. Raises ConfigError."""
+    from kvpool.protocol.logs import setup_logging
+
+    tree = dict(over)
+    if cluster:
+        tree["cluster"] = cluster
+    if etcd:
+        tree["etcd"] = {**tree.get("etcd", {}), "endpoint": etcd}
+    if log_level is not None:
+        tree["log_level"] = log_level.lower()
+    cfg = load_config(config, tree)
+    if logs:
+        setup_logging(cfg.log_level)
+    return cfg
+
+
 def connect(config: Path | None, master: str | None, etcd: str | None, cluster: str | None):
     """A KVPoolClient for a running cluster: --master, else --etcd/config, else the local
     cluster recorded by `kvpool up`."""
@@ -182,10 +206,27 @@ def connect(config: Path | None, master: str | None, etcd: str | None, cluster: 
                                 "pass --master tcp://host:port or --etcd http://host:port", key="master")
         # follow the leader through etcd (survives a master failover); the recorded master
         # address is the fallback
+        from kvpool.protocol.auth import Security
+
+        sec = cfg.security
+        if info.get("secret_file") and not sec.secret_file:  # the secret `kvpool up` made for its cluster
+            sec = msgspec.structs.replace(sec, secret_file=info["secret_file"])
         return KVPoolClient(None if info.get("etcd") else info["master"], etcd=info.get("etcd"),
                             cluster=cfg.cluster, transport=cfg.client.transport, host_id=cfg.client.host_id,
-                            rpc_timeout_s=parse_duration(cfg.client.rpc_timeout))
+                            rpc_timeout_s=parse_duration(cfg.client.rpc_timeout), security=Security.from_config(sec))
     return KVPoolClient.from_config(cfg, master)
+
+
+def local_metrics(config: Path | None, master: str | None, etcd: str | None, cluster: str | None) -> dict[str, str]:
+    """The metrics base URLs (process name -> ``http://host:port``) that the running `kvpool
+    up` of the cluster recorded; empty when the command addresses a cluster by --master or
+    etcd, or the record has none."""
+    cfg = build_config(config, cluster, etcd)
+    if master or cfg.etcd.endpoint:
+        return {}
+    f = state_file(cfg.cluster)
+    urls = ((_recorded(f) if f.exists() else None) or {}).get("metrics")
+    return {str(k): str(v) for k, v in urls.items()} if isinstance(urls, dict) else {}
 
 
 def fail(e: Exception) -> None:

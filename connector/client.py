@@ -29,12 +29,14 @@ from typing import Any
 
 import xxhash
 
-from kvpool.connector.dataclient import DataPlane, ReadOp, WriteOp
+from kvpool.connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, WriteOp
 from kvpool.connector.hedge import ReplicaReads
 from kvpool.connector.rpc import MasterRPC
+from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol import messages as M
-from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, InvalidRequest, KVPoolError, LayoutMismatch,
-                             LeaseExpired, NodeUnavailable, NotFound, PutInFlight, StaleExtent, from_wire)
+from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, ExtentBusy, InvalidRequest, KVPoolError,
+                             LayoutMismatch, LeaseExpired, NodeUnavailable, NotFound, PutInFlight, PutRevoked,
+                             StaleExtent, StaleTerm, from_wire)
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import LayoutSpec, check_layout
 from kvpool.protocol.transport import default_host_id
@@ -158,6 +160,15 @@ class KVPoolClient:
     byte after which the next replica is read as well, the first to deliver winning (None:
     no hedging). A node that missed its deadline is read last for a few seconds. See
     :mod:`connector.hedge`; ConfigError for values that are not seconds > 0.
+    ``write_timeout_s``: seconds a put's write of one replica may wait on its node (connect,
+    each wait for bytes or a reply; None: ``io_timeout_s``); past it the write fails with
+    NodeUnavailable and the put is placed once more without that node (a 2-replica put with
+    one node frozen lands one replica, and says so: :attr:`PutResult.short`).
+    ``security``: the cluster secret and TLS settings (:class:`~protocol.auth.Security`);
+    None reads ``KVPOOL_SECRET_FILE`` / ``KVPOOL_SECRET`` from the environment. A refused
+    connection raises :class:`~protocol.errors.AuthFailed` naming the cause.
+    ``etcd_auth``: etcd credentials for the leader lookups (:class:`~protocol.etcd.EtcdAuth`:
+    user/password, TLS files); None: an open etcd.
     """
 
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
@@ -165,14 +176,23 @@ class KVPoolClient:
                  io_timeout_s: float = 30.0, lease_retries: int = 1, in_flight_wait_s: float = 5.0,
                  streams_per_node: int = 1, read_hook: Callable[[str], None] | None = None,
                  cuda_direct: bool = True, replica_timeout_s: float | None = 1.0,
-                 hedge_after_s: float | None = 0.1) -> None:
+                 hedge_after_s: float | None = 0.1, security: Security | None = None,
+                 write_timeout_s: float | None = 2.0, etcd_auth=None) -> None:
         if not (isinstance(streams_per_node, int) and 1 <= streams_per_node <= 16):
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")
         self.streams_per_node = streams_per_node
-        self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s)
+        if write_timeout_s is not None and not write_timeout_s > 0:
+            raise ConfigError(f"write_timeout_s must be seconds > 0 or None, got {write_timeout_s!r}",
+                              key="write_timeout")
+        # a replica write waits at most this long on its node; then the put is placed again
+        # without it (it says so: PutResult.short), instead of waiting io_timeout_s
+        self._write_deadline = None if write_timeout_s is None else ReplicaDeadline(write_timeout_s)
+        security = resolve(security)
+        self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s, security,
+                             **({"etcd_auth": etcd_auth} if etcd_auth is not None else {}))
         self.host_id = host_id or default_host_id()
-        self.data = DataPlane(self.host_id, transport, io_timeout_s, cuda_direct)
+        self.data = DataPlane(self.host_id, transport, io_timeout_s, cuda_direct, security)
         self.replica_reads = ReplicaReads(self.data, self.host_id, replica_timeout_s, hedge_after_s)
         self.lease_retries = lease_retries
         self.in_flight_wait_s = in_flight_wait_s
@@ -181,13 +201,16 @@ class KVPoolClient:
 
     @classmethod
     def from_config(cls, cfg, master: str | None = None) -> "KVPoolClient":
+        from kvpool.protocol.etcd import EtcdAuth
         from kvpool.protocol.units import parse_duration
 
         return cls(master, etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
                    host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
                    io_timeout_s=parse_duration(cfg.client.io_timeout), streams_per_node=cfg.client.streams_per_node,
                    replica_timeout_s=_seconds_or_none(cfg.client.replica_timeout),
-                   hedge_after_s=_seconds_or_none(cfg.client.hedge_after))
+                   hedge_after_s=_seconds_or_none(cfg.client.hedge_after),
+                   write_timeout_s=_seconds_or_none(cfg.client.write_timeout),
+                   security=Security.from_config(cfg.security), etcd_auth=EtcdAuth.from_config(cfg.etcd))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -270,6 +293,7 @@ class KVPoolClient:
         whose write failed on a dead node (worth one more placement)."""
         sums: list[int | None] = [None] * len(items)
         grants = self.rpc.call(M.PutStart(items, self.host_id, replicas or 0), meanwhile=_prehash(bufs, sums))
+        term = self.rpc.term  # the leadership that granted: a successor does not know these puts
         by_node: dict[str, list[WriteOp]] = defaultdict(list)
         ops_of: dict[int, list[WriteOp]] = {}
         in_flight: list[int] = []
@@ -293,7 +317,7 @@ class KVPoolClient:
             for op in ops:
                 by_node[op.ref.node_id].append(op)
         try:
-            self._parallel(self.data.write, by_node)
+            self._parallel(self._write, by_node)
         except BaseException:  # a bug or Ctrl-C mid-write: give the grants back, do not leave them pending
             if ops_of:
                 self.rpc.send_nowait(M.PutRevoke([grants[j].key for j in ops_of], [grants[j].put_id for j in ops_of]))
@@ -307,11 +331,15 @@ class KVPoolClient:
                 commit_ids.append(g.put_id)
                 commit_sums.append(ops[0].checksum)
                 commit_j.append(j)
+            elif isinstance(bad, StaleTerm):  # granted by a deposed leader: nothing to revoke; place it again
+                results[idx[j]] = bad
+                retry.append(j)
+                self.rpc.forget_leader()
             else:
                 revoke_keys.append(g.key)
                 revoke_ids.append(g.put_id)
                 results[idx[j]] = bad
-                if isinstance(bad, NodeUnavailable):
+                if isinstance(bad, (NodeUnavailable, ExtentBusy)):  # a busy extent stays quarantined
                     retry.append(j)
         if revoke_keys:
             self.rpc.call(M.PutRevoke(revoke_keys, revoke_ids))
@@ -325,6 +353,8 @@ class KVPoolClient:
             for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids, commit_sums))):
                 if e is not None:
                     results[idx[j]] = from_wire(e)
+                    if isinstance(results[idx[j]], PutRevoked) and self.rpc.term != term:
+                        retry.append(j)  # granted by a leader deposed since: place it again
                 else:
                     stored[idx[j]] = (len(ops_of[j]), grants[j].replicas_wanted or len(ops_of[j]))
                     for op in ops_of[j]:
@@ -335,6 +365,9 @@ class KVPoolClient:
         if in_flight:
             self._await_in_flight(items, idx, in_flight, results)
         return retry
+
+    def _write(self, ops: list[WriteOp]) -> None:
+        self.data.write(ops, self._write_deadline)
 
     def _await_in_flight(self, items, idx, in_flight: list[int], results) -> None:
         """Another writer is storing the same key: wait (bounded) until it is committed, so

@@ -3,8 +3,11 @@
 or the master's same-host Unix socket when its Hello offers one (see :class:`_Conn`).
 
 The master is found directly (``tcp://host:port``) or through etcd's ``leader`` key. A
-refused or broken connection, or a ``NotLeader`` reply, makes the client re-resolve the
-leader and retry until the call's deadline, then raise :class:`~protocol.errors.Timeout`.
+refused or broken connection, or a ``NotLeader`` or ``LeaderFenced`` reply, makes the client
+re-resolve the leader and retry until the call's deadline, then raise
+:class:`~protocol.errors.Timeout` (or the last ``LeaderFenced``: the leader's etcd is away).
+Every answer carries its leader term (:mod:`protocol.terms`); an answer of an older term
+than one already seen comes from a deposed leader and is refused the same way.
 One-way messages (:meth:`MasterRPC.send_nowait`) cost one ``send`` and get no reply.
 """
 from __future__ import annotations
@@ -21,8 +24,10 @@ from typing import Any
 
 from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire, transport
-from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, NotLeader, Timeout, from_wire
-from kvpool.protocol.etcd import Keys, parse_endpoints, read_key_sync
+from kvpool.protocol.auth import RPC, Security, resolve
+from kvpool.protocol.errors import (AuthFailed, ConfigError, InvalidRequest, KVPoolError, LeaderFenced, NotLeader,
+                                    Overloaded, Timeout, from_wire)
+from kvpool.protocol.etcd import NO_AUTH, EtcdAuth, Keys, parse_endpoints, read_meta_sync
 from kvpool.protocol.transport import default_host_id
 
 
@@ -36,17 +41,17 @@ class _Conn:
 
     __slots__ = ("addr", "sock", "frames", "__weakref__")
 
-    def __init__(self, addr: str, timeout_s: float) -> None:
+    def __init__(self, addr: str, timeout_s: float, security: Security) -> None:
         self.addr = addr
-        self.sock = transport.connect(addr, timeout_s)
+        self.sock = transport.connect(addr, timeout_s, security, RPC)
         self.frames = rpcwire.BlockingFrames(self.sock)
         try:
-            self._hello(timeout_s, switch=addr.startswith("tcp://"))
+            self._hello(timeout_s, addr.startswith("tcp://"), security)
         except BaseException:
             self.sock.close()
             raise
 
-    def _hello(self, timeout_s: float, switch: bool) -> None:
+    def _hello(self, timeout_s: float, switch: bool, security: Security) -> None:
         """Check the master's wire version, then (``switch``: a TCP connection) ask for its
         same-host alias and switch to it when it is really the master. Raises ConfigError
         for a master of another kvpool version (one that does not know Hello predates
@@ -58,6 +63,8 @@ class _Conn:
         if got != _HELLO_RID:
             raise InvalidRequest(f"master answered request {got} to a Hello")
         rep = M.decode_result(payload, M.Reply)
+        if rep.error is not None and rep.error.code in (AuthFailed.code, Overloaded.code):
+            raise from_wire(rep.error)  # no or another secret on this side; a full master
         hello = None if rep.error is not None else M.decode_result(rep.result, M.HelloReply)
         wire = 0 if hello is None else hello.wire  # a master that does not know Hello predates versions
         if wire != M.WIRE_VERSION:
@@ -67,7 +74,7 @@ class _Conn:
         if not switch or not hello.alias or hello.host_id != default_host_id():
             return
         try:
-            alias = transport.connect(hello.alias, timeout_s)
+            alias = transport.connect(hello.alias, timeout_s, security, RPC)
         except KVPoolError:
             return
         try:
@@ -97,7 +104,7 @@ _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 class MasterRPC:
     def __init__(self, master: str | None = None, etcd: str | None = None, cluster: str = "default",
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, security: Security | None = None, etcd_auth: EtcdAuth = NO_AUTH) -> None:
         if not master and not etcd:
             raise ConfigError("KVPoolClient needs master='tcp://host:port' or etcd='http://host:port'",
                               key="master")
@@ -109,9 +116,12 @@ class MasterRPC:
             etcd = ",".join(parse_endpoints(etcd))
         self.fixed_master = master
         self.etcd = etcd
+        self.etcd_auth = etcd_auth  # etcd user/password and TLS for the leader lookups
         self.cluster = cluster
         self.timeout_s = timeout_s
+        self.security = resolve(security)  # TLS and the cluster-secret handshake (protocol/auth.py)
         self._addr = master
+        self._term = 0  # the newest leader term seen (protocol/terms.py): older answers are refused
         self._local = threading.local()
         self._ids = itertools.count(1)
         self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # every live thread's, for close()
@@ -126,8 +136,26 @@ class MasterRPC:
         if self.fixed_master:
             self._addr = self.fixed_master
             return
-        val = read_key_sync(self.etcd, Keys(self.cluster).leader, timeout_s=min(self.timeout_s, 5.0))
-        self._addr = val.decode() if val else None
+        got = read_meta_sync(self.etcd, Keys(self.cluster).leader, timeout_s=min(self.timeout_s, 5.0),
+                             auth=self.etcd_auth)
+        if got is None:
+            self._addr = None
+            return
+        # etcd's word on the term (the key's create revision) is authoritative: it may even be
+        # lower than one seen, when etcd's history restarted
+        self._addr, self._term = got[0].decode(), got[1]
+
+    @property
+    def term(self) -> int:
+        """The newest leader term seen (0: none yet; :mod:`protocol.terms`)."""
+        return self._term
+
+    def forget_leader(self) -> None:
+        """Look the leader up again at the next call (a store node refused a grant of a
+        deposed leader: :class:`~protocol.errors.StaleTerm`)."""
+        self._reset()
+        if not self.fixed_master:
+            self._addr = None
 
     def _conn(self, addr: str, timeout_s: float) -> _Conn:
         c = getattr(self._local, "conn", None)
@@ -135,7 +163,7 @@ class MasterRPC:
             return c
         if c is not None:
             self._reset()
-        c = _Conn(addr, timeout_s)
+        c = _Conn(addr, timeout_s, self.security)
         self._local.conn = c
         with self._lock:
             self._conns.add(c)
@@ -171,6 +199,7 @@ class MasterRPC:
         typ = M.RESULT_TYPES[type(req)]
         if meanwhile is not None:
             meanwhile = _once(meanwhile)
+        fenced: LeaderFenced | None = None  # the last "leader cannot renew its lease" answer
         while True:
             addr = self._addr  # one read: another thread may clear it during a failover
             if addr is None:
@@ -178,20 +207,30 @@ class MasterRPC:
                 addr = self._addr
             if addr is not None:
                 rep = self._round_trip(addr, body, deadline, meanwhile)
+                if rep is not None and rep.term and rep.term < self._term:
+                    # a deposed leader's answer (a newer term was seen): not trusted; find the leader
+                    self._reset()
+                    rep = None
+                elif rep is not None and rep.term > self._term:
+                    self._term = rep.term
                 if rep is not None:
                     if rep.error is None:
                         return M.decode_result(rep.result, typ)
                     err = from_wire(rep.error)
-                    if not isinstance(err, NotLeader):
+                    if not isinstance(err, (NotLeader, LeaderFenced)):
                         raise err
                     self._reset()
-                    if self.fixed_master:  # pointed at a standby: say so, and where the leader is
+                    if isinstance(err, LeaderFenced):
+                        fenced = err  # the leader has no lease for now: retry; a new one may be elected
+                    elif self.fixed_master:  # pointed at a standby: say so, and where the leader is
                         raise NotLeader(f"{self.fixed_master} is a standby master, not the leader; connect to "
                                         f"{err.fields.get('leader') or 'the leader'}, or follow the elected one "
                                         "through etcd (CLI --etcd, client etcd=...)", **err.fields)
                 if not self.fixed_master:
                     self._addr = None
             if time.monotonic() >= deadline:
+                if fenced is not None:
+                    raise fenced
                 raise Timeout(self._timeout_message(waited), op=type(req).__name__)
             time.sleep(0.05)
 
@@ -206,8 +245,8 @@ class MasterRPC:
             c.sock.settimeout(left)
             rid = next(self._ids)
             c.sock.sendall(rpcwire.pack(rid, body))
-        except ConfigError:
-            raise  # a master of another kvpool version: retrying cannot help
+        except (ConfigError, AuthFailed, Overloaded):
+            raise  # a master of another kvpool version, or one refusing us: retrying cannot help
         except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
             self._reset()
             return None
@@ -225,8 +264,8 @@ class MasterRPC:
                 if got == rid:
                     return M.decode_result(payload, M.Reply)
                 # a late reply to an earlier call that timed out: skip it
-        except ConfigError:
-            raise  # a master of another kvpool version: retrying cannot help
+        except (ConfigError, AuthFailed, Overloaded):
+            raise  # a master of another kvpool version, or one refusing us: retrying cannot help
         except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
             self._reset()
             return None

@@ -12,7 +12,13 @@ Bounds, so one client cannot stall the master or grow its memory:
 * a client with :data:`OUT_MAX` bytes of unsent replies, or :data:`PENDING_MAX` parsed
   and unanswered requests, is not read until it catches up;
 * a corrupt frame length is answered (after the requests before it, durable ones
-  included) and the connection closed, since its stream position can no longer be trusted.
+  included) and the connection closed, since its stream position can no longer be trusted;
+* at most ``max_conns`` connections (more are told :class:`~protocol.errors.Overloaded`
+  and closed); a connection must pass TLS and the cluster-secret handshake
+  (:mod:`protocol.auth`, when configured) within ``auth.HANDSHAKE_S`` before any request is
+  read (it buffers at most the handshake's 69 bytes meanwhile), and a request frame
+  half-sent for :data:`FRAME_TIMEOUT_S` with no whole frame meanwhile closes it.
+  ``refusals`` counts the connections closed for each reason (the master exports it).
 
 ``before_send`` runs before any reply leaves: the master flushes its notices to store nodes
 there, so a put is acknowledged only after its commit notice was handed to the node socket.
@@ -24,8 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import socket
-import sys
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,20 +42,25 @@ import zmq
 from kvpool.master.durable import Pending
 from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire
-from kvpool.protocol.errors import KVPoolError
+from kvpool.protocol import auth
+from kvpool.protocol.errors import KVPoolError, Overloaded
 
 OUT_MAX = 16 << 20  # bytes of unsent replies after which a client's requests wait
 PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not read
 BUDGET = 64  # requests answered per client per loop turn (the others get their turn)
+FRAME_TIMEOUT_S = 30.0  # a request frame left half-sent this long (no whole frame meanwhile) closes its client
+HELLO_RID = (1 << 64) - 1  # request id of a client's first request (its Hello, connector/rpc.py)
+_log = logging.getLogger("kvpool.master")
 
 _IN, _OUT, _ERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)  # plain ints: enum ops are slow
 
 
 class Client:
     """One client connection: its frame parser, requests not answered yet (in order) and
-    the reply bytes not sent yet."""
+    the reply bytes not sent yet; until it is authenticated, its TLS and handshake state."""
 
-    __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed")
+    __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed", "hs", "tls", "tin", "tout",
+                 "raw", "tls_up", "deadline", "partial_since")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -58,6 +70,19 @@ class Client:
         self.out = bytearray()
         self.closing = False
         self.closed = False
+        self.hs: auth.ServerHandshake | None = None  # the secret handshake, until it succeeds
+        self.tls: ssl.SSLObject | None = None  # TLS over memory BIOs (the socket stays non-blocking)
+        self.tin = self.tout = None
+        self.tls_up = False  # the TLS handshake finished
+        self.raw = bytearray()  # under TLS: encrypted bytes not sent yet
+        self.deadline: float | None = None  # an unauthenticated connection is closed at this time
+        self.partial_since: float | None = None  # a frame has been half-received since then
+
+
+def _reject(err: KVPoolError, head: bytes) -> bytes:
+    """``err`` as the reply to the first request of a client that sent no handshake."""
+    rid = rpcwire.HEAD.unpack_from(head)[1] if len(head) >= rpcwire.HEAD.size else 0
+    return rpcwire.pack(rid, M.encode(M.Reply(error=err.to_wire())))
 
 
 class ClientConns:
@@ -65,7 +90,17 @@ class ClientConns:
     that :class:`~protocol.messages.HelloReply` offers)."""
 
     def __init__(self, listeners: list[socket.socket], poller: zmq.Poller,
-                 handle: Callable[[bytes], bytes | Pending], before_send: Callable[[], None] = lambda: None) -> None:
+                 handle: Callable[[bytes], bytes | Pending], before_send: Callable[[], None] = lambda: None,
+                 security: auth.Security = auth.OPEN, max_conns: int = 1024,
+                 frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
+        self.security = security
+        self.tls_ctx = security.server_context()
+        self._auth_key = security.derive("auth") if security.secret is not None else None
+        self.max_conns = max_conns
+        self.frame_timeout_s = frame_timeout_s
+        self.refusals: dict[str, int] = {"max_conns": 0, "auth": 0, "tls": 0, "handshake_timeout": 0,
+                                         "frame_timeout": 0}  # closed connections by reason (a metric)
+        self._swept = 0.0
         self.listeners = {lst.fileno(): lst for lst in listeners}
         self.poller = poller
         self.handle = handle
@@ -90,9 +125,27 @@ class ClientConns:
         return c
 
     def work_busy(self, served: set[Client]) -> None:
-        """Give clients with requests left from their last turn (and not just served) another."""
+        """Give clients with requests left from their last turn (and not just served) another;
+        then, at most every 0.25 s, close connections past their deadlines (:meth:`sweep`)."""
         for c in list(self.busy - served):
             self._work(c)
+        now = time.monotonic()
+        if now - self._swept >= 0.25:
+            self._swept = now
+            self.sweep(now)
+
+    def sweep(self, now: float) -> None:
+        """Close connections that did not authenticate within ``auth.HANDSHAKE_S``, or hold a
+        frame half-received for ``frame_timeout_s`` (no whole frame arrived meanwhile)."""
+        for c in list(self.clients.values()):
+            if c.deadline is not None and now > c.deadline:
+                self.refusals["handshake_timeout"] += 1
+                self._close(c)
+            elif c.partial_since is not None and now - c.partial_since > self.frame_timeout_s:
+                self.refusals["frame_timeout"] += 1
+                _log.warning("master: closed a client that left a request frame half-sent for %.0f s",
+                             now - c.partial_since)
+                self._close(c)
 
     def answer(self, c: Client, rid: int, reply: bytes) -> None:
         """Queue and send a late reply (a durable write's answer) if ``c`` still listens."""
@@ -120,15 +173,39 @@ class ClientConns:
                     now = time.monotonic()
                     if now - self._accept_warned > 10:
                         self._accept_warned = now
-                        print(f"master: accept failed: {e}; raise the open-file limit (ulimit -n)",
-                              file=sys.stderr, flush=True)
+                        logging.getLogger("kvpool.master").warning(
+                            "master: accept failed: %s; raise the open-file limit (ulimit -n)", e)
                     time.sleep(0.01)  # the listener stays readable: do not spin on it
                 return
             sock.setblocking(False)
-            if sock.family != socket.AF_UNIX:
+            tcp = sock.family != socket.AF_UNIX
+            if tcp:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.clients[sock.fileno()] = Client(sock)
+            if len(self.clients) >= self.max_conns:
+                self._refuse(sock, tcp)
+                continue
+            c = Client(sock)
+            if tcp and self.tls_ctx is not None:
+                c.tin, c.tout = ssl.MemoryBIO(), ssl.MemoryBIO()
+                c.tls = self.tls_ctx.wrap_bio(c.tin, c.tout, server_side=True)
+            if self._auth_key is not None:
+                c.hs = auth.ServerHandshake(self._auth_key, auth.RPC, _reject)
+            if c.tls is not None or c.hs is not None:
+                c.deadline = time.monotonic() + auth.HANDSHAKE_S
+            self.clients[sock.fileno()] = c
             self.poller.register(sock, _IN)
+
+    def _refuse(self, sock: socket.socket, tcp: bool) -> None:
+        """Over the connection cap: say so (unless under TLS) and close."""
+        self.refusals["max_conns"] += 1
+        err = Overloaded(f"the master holds its maximum of {self.max_conns} client connections "
+                         "(security.max_conns); retry later, or raise it", max_conns=self.max_conns)
+        if not (tcp and self.tls_ctx is not None):
+            with contextlib.suppress(OSError):
+                sock.send(auth.refusal(err.message) if self._auth_key is not None
+                          else _reject(err, rpcwire.HEAD.pack(0, HELLO_RID)))
+        with contextlib.suppress(OSError):
+            sock.close()
 
     def _close(self, c: Client) -> None:
         self.clients.pop(c.sock.fileno(), None)
@@ -143,7 +220,8 @@ class ClientConns:
         """Read what the connection has (unless it is already far behind), then answer."""
         if ev & (_IN | _ERR) and not c.closing and len(c.pending) < PENDING_MAX:
             try:
-                got = c.sock.recv_into(self._rbuf)
+                # an unauthenticated peer is read no further than its next handshake step
+                got = c.sock.recv_into(self._rbuf, c.hs.want() if c.hs is not None and c.tls is None else 0)
             except (BlockingIOError, InterruptedError):
                 got = -1
             except OSError:
@@ -151,17 +229,87 @@ class ClientConns:
             if got == 0:
                 return self._close(c)
             if got > 0:
-                c.pending.extend(c.parser.feed(self._rbuf[:got]))
+                data = self._rbuf[:got]
+                if c.tls is not None:
+                    data = self._tls_in(c, data)
+                    if data is None:
+                        return None
+                if c.hs is not None:
+                    data = self._handshake(c, data)
+                    if data is None:
+                        return None
+                frames = c.parser.feed(data)
+                c.pending.extend(frames)
+                if not c.parser.buf:
+                    c.partial_since = None
+                elif frames or c.partial_since is None:
+                    c.partial_since = time.monotonic()
                 if c.parser.error is not None:  # a corrupt length: answer what came before it, then it, then hang up
                     c.pending.append((int(c.parser.error.fields.get("rid", 0)), c.parser.error))
                     c.closing = True
         self._work(c)
 
+    def _tls_in(self, c: Client, data) -> bytes | None:
+        """Feed received bytes to ``c``'s TLS; the plaintext they carried (None: the connection
+        was closed, or nothing to parse yet)."""
+        c.tin.write(data)
+        try:
+            if not c.tls_up:
+                try:
+                    c.tls.do_handshake()
+                except ssl.SSLWantReadError:
+                    self._send(c)
+                    return None
+                c.tls_up = True
+                self._send(c)  # the handshake's last flight
+                if c.hs is None:
+                    c.deadline = None
+            out = bytearray()
+            while True:
+                try:
+                    part = c.tls.read(1 << 20)
+                except ssl.SSLWantReadError:
+                    break
+                if not part:
+                    break
+                out += part
+        except ssl.SSLZeroReturnError:  # the peer closed its TLS session
+            self._close(c)
+            return None
+        except (ssl.SSLError, OSError):
+            self.refusals["tls"] += 1
+            self._close(c)
+            return None
+        return bytes(out)
+
+    def _handshake(self, c: Client, data) -> bytes | None:
+        """Feed ``c``'s secret handshake; the bytes after it, once it succeeded (else None)."""
+        reply, rest = c.hs.feed(bytes(data))
+        if reply:
+            self._send_raw(c, reply)
+        if c.hs.error is not None:
+            self.refusals["auth"] += 1
+            self._close(c)
+            return None
+        if not c.hs.done:
+            return None
+        c.hs = c.deadline = None
+        return rest
+
+    def _send_raw(self, c: Client, data: bytes) -> None:
+        """Send ``data`` now (through TLS if any): the few bytes of a handshake step."""
+        if c.tls is not None:
+            c.tls.write(data)
+            c.raw += c.tout.read()
+            data, c.raw = bytes(c.raw), bytearray()
+        with contextlib.suppress(OSError):
+            c.sock.send(data)  # a fresh connection's socket buffer holds these bytes
+
     def _work(self, c: Client) -> None:
         """Answer up to :data:`BUDGET` of ``c``'s requests while its unsent replies stay under
         :data:`OUT_MAX`, send what can be sent, and poll it for what it needs next."""
         budget = BUDGET
-        while c.pending and budget and len(c.out) < OUT_MAX:
+        while c.pending and budget and len(c.out) + len(c.raw) < OUT_MAX:
             budget -= 1
             rid, body = c.pending.popleft()
             reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self.handle(body)
@@ -170,7 +318,7 @@ class ClientConns:
                 c.waiting += 1
             elif rid != rpcwire.ONE_WAY:
                 c.out += rpcwire.pack(rid, reply)
-        if c.pending and len(c.out) < OUT_MAX:
+        if c.pending and len(c.out) + len(c.raw) < OUT_MAX:
             self.busy.add(c)
         else:
             self.busy.discard(c)
@@ -179,16 +327,28 @@ class ClientConns:
     def _send(self, c: Client) -> None:
         if c.closed:
             return
-        if c.out:
-            self.before_send()
+        if c.out or c.raw or c.tls is not None and c.tout.pending:
+            if c.out:
+                self.before_send()
+            buf = c.out
+            if c.tls is not None:  # replies go through TLS into the raw buffer
+                try:
+                    if c.out:
+                        c.tls.write(c.out)
+                        c.out.clear()
+                    c.raw += c.tout.read()
+                except ssl.SSLError:
+                    return self._close(c)
+                buf = c.raw
             try:
-                sent = c.sock.send(c.out)
-                del c.out[:sent]
+                sent = c.sock.send(buf)
+                del buf[:sent]
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError:
                 return self._close(c)
-        if c.closing and not c.out and not c.pending and not c.waiting:
+        queued = len(c.out) + len(c.raw)
+        if c.closing and not queued and not c.pending and not c.waiting:
             return self._close(c)
-        want_in = not c.closing and len(c.pending) < PENDING_MAX and len(c.out) < OUT_MAX
-        self.poller.modify(c.sock, (_IN if want_in else 0) | (_OUT if c.out else 0))
+        want_in = not c.closing and len(c.pending) < PENDING_MAX and queued < OUT_MAX
+        self.poller.modify(c.sock, (_IN if want_in else 0) | (_OUT if queued else 0))

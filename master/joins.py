@@ -27,8 +27,10 @@ import msgspec
 import zmq
 
 from kvpool.protocol import messages as M
+from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import InvalidRequest, NodeUnavailable
 
+_JOIN = MasterConfig().join_settings()  # (timeout, backoff, backoff max) in seconds
 _SLICE_S = 0.1  # a fetch looks at the stop flag this often while it waits
 
 
@@ -43,9 +45,11 @@ class Table:
 
 
 def fetch_table(ctx: zmq.Context, desc: M.NodeDesc, timeout_s: float,
-                stop: threading.Event | None = None) -> Table:
+                stop: threading.Event | None = None, term: int = 0) -> Table:
     """Ask ``desc``'s control socket for its extent table, waiting at most ``timeout_s``
-    seconds (less once ``stop`` is set). Blocking: run it on a worker thread, never on the
+    seconds (less once ``stop`` is set), as leader of ``term`` (the node refuses notices
+    of older terms from then on, and a request of an older term than it knows: an
+    InvalidRequest naming StaleTerm's message). Blocking: run it on a worker thread, never on the
     master's RPC thread. Raises NodeUnavailable when no answer came in time (or the
     address is unusable), InvalidRequest for a malformed answer."""
     sock = ctx.socket(zmq.DEALER)
@@ -53,7 +57,7 @@ def fetch_table(ctx: zmq.Context, desc: M.NodeDesc, timeout_s: float,
     try:
         try:
             sock.connect(desc.ctrl_addr)
-            sock.send(M.encode(M.NodeList()))
+            sock.send(M.encode(M.NodeList(term)))
         except zmq.ZMQError as e:
             raise NodeUnavailable(f"store node {desc.node_id}: cannot use its control address "
                                   f"{desc.ctrl_addr!r} ({e})", node=desc.node_id) from None
@@ -88,10 +92,12 @@ class JoinQueue:
     method takes ``now``, seconds on the master's monotonic clock).
 
     ``timeout_s``: deadline of a first attempt; ``backoff_s``: wait after a first failure;
-    each further failure doubles both, up to ``backoff_max_s``. A new incarnation of a
-    node starts over."""
+    each further failure doubles both, up to ``backoff_max_s`` (seconds; the defaults are
+    ``MasterConfig``'s ``join_timeout``, ``join_backoff``, ``join_backoff_max``). A new
+    incarnation of a node starts over."""
 
-    def __init__(self, timeout_s: float = 2.0, backoff_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+    def __init__(self, timeout_s: float = _JOIN[0], backoff_s: float = _JOIN[1],
+                 backoff_max_s: float = _JOIN[2]) -> None:
         self.timeout_s, self.backoff_s, self.backoff_max_s = timeout_s, backoff_s, backoff_max_s
         self.tries: dict[str, _Try] = {}
 

@@ -1,5 +1,5 @@
-"""Prometheus metrics for the master (``/metrics``): one snapshot of the state per scrape,
-taken on the RPC thread.
+"""Prometheus metrics for the master (``/metrics``, beside ``/healthz`` and ``/readyz``:
+:mod:`protocol.opshttp`): one snapshot of the state per scrape, taken on the RPC thread.
 
 The RPC latency histogram is kept in plain lists by the RPC thread and turned into a
 histogram family only when scraped: ``prometheus_client.Histogram.labels().observe``
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0)  # seconds (upper bounds; +Inf added)
@@ -50,6 +50,12 @@ class _StateCollector:
                 ops.add_metric([name], v)
         yield ops
         yield ev
+        refused = CounterMetricFamily("kvpool_connections_refused", "Client connections closed by the master's "
+                                      "bounds, by reason (max_conns, auth, tls, handshake_timeout, frame_timeout)",
+                                      labels=["reason"])
+        for reason, n in dict(self.owner.refusals).items():
+            refused.add_metric([reason], n)
+        yield refused
         rpc = HistogramMetricFamily("kvpool_rpc_seconds", "Master RPC handling latency (seconds)", labels=["op"])
         for op, (counts, total) in rpc_hist.items():
             cum, buckets = 0, []
@@ -74,6 +80,7 @@ class Metrics:
         self.ask = ask
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(self))
+        self.refusals: dict[str, int] = {}  # connections closed by the server's bounds, by reason
         self.rpc: dict[str, tuple[list[int], list[float]]] = {}  # op -> (per-bucket counts, [sum of seconds])
 
     def _take(self):
@@ -91,5 +98,10 @@ class Metrics:
         h[0][bisect_left(BUCKETS, seconds)] += 1
         h[1][0] += seconds
 
-    def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, healthz, readyz) -> str:
+        """Serve ``/metrics`` with ``/healthz`` and ``/readyz`` (checks: ``() -> (ok, detail)``)
+        on ``host:port`` (0: any free port); the bound URL. Raises OSError when it cannot bind."""
+        from kvpool.protocol.opshttp import OpsServer
+
+        self.http = OpsServer(host, port, self.registry, healthz, readyz)
+        return self.http.url

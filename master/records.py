@@ -10,7 +10,7 @@ Records that decode as neither are skipped.
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -70,6 +70,7 @@ def decode_records(handoff_values: Iterable[bytes], pin_values: Iterable[bytes]
             old_p += 1
         pins.append(p)
     if old_h or old_p:
-        print(f"master: {old_h} hand-off and {old_p} soft pin record(s) in etcd are from an older kvpool (wall-clock "
-              "deadlines); holding them for the time left on this master's wall clock", file=sys.stderr, flush=True)
+        logging.getLogger("kvpool.master").warning(
+            "master: %d hand-off and %d soft pin record(s) in etcd are from an older kvpool (wall-clock deadlines); "
+            "holding them for the time left on this master's wall clock", old_h, old_p)
     return handoffs, pins

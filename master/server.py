@@ -22,23 +22,32 @@ at most ``join_timeout_s``; nodes answering later join in the background) plus t
 hand-off records in etcd (DESIGN.md §8). The state runs on this process's monotonic
 clock (every ``now`` is ``time.monotonic()``); the wall clock is read only for what
 operators see (``ls`` times, the publish/pin times in etcd records) and to convert
-records of older releases (:mod:`master.records`). Readiness is one
+records of older releases (:mod:`master.records`).
+
+Fencing (DESIGN.md §8): each leadership has a term, the etcd revision that created the
+``leader`` key (:mod:`protocol.terms`). Every notice to a store node, every write grant
+(inside its generation) and every reply carries it, so nodes and clients refuse a deposed
+leader. And a leader whose lease was not renewed for half its TTL acknowledges no change
+(:mod:`master.fencing`), strictly before etcd can let a standby win. Readiness is one
 stdout line ``KVPOOL_READY master <rpc_addr>``; ``KVPOOL_LEADER master <rpc_addr>``
 follows when it leads.
+
+This module holds the settings, the process (threads, health checks), the RPC loop and
+request dispatch; :class:`MasterServer`'s other parts live beside it: the etcd thread
+(:mod:`master.etcd_thread`), the store nodes' membership, joins and notices
+(:mod:`master.nodes`) and the cluster settings record (:mod:`master.cluster_settings`).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import math
+import logging
 import os
 import secrets
 import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,40 +55,78 @@ import msgspec
 import zmq
 
 from kvpool.master.clients import ClientConns
+from kvpool.master.cluster_settings import _ClusterSettings, _settings_of
 from kvpool.master.durable import DurableWrites, Pending
-from kvpool.master.joins import JoinQueue, Table, fetch_table
+from kvpool.master.etcd_thread import _EtcdThread
+from kvpool.master.fencing import Fence
 from kvpool.master.metrics import Metrics
-from kvpool.master.records import decode_records
+from kvpool.master.nodes import _StoreNodes
 from kvpool.master.state import MasterSettings, MasterState
 from kvpool.protocol import messages as M
 from kvpool.protocol import transport
-from kvpool.protocol.config import MasterConfig
-from kvpool.protocol.errors import ConfigError, EtcdFull, EtcdUnavailable, InvalidRequest, KVPoolError, NotFound, NotLeader
-from kvpool.protocol.etcd import Etcd, Keys, kept_alive
+from kvpool.protocol.auth import OPEN, Security, curve_client_keys
+from kvpool.protocol.config import ClusterConfig, MasterConfig, SecurityConfig
+from kvpool.protocol.errors import ConfigError, KVPoolError, LeaderFenced, NotFound, NotLeader
+from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys
 from kvpool.protocol.units import parse_duration
+
+_JOIN = MasterConfig().join_settings()  # (timeout, backoff, backoff max) in seconds
+HEALTH_STALL_S = 10.0  # /healthz fails when the RPC loop has not turned for this long (seconds)
+log = logging.getLogger("kvpool.master")
 
 
 @dataclass(frozen=True)
 class MasterServerSettings:
+    """One master process's settings (seconds where ``_s``); defaults: those of
+    :class:`~protocol.config.MasterConfig` (build it with :meth:`from_config`)."""
+
     etcd: str
-    cluster: str = "default"
-    host: str = "127.0.0.1"
-    rpc_port: int = 0
-    metrics_port: int | None = None
-    membership_poll_s: float = 0.25
-    node_ttl_s: float = 3.0
+    cluster: str = ClusterConfig().cluster
+    host: str = MasterConfig().host
+    rpc_port: int = MasterConfig().rpc_port
+    metrics_port: int | None = MasterConfig().metrics_port
+    membership_poll_s: float = parse_duration(MasterConfig().membership_poll)
+    node_ttl_s: float = parse_duration(MasterConfig().node_ttl)
     state: MasterSettings = field(default_factory=MasterSettings)
     # while leading, compact etcd's history every this many seconds (0 = never) to the current
     # revision minus ``etcd_compaction_retention`` revisions
     etcd_compaction_interval_s: float = parse_duration(MasterConfig().etcd_compaction_interval)
     etcd_compaction_retention: int = MasterConfig().etcd_compaction_retention
-    # asking a joining store node for its extent table: deadline of a first attempt, doubled
-    # with the wait before the next one after each failure, up to join_backoff_max_s (seconds)
-    join_timeout_s: float = 2.0
-    join_backoff_max_s: float = 30.0
+    # asking a joining store node for its extent table: deadline of a first attempt, and the
+    # wait before the next after a failure, each doubled per further failure up to
+    # join_backoff_max_s (seconds; defaults: MasterConfig's join_* keys)
+    join_timeout_s: float = _JOIN[0]
+    join_backoff_s: float = _JOIN[1]
+    join_backoff_max_s: float = _JOIN[2]
+    # the cluster secret and TLS (protocol/auth.py), and the client connections served at once
+    security: Security = OPEN
+    max_conns: int = SecurityConfig().max_conns
+    frame_timeout_s: float = parse_duration(SecurityConfig().frame_timeout)
+    advertise: str | None = MasterConfig().advertise  # published host (protocol/transport.py advertise_host)
+    etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig) -> "MasterServerSettings":
+        """The settings of one master of ``cfg`` (a tree :func:`~protocol.config.load_config`
+        validated), whose ``etcd.endpoint`` must be set: a master never starts etcd. Raises
+        ConfigError."""
+        m, eps = cfg.master, cfg.etcd.endpoints()
+        if not eps:
+            raise ConfigError("no etcd endpoint: pass --etcd http://host:port or set etcd.endpoint in the --config "
+                              "file (a master does not start etcd; `kvpool up` does)", key="etcd.endpoint")
+        node_ttl_s = parse_duration(m.node_ttl, key="master.node_ttl")
+        st = MasterSettings(m.replicas, parse_duration(m.lease_ttl), parse_duration(m.put_timeout),
+                            parse_duration(m.quarantine), m.high_watermark, m.low_watermark,
+                            parse_duration(m.max_handoff_ttl), suspect_s=node_ttl_s, repair_rate=m.repair_rate,
+                            repair_in_flight=m.repair_in_flight, max_objects=m.max_objects)
+        return cls(",".join(eps), cfg.cluster, m.host, m.rpc_port, m.metrics_port, parse_duration(m.membership_poll),
+                   node_ttl_s, st, parse_duration(m.etcd_compaction_interval), m.etcd_compaction_retention,
+                   *m.join_settings(), security=Security.from_config(cfg.security),
+                   max_conns=cfg.security.max_conns, frame_timeout_s=parse_duration(cfg.security.frame_timeout),
+                   advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd))
 
 
-class MasterServer:
+class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
     def __init__(self, s: MasterServerSettings) -> None:
         self.s = s
         self.keys = Keys(s.cluster)
@@ -87,7 +134,15 @@ class MasterServer:
         self.metrics = Metrics(self.state, ask=self._on_rpc_thread)
         self.leading = False
         self.leader_addr = ""
+        self.term = 0  # this master's leader term while it leads (protocol/terms.py)
+        self.fence = Fence()  # when to stop acknowledging (master/fencing.py)
+        self._lost: asyncio.Event | None = None  # set to give the leadership up (a node saw a newer term)
         self.ctx = zmq.Context()
+        if s.security.secret is not None:  # every DEALER to a store node is a CURVE client (protocol/auth.py)
+            spk, pk, sk = curve_client_keys(s.security)
+            self.ctx.setsockopt(zmq.CURVE_SERVERKEY, spk)
+            self.ctx.setsockopt(zmq.CURVE_PUBLICKEY, pk)
+            self.ctx.setsockopt(zmq.CURVE_SECRETKEY, sk)
         self.node_socks: dict[str, tuple[str, zmq.Socket]] = {}
         self.events: deque = deque()  # etcd thread -> RPC thread (append/popleft are atomic)
         self.stop = threading.Event()
@@ -95,21 +150,28 @@ class MasterServer:
         self.fatal: KVPoolError | None = None
         self.etcd_ok = True
         self.etcd: Etcd | None = None
-        listeners = [transport.listen(f"tcp://{s.host}:{s.rpc_port}")]
-        self.rpc_addr = "tcp://%s:%d" % listeners[0].getsockname()[:2]
+        self.rpc_beat = time.monotonic()  # last turn of the RPC loop (/healthz)
+        public = transport.advertise_host(s.host, s.advertise, "master.advertise")  # before binding: ConfigError
+        listeners = [transport.listen(f"tcp://{transport.host_port(s.host, s.rpc_port)}")]
+        # what clients dial and the leader key holds: the advertised host, the bound port
+        self.rpc_addr = f"tcp://{transport.host_port(public, listeners[0].getsockname()[1])}"
+        if s.advertise is None and public != s.host:
+            log.info("master: bound to %s, advertising %s (pass --advertise to choose)", s.host, public)
         # same-host clients switch to this abstract Unix socket (half the round trip), told by
         # Hello over TCP; a random name cannot be taken before us, and clients check our pid
         alias = f"unix://@kvpool-master-{secrets.token_hex(16)}"
         try:
             listeners.append(transport.listen(alias))
         except OSError as e:
-            print(f"master: no same-host Unix alias ({e}); local clients use TCP", file=sys.stderr, flush=True)
+            log.warning("master: no same-host Unix alias (%s); local clients use TCP", e)
             alias = ""
         self.hello = M.encode(M.Reply(msgspec.Raw(M.encode(M.HelloReply(alias, os.getpid(),
                                                                          transport.default_host_id(),
                                                                          M.WIRE_VERSION)))))
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
-        self.conns = ClientConns(listeners, self.poller, self._handle, self._flush)
+        self.conns = ClientConns(listeners, self.poller, self._handle, self._flush, s.security, s.max_conns,
+                                 s.frame_timeout_s)
+        self.metrics.refusals = self.conns.refusals
         self._settings_write: Pending | None = None  # the settings change on its way to etcd, if any
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
         self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
@@ -122,9 +184,10 @@ class MasterServer:
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
+        etcd_thread = self._etcd_thread = threading.Thread(target=self._etcd_main, name="etcd", daemon=True)
         if self.s.metrics_port is not None:
-            self.metrics.serve(self.s.host, self.s.metrics_port)
-        etcd_thread = threading.Thread(target=self._etcd_main, name="etcd", daemon=True)
+            url = self.metrics.serve(self.s.host, self.s.metrics_port, self.healthz, self.readyz)
+            print(f"KVPOOL_METRICS master {url}", flush=True)
         etcd_thread.start()
         try:
             self._rpc_loop()
@@ -139,141 +202,56 @@ class MasterServer:
         if self.fatal is not None:
             raise self.fatal
 
-    # ---- etcd thread --------------------------------------------------------------------
+    # ---- health (the ops HTTP server's threads) ------------------------------------------
 
-    def _etcd_main(self) -> None:
+    def healthz(self) -> tuple[bool, str]:
+        """Alive: the RPC loop turned within HEALTH_STALL_S seconds and the etcd thread's
+        event loop answers within 2 s. ``(ok, detail)``."""
+        if self.stop.is_set():
+            return False, "stopping"
+        stalled = time.monotonic() - self.rpc_beat
+        if stalled > HEALTH_STALL_S:
+            return False, f"the RPC loop has not turned for {stalled:.1f}s"
+        if not self._etcd_thread.is_alive() or self.loop is None:
+            return False, "the etcd thread is not running"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.loop.call_soon_threadsafe(fut.set_result, None)
         try:
-            asyncio.run(self._etcd_async())
-        except KVPoolError as e:
-            print(f"master: {e}", file=sys.stderr, flush=True)
-            self.fatal = e
-            self.stop.set()
+            fut.result(timeout=2.0)
+        except concurrent.futures.TimeoutError:
+            return False, "the etcd thread's event loop did not answer within 2s"
+        return True, "leader" if self.leading else "standby"
 
-    async def _etcd_async(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        async with Etcd(self.s.etcd) as etcd:
-            self.etcd = etcd
-            print(f"KVPOOL_READY master {self.rpc_addr}", flush=True)
-            told = 0.0
-            while not self.stop.is_set():
-                try:
-                    await self._campaign_and_lead(etcd)
-                except EtcdFull as e:  # no lease can be granted: campaign again once etcd has room
-                    if time.monotonic() - told > 60:
-                        print(f"master: cannot campaign for leadership: {e}", file=sys.stderr, flush=True)
-                        told = time.monotonic()
-                    await asyncio.sleep(1.0)
-                except KVPoolError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - no etcd endpoint answered: campaign again
-                    if time.monotonic() - told > 60:
-                        print(f"master: cannot campaign for leadership, etcd did not answer ({type(e).__name__}: "
-                              f"{e}); retrying", file=sys.stderr, flush=True)
-                        told = time.monotonic()
-                    await asyncio.sleep(1.0)
-
-    async def _campaign_and_lead(self, etcd: Etcd) -> None:
-        lost = asyncio.Event()
-        async with kept_alive(etcd, self.s.node_ttl_s, lost) as lease:
-            while not self.stop.is_set() and not lost.is_set():
-                if await etcd.create_if_absent(self.keys.leader, self.rpc_addr.encode(), lease):
-                    break
-                cur = await etcd.get(self.keys.leader)
-                self.leader_addr = cur.decode() if cur else ""
-                await asyncio.sleep(self.s.membership_poll_s)
-            else:
-                return
-            nodes = await self._read_nodes(etcd)
-            tables = await self._fetch_tables(nodes)
-            handoffs, pins = decode_records((await etcd.get_prefix(self.keys.handoffs)).values(),
-                                            (await etcd.get_prefix(self.keys.pins)).values())
-            settings = await etcd.get(self.keys.config)
-            if settings is None:  # the cluster's first leader: its flags become the cluster's settings
-                settings = msgspec.json.encode(_settings_of(self.s.state))
-                try:
-                    await etcd.put(self.keys.config, settings)
-                except Exception as e:  # noqa: BLE001 - the next leader writes them
-                    print(f"master: could not record the cluster settings in etcd ({e})", file=sys.stderr,
-                          flush=True)
-            self.events.append(("lead", nodes, handoffs, pins, settings, tables))
-            compactor = asyncio.create_task(self._compact_history(etcd))
-            try:
-                while not self.stop.is_set() and not lost.is_set():
-                    await asyncio.sleep(self.s.membership_poll_s)
-                    try:
-                        self.events.append(("nodes", await self._read_nodes(etcd)))
-                        self.etcd_ok = True
-                    except Exception:
-                        self.etcd_ok = False  # etcd unavailable: membership changes wait (DESIGN.md §8)
-            finally:
-                compactor.cancel()
-                self.events.append(("step_down",))
-                if not lost.is_set():
-                    with contextlib.suppress(Exception):
-                        await etcd.delete(self.keys.leader)
-
-    async def _fetch_tables(self, descs: dict[str, M.NodeDesc]) -> dict[str, Table | Exception]:
-        """The extent tables of the published nodes of this wire version, asked in parallel on
-        the join workers, each within ``join_timeout_s`` (node id -> table, or the error)."""
-        ask = [d for d in descs.values() if d.wire == M.WIRE_VERSION]
-        got = await asyncio.gather(*(asyncio.wrap_future(self._join_pool.submit(
-            fetch_table, self.ctx, d, self.s.join_timeout_s, self.stop)) for d in ask), return_exceptions=True)
-        return {d.node_id: r for d, r in zip(ask, got)}
-
-    async def _compact_history(self, etcd: Etcd) -> None:
-        """While leading: every ``etcd_compaction_interval_s`` seconds, compact etcd's history to
-        its current revision minus ``etcd_compaction_retention`` revisions, so that an etcd
-        without auto-compaction does not fill its quota with superseded pin and hand-off
-        records. Runs on the etcd thread beside the durable writes; errors are logged (once a
-        minute at most) and the next round tries again."""
-        every, keep = self.s.etcd_compaction_interval_s, self.s.etcd_compaction_retention
-        if every <= 0:
-            return
-        done, told = 0, 0.0
-        while True:
-            await asyncio.sleep(every)
-            try:
-                target = (await etcd.status()).revision - keep
-                if target > done:
-                    await etcd.compact(target)  # False: etcd's own compaction got there first
-                    done = target
-            except Exception as e:  # noqa: BLE001 - not fatal: etcd may be down or refuse for a while
-                if time.monotonic() - told > 60:
-                    print(f"master: etcd compaction failed ({type(e).__name__}: {e}); retrying every {every:g}s",
-                          file=sys.stderr, flush=True)
-                    told = time.monotonic()
-
-    async def _read_nodes(self, etcd: Etcd) -> dict[str, M.NodeDesc]:
-        out = {}
-        for v in (await etcd.get_prefix(self.keys.nodes)).values():
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                d = msgspec.msgpack.decode(v, type=M.NodeDesc)
-                out[d.node_id] = d
-        return out
-
-    def _etcd_forget(self, key: str) -> None:
-        """Delete an etcd record, after any write to it still in flight; a delete etcd
-        refuses is retried once etcd answers again, so no stale pin or hand-off record stays."""
-        async def delete(e: Etcd) -> None:
-            try:
-                await e.delete(key)
-            except Exception:  # noqa: BLE001 - any failure: try again later
-                self.events.append(("forget_failed", key))
-
-        if self.durable.after(key, delete, "etcd records"):
-            return
+    def readyz(self) -> tuple[bool, str]:
+        """Ready: etcd answers (a read of the ``leader`` key within 2 s) and this master leads,
+        or is a standby that knows the leader. ``(ok, detail or reason)``."""
+        if self.loop is None or self.etcd is None:
+            return False, "not connected to etcd yet"
         try:
-            self._etcd_submit(delete, "etcd records", False)
-        except EtcdUnavailable:
-            self._forget_retry.add(key)
+            cur = asyncio.run_coroutine_threadsafe(self.etcd.get(self.keys.leader), self.loop).result(timeout=2.0)
+        except Exception as e:  # noqa: BLE001 - etcd down, slow or refusing: not ready
+            return False, f"etcd did not answer ({type(e).__name__}: {e})"
+        leader = cur.decode(errors="replace") if cur else ""
+        if self.leading and leader == self.rpc_addr:
+            return True, f"leader {self.rpc_addr}"
+        if self.leading:
+            return False, f"stepping down: etcd names {leader or 'no leader'}"
+        if not leader:
+            return False, "standby, and no leader is elected yet"
+        return True, f"standby; the leader is {leader}"
 
-    def _etcd_submit(self, coro_fn, what: str, check: bool = True):
-        """Start ``coro_fn(etcd)`` on the etcd thread; its concurrent Future. Raises
-        EtcdUnavailable at once when etcd is known to be down (``check``) or not connected."""
-        if self.loop is None or self.etcd is None or (check and not self.etcd_ok):
-            raise EtcdUnavailable(f"etcd is unavailable; {what} need etcd. Check the etcd endpoint (`kvpool "
-                                  "status` still works), then retry")
-        return asyncio.run_coroutine_threadsafe(coro_fn(self.etcd), self.loop)
+    # ---- fencing (RPC thread) -------------------------------------------------------------
+
+    def _depose(self, why: str) -> None:
+        """A newer leadership exists (a store node refused our term): stop acknowledging at
+        once and give the leadership up; the etcd thread then campaigns again as a standby."""
+        if not self.leading or self.fence.deposed:
+            return
+        self.fence.deposed = True
+        log.warning("master: deposed (%s); stepping down", why)
+        lost, loop = self._lost, self.loop
+        if lost is not None and loop is not None:
+            loop.call_soon_threadsafe(lost.set)
 
     # ---- RPC thread ---------------------------------------------------------------------
 
@@ -281,6 +259,7 @@ class MasterServer:
         conns = self.conns
         next_tick = time.monotonic()
         while not self.stop.is_set():
+            self.rpc_beat = time.monotonic()  # /healthz: the loop turns
             served = set()
             for sock, ev in self.poller.poll(0 if conns.busy else 5 if self.durable else 50):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
@@ -293,7 +272,7 @@ class MasterServer:
             if self.durable:
                 self.durable.advance()
             self._apply_events()
-            if self.leading and time.monotonic() >= next_tick:
+            if self.leading and time.monotonic() >= next_tick and not self.fence.check(time.monotonic()):
                 next_tick = time.monotonic() + self.s.membership_poll_s
                 expired = self.state.tick(time.monotonic())
                 for rid in expired:
@@ -312,7 +291,8 @@ class MasterServer:
             return
         d.answered = True
         self.metrics.observe(d.op, time.perf_counter() - d.t0)
-        reply = M.Reply(error=error.to_wire()) if error is not None else M.Reply(msgspec.Raw(M.encode(result)))
+        reply = (M.Reply(error=error.to_wire(), term=self.term) if error is not None
+                 else M.Reply(msgspec.Raw(M.encode(result)), term=self.term))
         self.conns.answer(d.client, d.rid, M.encode(reply))
 
     def _on_rpc_thread(self, fn, timeout_s: float = 5.0):
@@ -346,191 +326,17 @@ class MasterServer:
                 self.state.leader_addr = self.rpc_addr
                 self.metrics.state = self.state
                 self.joins = self._join_queue()  # answers to the previous leadership's asks are dropped
+                self.term = ev[6]
+                self.fence.lead(self.term, ev[7])
                 self._adopt_settings(ev[4])
                 self._rebuild(ev[1], ev[2], ev[3], ev[5])
                 self.leading, self.leader_addr = True, self.rpc_addr
+                log.info("master: leading with term %d", self.term)
                 print(f"KVPOOL_LEADER master {self.rpc_addr}", flush=True)
             elif kind == "step_down":
-                self.leading = False
+                self.leading, self.term = False, 0
             elif kind == "nodes" and self.leading:
                 self._membership(ev[1])
-
-    def _adopt_settings(self, raw: bytes) -> None:
-        """Apply the cluster settings recorded in etcd (over this process's flags)."""
-        try:
-            cs = msgspec.json.decode(raw, type=M.ClusterSettings).check()
-        except (msgspec.DecodeError, msgspec.ValidationError, KVPoolError) as e:
-            print(f"master: ignoring the cluster settings in etcd ({e}); using this master's flags. "
-                  "Fix them with `kvpool settings --set KEY=VALUE`", file=sys.stderr, flush=True)
-            return
-        if cs != _settings_of(self.state.s):
-            print(f"master: cluster settings from etcd override this master's flags: {cs}", flush=True)
-        self._apply_settings(cs)
-
-    def _apply_settings(self, cs: M.ClusterSettings) -> M.ClusterSettings:
-        self.state.s = msgspec.structs.replace(self.state.s, **msgspec.structs.asdict(cs))
-        return cs
-
-    def _set_settings(self, changes: dict[str, float]) -> Pending:
-        """Validate ``changes`` against the current settings, write the result to etcd and
-        apply it once written (a durable answer)."""
-        cur = msgspec.structs.asdict(_settings_of(self.state.s))
-        unknown = sorted(set(changes) - set(cur))
-        if unknown:
-            raise InvalidRequest(f"unknown setting(s) {', '.join(unknown)}; accepted: {', '.join(cur)}")
-        if "replicas" in changes:
-            r = changes["replicas"]
-            if not (math.isfinite(r) and r == int(r)):
-                raise ConfigError(f"replicas: {r!r}; must be a whole number", key="replicas")
-            changes = {**changes, "replicas": int(r)}
-        new = M.ClusterSettings(**{**cur, **changes}).check()
-        if self._settings_write is not None and not self._settings_write.answered:
-            # built on the settings of now: a change still on its way to etcd would be undone
-            raise EtcdUnavailable("another settings change is being recorded in etcd; nothing was changed, "
-                                  "retry in a moment")
-        key, val = self.keys.config, msgspec.json.encode(new)
-        self._settings_write = self.durable.write(key, lambda e: e.put(key, val), "cluster settings",
-                                                  lambda: self._apply_settings(new))
-        return self._settings_write
-
-    def _membership(self, descs: dict[str, M.NodeDesc]) -> None:
-        now = time.monotonic()
-        self._descs = descs
-        for nid in list(self.state.nodes):
-            d = descs.get(nid)
-            if d is None or d.incarnation != self.state.nodes[nid].desc.incarnation:
-                self.state.node_down(nid, now)
-                self._drop_sock(nid)
-        for d, timeout_s in self.joins.due(self._screen(descs), self.state.nodes, now):
-            self._ask_table(d, timeout_s)
-        self.state.repair_all()
-
-    def _screen(self, descs: dict[str, M.NodeDesc]) -> list[M.NodeDesc]:
-        """The nodes of this master's wire version; others are logged once and not placed on."""
-        ok, refused = self.state.screen(descs.values())
-        for d in refused:
-            print(f"master: store node {d.node_id} ({d.data_addr}) speaks kvpool wire version {d.wire}, this "
-                  f"master {M.WIRE_VERSION}: not placing there. Run one kvpool version across the cluster",
-                  file=sys.stderr, flush=True)
-        return ok
-
-    def _join_queue(self) -> JoinQueue:
-        return JoinQueue(self.s.join_timeout_s, backoff_max_s=self.s.join_backoff_max_s)
-
-    def _ask_table(self, d: M.NodeDesc, timeout_s: float) -> None:
-        """Ask ``d`` for its extent table on a join worker; the answer comes back as a
-        ``joined`` event (:meth:`_joined`), tagged with the state it was asked for."""
-        state = self.state
-        fut = self._join_pool.submit(fetch_table, self.ctx, d, timeout_s, self.stop)
-        fut.add_done_callback(lambda f: self.events.append(("joined", state, d, f)))
-
-    def _joined(self, state: MasterState, d: M.NodeDesc, fut: concurrent.futures.Future) -> None:
-        """A join worker's answer for ``d``: take the node in, unless the leadership it was
-        asked for ended or ``d`` is no longer what etcd publishes."""
-        if state is not self.state or not self.leading:
-            return
-        cur = self._descs.get(d.node_id)
-        if cur is None or cur.incarnation != d.incarnation or d.node_id in self.state.nodes:
-            self.joins.done(d.node_id)  # moot: the next poll asks again if it still matters
-            return
-        try:
-            result = fut.result()
-        except concurrent.futures.CancelledError:  # shutting down
-            return
-        except Exception as e:  # noqa: BLE001 - counted and retried like a silent node
-            result = e
-        self._adopt(d, result, time.monotonic())
-
-    def _adopt(self, d: M.NodeDesc, table: Table | BaseException | None, now: float) -> bool:
-        """Take a node in from its extent table: index its committed extents (a failover
-        rebuild, or a node whose etcd lease lapsed in an etcd outage and came back with its
-        memory intact), grant there only generations above any it has seen, and connect its
-        notice socket now, so a first commit notice does not wait for the connection. A
-        node without a table (it did not answer in time, or restarted since it published
-        ``d``) stays out: logged, counted, and asked again after a backoff. False then."""
-        if not isinstance(table, Table) or table.incarnation != d.incarnation:
-            why = (f"{type(table).__name__}: {table}" if isinstance(table, BaseException) else
-                   "no answer" if table is None else "it restarted since it published this descriptor")
-            n, wait = self.joins.failed(d.node_id, d.incarnation, why, now)
-            self.state.counters["node_join_failures"] += 1
-            print(f"master: store node {d.node_id} ({d.ctrl_addr}) is not taken in: {why}; not placing there, "
-                  f"asking again in {wait:g}s (failed attempt {n}). Check that its advertised address is "
-                  "reachable from the master", file=sys.stderr, flush=True)
-            return False
-        self.joins.done(d.node_id)
-        self.state.node_up(d, now)
-        self.state.gens_above(d.node_id, table.max_gen)  # the node refuses generations it saw freed
-        for r in table.rows:
-            with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
-                layout = M.LayoutSpec.decode(r.layout) if r.layout else None
-                self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now,
-                                          r.replicas)
-        self._sock(d.node_id)
-        return True
-
-    def _rebuild(self, descs: dict[str, M.NodeDesc], handoffs: list[M.HandoffRecord],
-                 pins: list[M.PinRecord], tables: dict[str, Table | Exception]) -> None:
-        """Index from live nodes' committed extents (``tables``, fetched by the etcd thread;
-        nodes that did not answer join later, see :meth:`_adopt`), then hand-off holds and
-        pins from etcd (stale pin records — another object under the key, soft pin lapsed —
-        are deleted; those of objects not indexed wait for a node to bring them back). Holds
-        and soft pins are re-armed for their full ttl from now, on this master's monotonic
-        clock."""
-        now = time.monotonic()
-        self._descs = descs
-        for d in self._screen(descs):
-            self._adopt(d, tables.get(d.node_id), now)
-        for rec in handoffs:
-            self.state.restore_handoff(rec, now)
-        for pin in pins:
-            if not self.state.restore_pin(pin, now):
-                self._etcd_forget(self.keys.pin(pin.key))
-
-    def _sock(self, node_id: str) -> zmq.Socket | None:
-        node = self.state.nodes.get(node_id)
-        if node is None:
-            return None
-        cur = self.node_socks.get(node_id)
-        if cur is not None and cur[0] == node.desc.incarnation:
-            return cur[1]
-        self._drop_sock(node_id)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100000)
-        sock.connect(node.desc.ctrl_addr)
-        self.node_socks[node_id] = (node.desc.incarnation, sock)
-        self.poller.register(sock, zmq.POLLIN)
-        return sock
-
-    def _drop_sock(self, node_id: str) -> None:
-        cur = self.node_socks.pop(node_id, None)
-        if cur is not None:
-            with contextlib.suppress(KeyError):
-                self.poller.unregister(cur[1])
-            cur[1].close(0)
-
-    def _node_reply(self, sock: zmq.Socket) -> None:
-        """Completion of a copy (repair) request."""
-        while True:
-            try:
-                body = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                rep = msgspec.msgpack.decode(body, type=M.Reply)
-                key = msgspec.msgpack.decode(rep.result, type=str)
-                self.state.repair_done(key, rep.error is None)
-
-    def _flush(self) -> None:
-        if not self.state.outbox:
-            return
-        for node_id, msgs in self.state.take_outbox().items():
-            sock = self._sock(node_id)
-            if sock is None:
-                continue
-            with contextlib.suppress(zmq.ZMQError):
-                for m in _coalesce(msgs):  # in order: a commit then a free of one extent stay so
-                    sock.send(M.encode(m), zmq.NOBLOCK)
 
     def _handle(self, body: bytes) -> bytes | Pending:
         """One request → its encoded Reply (a typed error for anything malformed), or a
@@ -545,15 +351,20 @@ class MasterServer:
             if not self.leading:
                 raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
                                 leader=self.leader_addr)
+            if type(req) not in _READS and self.fence.check(time.monotonic()):
+                raise LeaderFenced(f"the leading master {self.rpc_addr} could not renew its leadership lease in "
+                                   f"etcd for {self.fence.clock.age():.1f}s, so it acknowledges no change until etcd "
+                                   "answers again or a new leader is elected (reads still work); check etcd and "
+                                   "the master's route to it, then retry", term=self.term)
             result = self._dispatch(req)
             if isinstance(result, Pending):
                 result.op, result.t0 = op, t0
                 return result
-            reply = M.Reply(msgspec.Raw(M.encode(result)))
+            reply = M.Reply(msgspec.Raw(M.encode(result)), term=self.term)
         except KVPoolError as e:
-            reply = M.Reply(error=e.to_wire())
+            reply = M.Reply(error=e.to_wire(), term=self.term)
         except Exception as e:  # noqa: BLE001 - a bug must cost one request, not the master
-            traceback.print_exc(file=sys.stderr)
+            log.exception("master: request %s failed", op)
             reply = M.Reply(error=KVPoolError(f"master failed on {op}: {type(e).__name__}: {e}; this is a "
                                               "kvpool bug, please report it with the master's log").to_wire())
         out = M.encode(reply)
@@ -629,28 +440,14 @@ class MasterServer:
         raise KVPoolError(f"unhandled request {type(req).__name__}")
 
 
-def _settings_of(s: MasterSettings) -> M.ClusterSettings:
-    """The cluster-wide part of a master's settings (what etcd's ``config`` record holds)."""
-    return M.ClusterSettings(**{f: getattr(s, f) for f in M.ClusterSettings.__struct_fields__})
-
-
-def _coalesce(msgs: list) -> list:
-    """Merge runs of consecutive commit (or free) notices into one message, keeping order."""
-    out: list = []
-    for m in msgs:
-        prev = out[-1] if out else None
-        if isinstance(m, M.NodeCommit) and isinstance(prev, M.NodeCommit):
-            out[-1] = M.NodeCommit(prev.rows + m.rows)
-        elif isinstance(m, M.NodeFree) and isinstance(prev, M.NodeFree):
-            out[-1] = M.NodeFree(prev.extents + m.extents)
-        else:
-            out.append(m)
-    return out
+# answered even while fenced: they change nothing another leader must know (a read lease
+# given here is not honoured by a successor, and reads check generation and checksum)
+_READS = (M.Lookup, M.ReleaseLeases, M.Exists, M.Stats, M.ListObjects, M.GetConfig)
 
 
 def main(s: MasterServerSettings) -> None:
     try:
         MasterServer(s).run()
     except KVPoolError as e:
-        print(f"master: {e}", file=sys.stderr, flush=True)
+        log.error("master: %s", e)
         sys.exit(2)

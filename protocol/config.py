@@ -19,9 +19,11 @@ from kvpool.protocol.messages import ClusterSettings
 from kvpool.protocol.units import parse_duration, parse_size
 
 MIN_SEGMENT = 1 << 20
+LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICE_RE = r"cpu|cuda(:\d+)?"  # a store node segment's device: cpu (shared memory) or cuda[:N]
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "local.yaml"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # bind addresses meaning "every interface": never advertised
 
 
 class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -43,6 +45,15 @@ class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     endpoint: str | list[str] | None = None
+    # credentials of an external etcd (protocol/etcd.py EtcdAuth): an etcd user (password
+    # inline or the first line of password_file), and TLS: ca (PEM) verifies etcd's server
+    # certificate and turns TLS on; cert/key: this process's client certificate
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
     data_dir: str | None = None
     quota_backend: str | int = "2GiB"
     auto_compaction_mode: str = "periodic"
@@ -66,7 +77,10 @@ class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address of the RPC port (0.0.0.0: every interface)
+    # the host others reach this master at, published as the etcd leader key (null: ``host``,
+    # or for a wildcard ``host`` this machine's primary address; protocol/transport.py)
+    advertise: str | None = None
     rpc_port: int = 0
     metrics_port: int | None = None
     replicas: int = 1
@@ -86,26 +100,85 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # many copies started per second on average, and this many in flight at once
     repair_rate: float = 50.0
     repair_in_flight: int = 8
+    # objects (committed + being written) the master indexes at most; past it a put evicts
+    # the least recently used object, or fails with NoSpace when none can be evicted; 0: no bound
+    max_objects: int = 10_000_000
+    # asking a joining store node for its extent table (master/joins.py): deadline of a first
+    # attempt; after a failure wait join_backoff before the next; each further failure doubles
+    # both, up to join_backoff_max
+    join_timeout: str | float = "2s"
+    join_backoff: str | float = "500ms"
+    join_backoff_max: str | float = "30s"
+
+    def join_settings(self, key_prefix: str = "master.") -> tuple[float, float, float]:
+        """``(join_timeout, join_backoff, join_backoff_max)`` in seconds. Raises ConfigError
+        unless each is a duration > 0 and ``join_backoff_max`` is at least the other two."""
+        vals = []
+        for key in ("join_timeout", "join_backoff", "join_backoff_max"):
+            v = parse_duration(getattr(self, key), key=f"{key_prefix}{key}")
+            if not v > 0:
+                raise ConfigError(f"{key_prefix}{key}: {getattr(self, key)!r}; accepted: a duration > 0 "
+                                  "(e.g. 2s, 500ms)", key=f"{key_prefix}{key}")
+            vals.append(v)
+        if vals[2] < max(vals[0], vals[1]):
+            raise ConfigError(f"{key_prefix}join_backoff_max: {self.join_backoff_max!r} is shorter than "
+                              f"{key_prefix}join_timeout or {key_prefix}join_backoff; accepted: at least both",
+                              key=f"{key_prefix}join_backoff_max")
+        return vals[0], vals[1], vals[2]
+
+    def check_joins(self, key_prefix: str = "master.") -> None:
+        """Raise ConfigError for bad join settings (see :meth:`join_settings`)."""
+        self.join_settings(key_prefix)
 
     def check_repair(self, key_prefix: str = "master.") -> None:
         """Raise ConfigError unless ``repair_rate`` is a number of copies per second in
-        (0, 1e6] and ``repair_in_flight`` a count from 1 to 10000."""
+        (0, 1e6], ``repair_in_flight`` a count from 1 to 10000 and ``max_objects`` a count
+        up to 2**40 (0: no bound)."""
         if not 0 < self.repair_rate <= 1e6:  # also refuses NaN
             raise ConfigError(f"{key_prefix}repair_rate: {self.repair_rate!r}; copies per second, accepted: "
                               "> 0 up to 1e6", key=f"{key_prefix}repair_rate")
         if not 1 <= self.repair_in_flight <= 10000:
             raise ConfigError(f"{key_prefix}repair_in_flight: {self.repair_in_flight!r}; accepted: 1 to 10000",
                               key=f"{key_prefix}repair_in_flight")
+        if not 0 <= self.max_objects <= 1 << 40:
+            raise ConfigError(f"{key_prefix}max_objects: {self.max_objects!r}; accepted: a count from 1 to 2**40, "
+                              "or 0 for no bound", key=f"{key_prefix}max_objects")
 
 
 class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str | None = None
     memory: str | int = "1GiB"
-    host: str = "127.0.0.1"
-    data_port: int = 0
+    host: str = "127.0.0.1"  # bind address of the data, control and UCX ports (0.0.0.0: every interface)
+    # the host published in the node's etcd descriptor (null: like master.advertise)
+    advertise: str | None = None
+    data_port: int = 0  # 0: any free port, for this and the next two
+    control_port: int = 0  # the master's zmq control connection
+    ucx_port: int = 0  # ucx:// data (with ucx: true)
     host_id: str | None = None
     device: str = "cpu"
     ucx: bool = False  # also serve the data plane on ucx:// (needs the [ucx] extra)
+    metrics_port: int | None = None  # /metrics, /healthz, /readyz over HTTP (0: any free port; null: off)
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``kvpool proxy``: the prefill and decode vLLM server URLs, where it listens, and its
+    deadlines (``health_interval`` between health-check rounds, ``timeout`` of one backend
+    request including a whole stream, ``read_timeout`` for a client's request body);
+    ``max_in_flight`` generate requests served at once. ``master`` (or the cluster's etcd)
+    is used only to release hand-offs no decode server took. ``api_key_file``: the key
+    clients must present on ``/v1/*``; ``backend_api_key_file``: the vLLM servers' key."""
+
+    prefill: list[str] = msgspec.field(default_factory=list)
+    decode: list[str] = msgspec.field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    health_interval: str | float = "2s"
+    timeout: str | float = "300s"
+    read_timeout: str | float = "30s"
+    max_in_flight: int = 1024
+    master: str | None = None
+    api_key_file: str | None = None  # clients must send this key (else KVPOOL_PROXY_API_KEY)
+    backend_api_key_file: str | None = None  # sent to the vLLM servers (else KVPOOL_BACKEND_API_KEY)
 
 
 class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -119,14 +192,56 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # first byte (null: no hedging); connector/hedge.py
     replica_timeout: str | float | None = "1s"
     hedge_after: str | float | None = "100ms"
+    # a put's write of one replica waits at most this long on its node (null: io_timeout); then
+    # the put is placed again without that node
+    write_timeout: str | float | None = "2s"
+
+
+class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Peer authentication and TLS (:mod:`protocol.auth`).
+
+    * ``secret_file``: file holding the cluster secret (>= 16 bytes); every socket then
+      refuses peers that do not prove it. Unset: ``KVPOOL_SECRET_FILE`` or ``KVPOOL_SECRET``
+      from the environment; none at all: open sockets (``kvpool up`` makes its own secret).
+    * ``tls_cert`` / ``tls_key``: PEM certificate chain and key the TCP servers present.
+    * ``tls_ca``: PEM CA that clients verify servers against (and servers verify client
+      certificates against, with ``tls_client_certs``).
+    * ``max_conns``: connections one server (master RPC, a store node's data server) holds
+      at once; more are refused with :class:`~protocol.errors.Overloaded`.
+    * ``frame_timeout``: the master closes a client that leaves a request frame half-sent
+      this long with no whole frame meanwhile.
+    """
+
+    secret_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_client_certs: bool = False
+    max_conns: int = 1024
+    frame_timeout: str | float = "30s"
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: str = "default"
+    log_level: str = "info"  # of every process: debug, info, warning, error (protocol/logs.py)
     etcd: EtcdConfig = EtcdConfig()
     master: MasterConfig = MasterConfig()
     storenodes: list[StoreNodeConfig] = msgspec.field(default_factory=lambda: [StoreNodeConfig(), StoreNodeConfig()])
     client: ClientConfig = ClientConfig()
+    proxy: ProxyConfig = ProxyConfig()
+    security: SecurityConfig = SecurityConfig()
+
+    def storenode(self, name: str | None) -> StoreNodeConfig:
+        """The ``storenodes`` entry of a ``kvpool storenode`` process: the one named ``name``
+        (a name not listed: the defaults under that name); without a name, the only entry.
+        Raises ConfigError when several are listed and no name picks one."""
+        if name is not None:
+            return next((n for n in self.storenodes if n.name == name), StoreNodeConfig(name=name))
+        if len(self.storenodes) > 1:
+            raise ConfigError(f"the config lists {len(self.storenodes)} store nodes "
+                              f"({', '.join(str(n.name) for n in self.storenodes)}); pick one with --name",
+                              key="storenodes")
+        return self.storenodes[0] if self.storenodes else StoreNodeConfig()
 
     def validate(self) -> "ClusterConfig":
         """Check values; raise ConfigError naming the key and accepted values."""
@@ -134,6 +249,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for key in ("lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll",
                     "etcd_compaction_interval"):
             parse_duration(getattr(m, key), key=f"master.{key}")
+        m.check_joins()
         if not 0 < m.low_watermark <= m.high_watermark <= 1:
             raise ConfigError(
                 "master.low_watermark/high_watermark: need 0 < low <= high <= 1, got "
@@ -149,11 +265,26 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"master.etcd_compaction_retention: {m.etcd_compaction_retention}; a number of "
                               "revisions >= 0", key="master.etcd_compaction_retention")
         m.check_repair()
-        for key in ("rpc_timeout", "io_timeout", "replica_timeout", "hedge_after"):
-            if getattr(self.client, key) is None and key in ("replica_timeout", "hedge_after"):
+        for key in ("rpc_timeout", "io_timeout", "replica_timeout", "hedge_after", "write_timeout"):
+            if getattr(self.client, key) is None and key in ("replica_timeout", "hedge_after", "write_timeout"):
                 continue  # off
             if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level: {self.log_level!r}; accepted: {', '.join(LOG_LEVELS)}", key="log_level")
+        ports = [("master.metrics_port", m.metrics_port), ("master.rpc_port", m.rpc_port),
+                 ("proxy.port", self.proxy.port)]
+        ports += [(f"storenodes[{i}].{k}", getattr(n, k)) for i, n in enumerate(self.storenodes)
+                  for k in ("metrics_port", "data_port", "control_port", "ucx_port")]
+        for key, port in ports:
+            if port is not None and not 0 <= port <= 65535:
+                raise ConfigError(f"{key}: {port}; accepted: 0 (any free port) to 65535", key=key)
+        hosts = [("master.advertise", m.advertise)] + [(f"storenodes[{i}].advertise", n.advertise)
+                                                        for i, n in enumerate(self.storenodes)]
+        for key, host in hosts:
+            if host is not None:
+                check_advertise(host, key)
+        self._validate_proxy()
         names = [n.name for n in self.storenodes if n.name]
         if len(names) != len(set(names)):
             raise ConfigError(f"storenodes: names must be unique, got {names}", key="storenodes")
@@ -167,6 +298,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not re.fullmatch(DEVICE_RE, n.device):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
+        if parse_duration(self.security.frame_timeout, key="security.frame_timeout") <= 0:
+            raise ConfigError("security.frame_timeout: must be > 0", key="security.frame_timeout")
+        if not 1 <= self.security.max_conns <= 1 << 20:
+            raise ConfigError(f"security.max_conns: {self.security.max_conns}; accepted: 1 to 1048576",
+                              key="security.max_conns")
         if not 1 <= self.client.streams_per_node <= 16:
             raise ConfigError(f"client.streams_per_node: {self.client.streams_per_node}; accepted: 1 to 16",
                               key="client.streams_per_node")
@@ -175,9 +311,26 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               key="client.transport")
         return self
 
+    def _validate_proxy(self) -> None:
+        p = self.proxy
+        for key in ("health_interval", "timeout", "read_timeout"):
+            if not 0 < parse_duration(getattr(p, key), key=f"proxy.{key}") < float("inf"):
+                raise ConfigError(f"proxy.{key}: must be > 0", key=f"proxy.{key}")
+        if p.max_in_flight < 1:
+            raise ConfigError(f"proxy.max_in_flight: {p.max_in_flight}; at least 1", key="proxy.max_in_flight")
+
     def _validate_etcd(self) -> None:
         e = self.etcd
         e.endpoints()  # each URL checked: ConfigError naming it
+        if (e.username is None) != (e.password is None and e.password_file is None):
+            raise ConfigError("etcd.username needs etcd.password or etcd.password_file, and they need a username",
+                              key="etcd.username")
+        if e.password is not None and e.password_file is not None:
+            raise ConfigError("etcd.password and etcd.password_file: give one", key="etcd.password")
+        if (e.cert is None) != (e.key is None):
+            raise ConfigError("etcd.cert and etcd.key go together (a client certificate and its key)", key="etcd.cert")
+        if e.cert is not None and e.ca is None:
+            raise ConfigError("etcd.cert needs etcd.ca (TLS is on when etcd.ca is set)", key="etcd.ca")
         if parse_size(e.quota_backend, key="etcd.quota_backend") < MIN_SEGMENT:
             raise ConfigError(f"etcd.quota_backend: at least 1MiB, got {e.quota_backend!r}", key="etcd.quota_backend")
         if e.auto_compaction_mode not in ("periodic", "revision"):
@@ -188,6 +341,19 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"etcd.auto_compaction_retention: {r!r}; with mode revision, a number of revisions "
                               ">= 0 (0 = off)", key="etcd.auto_compaction_retention")
         e.compaction_flags()  # periodic: a duration (ConfigError naming the key)
+
+
+def check_advertise(host: str, key: str) -> str:
+    """``host`` as an advertised address (a host name or an IP, no scheme or port); raises
+    ConfigError naming ``key`` for an empty value, a wildcard address or a URL."""
+    h = host.strip().strip("[]")
+    if not h or h in WILDCARD_HOSTS:
+        raise ConfigError(f"{key}: {host!r} cannot be advertised; give the address other hosts reach this "
+                          "process at, e.g. 10.0.0.5 or node1.example.com", key=key)
+    if "/" in h or (":" in h and not re.fullmatch(r"[0-9A-Fa-f:.]+", h)) or not re.fullmatch(r"[\w.:-]+", h):
+        raise ConfigError(f"{key}: {host!r}; accepted: a host name or an IP address, without scheme or port",
+                          key=key)
+    return h
 
 
 def _env_overrides(environ: dict[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

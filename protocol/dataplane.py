@@ -6,8 +6,11 @@ DataReply`` followed, for a successful ``read``, by ``size`` payload bytes. Requ
 pipelined on one connection; replies come back in order. Payload bytes move with
 ``sendall``/``recv_into`` on memoryviews: no per-byte Python work.
 
-Ops: ``write`` (bytes into an extent, recording key/gen/checksum/layout), ``written``
-(same record, bytes already copied through shared memory), ``read`` (named by offset +
+Ops: ``write`` (bytes into an extent, recording key/gen/checksum/layout), ``claim``
+(Unix socket only: a same-host writer asks for the extent before copying into the shared
+mapping; refused with PutRevoked or ExtentBusy, see :mod:`storenode.extents`),
+``written`` (one-way, no reply: the copy is done, the claim ends, the same record as
+``write``), ``read`` (named by offset +
 gen; refused for a freed or reused extent: :class:`~protocol.errors.StaleExtent`),
 ``map`` (Unix socket only: the reply carries the segment's memfd via SCM_RIGHTS),
 ``commit`` (one-way, no reply: the writer's copy of the master's commit notice, sent once
@@ -16,6 +19,7 @@ even if the master dies before its own notice leaves; same grant token as the wr
 """
 from __future__ import annotations
 
+import ssl
 import struct
 
 import msgspec
@@ -116,7 +120,7 @@ _IOV_MAX = 512  # stay below the kernel's UIO_MAXIOV (1024) per sendmsg call
 def sendv(sock, bufs: list) -> None:
     """Send every buffer in order: ``sendmsg`` scatter/gather, resuming after partial sends.
     Falls back to ``sendall`` per buffer for stream objects without ``sendmsg``."""
-    send = getattr(sock, "sendmsg", None)
+    send = None if isinstance(sock, ssl.SSLSocket) else getattr(sock, "sendmsg", None)  # TLS has no sendmsg
     if send is None:
         for b in bufs:
             sock.sendall(b)

@@ -113,9 +113,17 @@ class ChecksumMismatch(KVPoolError):
 
 
 class PutRevoked(KVPoolError):
-    """A put_end arrived for a put that was revoked (timed out or superseded)."""
+    """A put was revoked (its writer was silent past put_timeout, or it was superseded):
+    put_end, or a store node asked to take the put's bytes, refuses it."""
 
     code = "put_revoked"
+
+
+class ExtentBusy(KVPoolError):
+    """A store node refused a write into memory that a revoked writer may still be copying
+    into (see :mod:`storenode.extents`); the put is placed again elsewhere."""
+
+    code = "extent_busy"
 
 
 class PutInFlight(KVPoolError):
@@ -148,6 +156,14 @@ class NotLeader(KVPoolError):
     code = "not_leader"
 
 
+class StaleTerm(NotLeader):
+    """A message of a deposed leadership: its term (DESIGN.md §8, :mod:`protocol.terms`)
+    is older than one the receiver has seen. Nothing was changed; look the leader up
+    again (etcd's ``leader`` key) and retry there."""
+
+    code = "stale_term"
+
+
 class Timeout(KVPoolError):
     """A wait passed its deadline."""
 
@@ -172,6 +188,30 @@ class EtcdFull(EtcdUnavailable):
     says how to free space (compact, defragment, disarm the alarm) or raise the quota."""
 
     code = "etcd_full"
+
+
+class LeaderFenced(EtcdUnavailable):
+    """The leader could not renew its leadership lease in etcd for half the lease's TTL, so
+    it acknowledges no change until it renews it (or a new leader is elected): reads of
+    known objects still work. Clients retry it like NotLeader until their deadline."""
+
+    code = "leader_fenced"
+
+
+class AuthFailed(KVPoolError):
+    """A peer was refused, or refused us, at connect: no cluster secret, a wrong one, a
+    stalled handshake, or a TLS certificate that does not verify. ``fields['cause']``
+    names which (``missing_secret``, ``wrong_secret``, ``server_without_secret``,
+    ``timeout``, ``closed``, ``tls_verify``)."""
+
+    code = "auth_failed"
+
+
+class Overloaded(KVPoolError):
+    """A server refused work beyond its bounds (connections, queued copies); retry later
+    or raise the bound named in the message."""
+
+    code = "overloaded"
 
 
 _BY_CODE: dict[str, type[KVPoolError]] = {}

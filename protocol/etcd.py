@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import sys
+import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Sequence
@@ -26,10 +26,13 @@ from dataclasses import dataclass
 
 import aetcd
 import aetcd.exceptions
+import aetcd.watcher
 from aetcd import rpc
 
-from kvpool.protocol.errors import ConfigError, EtcdFull, EtcdUnavailable
+from kvpool.protocol.errors import AuthFailed, ConfigError, EtcdFull, EtcdUnavailable
 
+# etcd's answers to missing or wrong credentials (etcdserver/api/v3rpc/rpctypes)
+_AUTH_REFUSED = ("authentication failed", "user name is empty", "permission denied", "invalid auth token")
 # the call could not reach the member: try the next endpoint
 _UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
 NOSPACE = "database space exceeded"  # etcd's "mvcc: database space exceeded" (alarm NOSPACE)
@@ -90,6 +93,89 @@ def parse_endpoints(spec: str | Sequence[str], key: str = "etcd") -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class EtcdAuth:
+    """Credentials for etcd: ``username``/``password`` (etcd's own users; the client
+    authenticates once per connection and sends the token with every call) and TLS from PEM
+    files: ``ca`` verifies etcd's server certificate, ``cert``/``key`` are this client's
+    certificate for etcd's ``--client-cert-auth``. TLS is on when ``ca`` is set."""
+
+    username: str | None = None
+    password: str | None = None
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @classmethod
+    def from_config(cls, e) -> "EtcdAuth":
+        """From an :class:`~protocol.config.EtcdConfig` (its ``password_file``: the password
+        is the file's first line). Raises ConfigError naming the key of an unreadable file."""
+        password = e.password
+        if e.password_file is not None:
+            lines = _read(e.password_file, "etcd.password_file").decode(errors="replace").splitlines()
+            password = lines[0] if lines else ""
+        for key in ("ca", "cert", "key"):
+            if getattr(e, key) is not None:
+                _read(getattr(e, key), f"etcd.{key}")
+        return cls(e.username, password, e.ca, e.cert, e.key)
+
+    def client(self, host: str, port: int, timeout_s: float) -> aetcd.Client:
+        """An (unconnected) aetcd client for ``host:port`` with these credentials."""
+        kind = _TlsClient if self.ca is not None else aetcd.Client
+        c = kind(host=host, port=port, timeout=timeout_s, username=self.username, password=self.password)
+        c._kvpool_auth = self
+        return c
+
+
+def _read(path: str, key: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path} ({e.strerror}); give a readable file", key=key) from None
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a TLS channel. aetcd 1.0 opens only ``grpc.aio.insecure_channel``
+    in :meth:`aetcd.Client.connect`; this is that method with ``secure_channel`` and
+    ``grpc.ssl_channel_credentials`` from the :class:`EtcdAuth` files."""
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        import grpc
+
+        a: EtcdAuth = self._kvpool_auth
+        creds = grpc.ssl_channel_credentials(_read(a.ca, "etcd.ca"), a.key and _read(a.key, "etcd.key"),
+                                             a.cert and _read(a.cert, "etcd.cert"))
+        try:
+            self._is_connecting = True
+            self.channel = rpc.secure_channel(f"{self._host}:{self._port}", creds, options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                try:
+                    resp = await self.auth_stub.Authenticate(
+                        rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+                except rpc.AioRpcError as e:
+                    raise aetcd.exceptions.ClientError(e) from None
+                self.metadata = (("token", resp.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                  metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+NO_AUTH = EtcdAuth()
+
+
 class Keys:
     """The cluster's etcd keys under ``/kvpool/<cluster>/``."""
 
@@ -132,9 +218,10 @@ class Etcd:
     :class:`~protocol.errors.EtcdFull` when etcd refuses a write for want of space.
     """
 
-    def __init__(self, endpoint: str | Sequence[str], timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str | Sequence[str], timeout_s: float = 5.0, auth: EtcdAuth = NO_AUTH) -> None:
         self.endpoints = parse_endpoints(endpoint)
         self.timeout_s = timeout_s
+        self.auth = auth  # user/password and TLS (EtcdAuth)
         self._at = 0  # index of the endpoint in use
         self.client: aetcd.Client | None = None
         self._retiring: set[asyncio.Task] = set()  # closes of replaced clients, after their calls ended
@@ -147,7 +234,7 @@ class Etcd:
 
     def _new_client(self) -> aetcd.Client:
         host, port = parse_endpoint(self.endpoint)
-        return aetcd.Client(host=host, port=port, timeout=self.timeout_s)
+        return self.auth.client(host.strip("[]") if self.auth.ca else host, port, self.timeout_s)
 
     async def __aenter__(self) -> "Etcd":
         failed = []
@@ -158,6 +245,12 @@ class Etcd:
                 await client.connect()
                 await client.get(b"/kvpool/")
             except Exception as e:  # aetcd raises several connection error types
+                if any(w in str(e) for w in _AUTH_REFUSED):
+                    with contextlib.suppress(Exception):
+                        await client.close()
+                    raise AuthFailed(f"etcd at {self.endpoint} refused this process's credentials ({e}); check "
+                                     "etcd.username and etcd.password (or etcd.password_file), and that the user "
+                                     "has a role granting /kvpool/", endpoint=self.endpoint) from None
                 failed.append(f"{self.endpoint} ({type(e).__name__})")
                 with contextlib.suppress(Exception):
                     await client.close()
@@ -191,8 +284,8 @@ class Etcd:
         with contextlib.suppress(Exception):
             await self.client.connect()
         if len(self.endpoints) > 1 and time.monotonic() - self._told > 10:  # at most every 10 s in an outage
-            print(f"kvpool: etcd endpoint {before} did not answer; using {self.endpoint}", file=sys.stderr,
-                  flush=True)
+            logging.getLogger("kvpool.etcd").warning("kvpool: etcd endpoint %s did not answer; using %s", before,
+                                                     self.endpoint)
             self._told = time.monotonic()
         if old is not None:
             async def close_later(c: aetcd.Client = old) -> None:
@@ -228,6 +321,12 @@ class Etcd:
         r = await self._call(lambda c: c.get(key.encode()))
         return None if r is None else r.value
 
+    async def get_meta(self, key: str) -> aetcd.rtypes.KeyValue | None:
+        """``key``'s value with its revisions and lease (``value``, ``create_revision``,
+        ``mod_revision``, ``version``, ``lease``), or None when absent. The leader key's
+        ``create_revision`` is the leader term (:mod:`protocol.terms`)."""
+        return await self._call(lambda c: c.get(key.encode()))
+
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         r = await self._call(lambda c: c.get_prefix(prefix.encode()))
         return {kv.key.decode(): kv.value for kv in r}
@@ -258,6 +357,18 @@ class Etcd:
 
         return await self._call(txn)
 
+    async def delete_if_created(self, key: str, create_revision: int) -> bool:
+        """Delete ``key`` only if it is still the one created at ``create_revision`` (a
+        leader giving up its own ``leader`` key, never a successor's). True when deleted."""
+        k = key.encode()
+
+        async def txn(c: aetcd.Client) -> bool:
+            ok, _ = await c.transaction(compare=[c.transactions.create(k) == create_revision],
+                                        success=[c.transactions.delete(k)], failure=[])
+            return ok
+
+        return await self._call(txn)
+
     async def status(self) -> EtcdStatus:
         """The status of the member in use (revision and database sizes, see EtcdStatus)."""
         async def go(c: aetcd.Client) -> EtcdStatus:
@@ -283,35 +394,70 @@ class Etcd:
         return True
 
 
+class LeaseClock:
+    """When a kept-alive lease was last known to be renewed, on this process's monotonic
+    clock: ``renewed_at`` is the time the last successful grant or refresh request was
+    *sent* (etcd resets the lease's expiry to its TTL when it receives the request, so
+    etcd cannot expire the lease before ``renewed_at + ttl_s``), and ``ttl_s`` the TTL etcd
+    granted (seconds; etcd may round a short TTL up, never down)."""
+
+    def __init__(self) -> None:
+        self.renewed_at = time.monotonic()
+        self.ttl_s = 0.0
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since ``renewed_at``."""
+        return (time.monotonic() if now is None else now) - self.renewed_at
+
+
 @contextlib.asynccontextmanager
-async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIterator[aetcd.Lease]:
-    """Grant a lease and refresh it every TTL/3 until the block exits.
+async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event,
+                     clock: LeaseClock | None = None) -> AsyncIterator[aetcd.Lease]:
+    """Grant a lease and refresh it every TTL/4 until the block exits.
 
     ``lost`` is set only when etcd *answers* that the lease is gone (TTL <= 0: it expired
     or etcd lost its data). While etcd is unreachable we keep retrying: the holder keeps
     serving what it knows (DESIGN.md §8), and etcd extends live leases when it comes back.
+    One refresh waits at most max(TTL/3, 0.5 s) for its answer (an endpoint that does not
+    answer is left for the next one, which is tried 0.1 s later), so a holder that must
+    know how fresh its lease is (``clock``, see :class:`LeaseClock`; the master's
+    self-fencing) learns it in time.
     """
+    sent = time.monotonic()
     lease = await etcd.lease(ttl_s)
+    if clock is not None:
+        clock.renewed_at, clock.ttl_s = sent, float(lease.ttl or ttl_s)
+    every, patience = max(ttl_s / 4, 0.1), max(ttl_s / 3, 0.5)
+
+    stopping = False  # checked by the loop too: 3.11's wait_for can swallow a cancel that
+    # lands as the refresh fails (the inner call finishing with an error at that moment)
 
     async def refresher() -> None:
-        while True:
-            await asyncio.sleep(max(ttl_s / 3, 0.2))
+        wait = every
+        while not stopping:
+            await asyncio.sleep(wait)
             client = etcd.client
+            sent = time.monotonic()
             try:
-                r = await client.refresh_lease(lease.id)
+                r = await asyncio.wait_for(client.refresh_lease(lease.id), patience)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                await etcd.reconnect(client)  # unreachable: retry on a fresh channel (the next endpoint)
+            except Exception:  # noqa: BLE001 - unreachable or too slow: a fresh channel (the next endpoint)
+                await etcd.reconnect(client)
+                wait = min(every, 0.1)  # retry soon: the lease runs out meanwhile
                 continue
+            wait = every
             if r.TTL <= 0:  # protobuf default 0: etcd no longer knows the lease
                 lost.set()
                 return
+            if clock is not None:
+                clock.renewed_at = max(clock.renewed_at, sent)
 
     task = asyncio.create_task(refresher())
     try:
         yield lease
     finally:
+        stopping = True
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
@@ -319,7 +465,8 @@ async def kept_alive(etcd: Etcd, ttl_s: float, lost: asyncio.Event) -> AsyncIter
             await asyncio.wait_for(etcd.client.revoke_lease(lease.id), 2.0)
 
 
-def read_key_sync(endpoint: str | Sequence[str], key: str, timeout_s: float = 5.0) -> bytes | None:
+def read_key_sync(endpoint: str | Sequence[str], key: str, timeout_s: float = 5.0,
+                  auth: EtcdAuth = NO_AUTH) -> bytes | None:
     """Blocking read of one key (for CLI and client bootstrap) from the first of the etcd
     ``endpoint`` (one, or several comma-separated) that answers. Safe to call from inside a
     running asyncio loop (a proxy, a notebook): the read then runs on its own loop in a
@@ -327,9 +474,19 @@ def read_key_sync(endpoint: str | Sequence[str], key: str, timeout_s: float = 5.
     ``TimeoutError`` if the helper thread is not back within ``2 * n * timeout_s + 1`` s
     for ``n`` endpoints."""
 
-    async def go() -> bytes | None:
-        async with Etcd(endpoint, timeout_s) as e:
-            return await e.get(key)
+    got = read_meta_sync(endpoint, key, timeout_s, auth)
+    return None if got is None else got[0]
+
+
+def read_meta_sync(endpoint: str | Sequence[str], key: str, timeout_s: float = 5.0,
+                   auth: EtcdAuth = NO_AUTH) -> tuple[bytes, int] | None:
+    """Like :func:`read_key_sync`, with the key's create revision: ``(value,
+    create_revision)`` or None when absent (for the leader key: its address and term)."""
+
+    async def go() -> tuple[bytes, int] | None:
+        async with Etcd(endpoint, timeout_s, auth) as e:
+            kv = await e.get_meta(key)
+            return None if kv is None else (kv.value, kv.create_revision)
 
     try:
         asyncio.get_running_loop()

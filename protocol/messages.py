@@ -14,7 +14,7 @@ import msgspec
 from kvpool.protocol.errors import ConfigError, ErrorInfo, InvalidRequest
 from kvpool.protocol.layout import LayoutSpec
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Version of every message and data frame kvpool processes exchange. Bump it with any
 change an older process would misread. A master does not place on a store node of
 another version (``ClusterStats.refused``); a client refuses a master of another version
@@ -394,8 +394,12 @@ RESULT_TYPES: dict[type, Any] = {
 
 
 class Reply(msgspec.Struct, frozen=True, array_like=True):
+    """A master's (or store node's control) answer. ``term``: the leader term the answer was
+    given under (:mod:`protocol.terms`; 0 from a standby or a process without one)."""
+
     result: msgspec.Raw = msgspec.Raw(b"\xc0")
     error: ErrorInfo | None = None
+    term: int = 0
 
 
 # ---- master -> store node control -------------------------------------------------------
@@ -418,14 +422,18 @@ class NodeCommit(msgspec.Struct, tag="commit"):
     writer copies straight into the segment and tells the node nothing)."""
 
     rows: list[ExtentEntry]
+    term: int = 0  # the sender's leader term (protocol.terms): a node refuses older ones
 
 
 class NodeFree(msgspec.Struct, tag="free"):
     extents: list[tuple[int, int]]
+    term: int = 0
 
 
 class NodeList(msgspec.Struct, tag="list_extents"):
-    pass
+    """Ask for the extent table; from now on the node refuses notices of terms below ``term``."""
+
+    term: int = 0
 
 
 class NodeCopy(msgspec.Struct, tag="copy"):
@@ -437,6 +445,7 @@ class NodeCopy(msgspec.Struct, tag="copy"):
     key: str
     checksum: int
     layout: bytes | None = None
+    term: int = 0
 
 
 NodeRequest = Union[NodeCommit, NodeFree, NodeList, NodeCopy]

@@ -78,7 +78,7 @@ class BlockingFrames(FrameReader):
     def ready(self) -> bool:
         """True when a reply (or EOF) can be read without blocking: bytes are buffered or
         the socket is readable (one zero-timeout ``poll``)."""
-        if self.hi > self.lo:
+        if self.hi > self.lo or getattr(self.sock, "pending", lambda: 0)():  # TLS: decrypted, unread bytes
             return True
         try:
             p = select.poll()

@@ -40,7 +40,7 @@ def _tune(s: socket.socket) -> socket.socket:
 
 def _tcp_connect(rest: str, timeout: float) -> socket.socket:
     host, port = rest.rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=timeout)
+    s = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return _tune(s)
 
@@ -63,7 +63,8 @@ def _unix_connect(rest: str, timeout: float) -> socket.socket:
 
 def _tcp_listen(rest: str) -> socket.socket:
     host, port = rest.rsplit(":", 1)
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    host = host.strip("[]")  # an IPv6 host is written in brackets
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, int(port)))
     s.listen(128)
@@ -108,12 +109,20 @@ def _load(scheme: str) -> None:
                           f"install it with `pip install kvpool[{scheme}]`", key="transport") from None
 
 
-def connect(addr: str, timeout: float) -> Any:
-    """Open a stream to ``addr``; raises NodeUnavailable when nothing answers there."""
+def connect(addr: str, timeout: float, security=None, purpose: bytes = b"data") -> Any:
+    """Open a stream to ``addr``; raises NodeUnavailable when nothing answers there.
+    With ``security`` (a :class:`~protocol.auth.Security`), the stream is secured before
+    it is returned: TLS on ``tcp://`` when configured, then the cluster-secret handshake
+    for ``purpose`` (``b"rpc"``, ``b"data"``); AuthFailed names a refused handshake."""
     scheme, rest = split_addr(addr)
     _load(scheme)
     try:
-        return _CONNECT[scheme](rest, timeout)
+        s = _CONNECT[scheme](rest, timeout)
+        if security is not None and (security.secret is not None or security.tls):
+            from kvpool.protocol.auth import secure_client
+
+            s = secure_client(s, scheme, rest.rsplit(":", 1)[0].strip("[]"), security, purpose, addr)
+        return s
     except OSError as e:
         raise NodeUnavailable(f"cannot reach store node at {addr}: {e}; check `kvpool status`",
                               addr=addr) from None
@@ -123,6 +132,42 @@ def listen(addr: str) -> Any:
     scheme, rest = split_addr(addr)
     _load(scheme)
     return _LISTEN[scheme](rest)
+
+
+def primary_address() -> str | None:
+    """This machine's primary IPv4 address: the source address of its default route (no
+    packet is sent), or None when it has no route off the host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route lookup matters
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+def advertise_host(bind: str, advertise: str | None, key: str) -> str:
+    """The host published for a server bound to ``bind``: ``advertise`` when given, else
+    ``bind``; a wildcard ``bind`` (``0.0.0.0``, ``::``) without ``advertise`` publishes
+    :func:`primary_address`. Raises ConfigError naming ``key`` (e.g. ``master.advertise``)
+    when a wildcard bind has no primary address to publish."""
+    from kvpool.protocol.config import WILDCARD_HOSTS, check_advertise
+
+    if advertise is not None:
+        return check_advertise(advertise, key)
+    if bind.strip("[]") not in WILDCARD_HOSTS:
+        return bind.strip("[]")
+    addr = primary_address()
+    if addr is None:
+        raise ConfigError(f"bound to {bind or 'every interface'} but this host has no default route to take an "
+                          f"address from; pass --advertise HOST (config {key}) with the address other hosts "
+                          "reach it at", key=key)
+    return addr
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def default_host_id() -> str:

@@ -1,8 +1,10 @@
 """Threaded data server: reads and writes extents straight between sockets and the
 segment, with no per-byte Python work.
 
-One thread per connection; socket calls release the GIL, so several streams run in
-parallel. Frames are described in :mod:`protocol.dataplane`. A malformed frame gets an
+One thread per connection, at most ``max_conns`` of them (more are refused with
+:class:`~protocol.errors.Overloaded`); socket calls release the GIL, so several streams
+run in parallel. Each connection first passes TLS and the cluster-secret handshake when
+they are configured (:mod:`protocol.auth`, within ``auth.HANDSHAKE_S``). Frames are described in :mod:`protocol.dataplane`. A malformed frame gets an
 error reply and the connection is closed (its stream position can no longer be trusted).
 
 Syscalls per request are what bound small objects, so each connection:
@@ -28,14 +30,17 @@ import threading
 
 import msgspec
 
-from kvpool.protocol import transport
+from kvpool.protocol import auth, transport
+from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
-from kvpool.protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable, StaleExtent
+from kvpool.protocol.errors import AuthFailed, InvalidRequest, KVPoolError, NodeUnavailable, Overloaded, StaleExtent
 from kvpool.protocol.grants import check_token
 from kvpool.protocol.messages import ExtentEntry
 from kvpool.storenode.device_segment import DeviceSegment
 from kvpool.storenode.extents import ExtentTable
+from kvpool.storenode.metrics import NodeStats
 from kvpool.storenode.segment import Segment
+from kvpool.storenode.writers import Writer, WriterWatch
 
 _FLUSH_BYTES = 1 << 20
 _req_dec = msgspec.msgpack.Decoder(DataRequest)
@@ -46,9 +51,15 @@ class DataServer:
     """Serves one segment (host shared memory, or a :class:`DeviceSegment` through staging)
     on the given listen addresses (``tcp://``, ``unix://``, ``ucx://``)."""
 
-    def __init__(self, segment: Segment | DeviceSegment, table: ExtentTable, addrs: list[str]) -> None:
+    def __init__(self, segment: Segment | DeviceSegment, table: ExtentTable, addrs: list[str],
+                 security: Security = OPEN, max_conns: int = 1024) -> None:
         self.segment = segment
         self.table = table
+        self.writers = WriterWatch(table)  # claims of writers whose connection closed (storenode/writers.py)
+        self._writer = threading.local()  # this connection thread's Writer
+        self.security = security
+        self.max_conns = max_conns  # connections served at once (one thread each); more are refused
+        self._tls = security.server_context()
         self.listeners = [(a, transport.listen(a)) for a in addrs]
         self.addrs = [self._bound(a, s) for a, s in self.listeners]
         self._stop = threading.Event()
@@ -56,6 +67,9 @@ class DataServer:
         self._lock = threading.Lock()
         self.bytes_in = 0
         self.bytes_out = 0
+        self.stats = NodeStats()  # requests and errors by kind (storenode/metrics.py)
+        self.refused = 0  # connections refused at the cap
+        self.auth_failures = 0  # connections that failed TLS or the secret handshake
 
     @staticmethod
     def _bound(addr: str, s) -> str:
@@ -73,6 +87,7 @@ class DataServer:
 
     def stop(self) -> None:
         self._stop.set()
+        self.writers.stop()
         for _, s in self.listeners:
             with contextlib.suppress(OSError):
                 s.close()
@@ -93,13 +108,62 @@ class DataServer:
             if scheme == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, unix), daemon=True).start()
+                full = len(self._conns) >= self.max_conns
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse(conn, scheme)
+                continue
+            threading.Thread(target=self._serve, args=(conn, unix, scheme == "tcp"), daemon=True).start()
 
-    def _serve(self, conn: socket.socket, unix: bool) -> None:
+    def _refuse(self, conn, scheme: str) -> None:
+        """Over the cap: tell the peer (in the framing it expects) and close, without a thread."""
+        self.refused += 1
+        self.stats.errors["data", Overloaded.code] += 1  # exported as kvpool_storenode_errors (storenode/metrics.py)
+        err = Overloaded(f"store node data server holds its maximum of {self.max_conns} connections "
+                         "(security.max_conns); retry later, or raise it", max_conns=self.max_conns)
+        if scheme != "tcp" or self._tls is None:
+            msg = auth.refusal(err.message) if self.security.secret is not None else frame(DataReply(False,
+                                                                                                     err.to_wire()))
+            with contextlib.suppress(OSError):
+                conn.setblocking(False)
+                conn.send(msg)
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def _secure(self, conn, tcp: bool):
+        """TLS (TCP, when configured) and the secret handshake, within auth.HANDSHAKE_S: the
+        stream to serve, or None (the peer was told why and is to be closed)."""
+        try:
+            if tcp and self._tls is not None:
+                conn.settimeout(auth.HANDSHAKE_S)
+                conn = self._tls.wrap_socket(conn, server_side=True)
+            if self.security.secret is not None:
+                auth.server_handshake(conn, self.security, auth.DATA,
+                                      lambda e, _head: frame(DataReply(False, e.to_wire())))
+            conn.settimeout(None)
+            return conn
+        except (AuthFailed, OSError):  # ssl.SSLError and timeouts are OSErrors
+            self.auth_failures += 1
+            self.stats.errors["data", AuthFailed.code] += 1
+            return None
+
+    def _serve(self, raw: socket.socket, unix: bool, tcp: bool = False) -> None:
+        conn = self._secure(raw, tcp)
+        if conn is None:
+            with self._lock:
+                self._conns.discard(raw)
+            with contextlib.suppress(OSError):
+                raw.close()
+            return
+        if conn is not raw:  # TLS: stop() closes the wrapped socket
+            with self._lock:
+                self._conns.discard(raw)
+                self._conns.add(conn)
         rd = FrameReader(conn)
         out: list = []
         pending = 0
+        writer = self._writer.w = Writer(conn if unix else None)
         try:
             while not self._stop.is_set():
                 if out and (pending >= _FLUSH_BYTES or not rd.has_frame()):
@@ -112,6 +176,7 @@ class DataServer:
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:
                         raise InvalidRequest(f"malformed data request: {e}") from None
                 except InvalidRequest as e:
+                    self.stats.errors["data", e.code] += 1
                     out.append(frame(DataReply(False, e.to_wire())))
                     sendv(conn, out)
                     return
@@ -127,21 +192,26 @@ class DataServer:
                 self._conns.discard(conn)
             with contextlib.suppress(OSError):
                 conn.close()
+            self.writers.closed(writer)
 
     def _handle(self, conn, rd: FrameReader, req: DataRequest, unix: bool, out: list) -> int:
         """Serve one request, appending its reply buffers to ``out``; returns their bytes."""
         seg = self.segment
+        self.stats.requests["data", req.op] += 1
         try:
             if req.incarnation != seg.incarnation and req.op != "ping":
                 raise StaleExtent(f"store node segment restarted (generation {seg.incarnation}, request "
                                   f"named {req.incarnation}); look the key up again")
-            if req.op in ("write", "written", "commit"):
+            if req.op == "written":  # the writer finished copying: its claim ends (needs no grant:
+                self.table.release(req.offset, req.gen, self._writer.w)  # it names only its own claims)
+            if req.op in ("write", "written", "commit", "claim"):
                 self.table.check_bounds(req.offset, req.size)
                 if not check_token(seg.grant_key, seg.incarnation, req.offset, req.size, req.gen, req.key,
                                    req.token):
                     raise InvalidRequest(f"write to [{req.offset}, +{req.size}) gen {req.gen} carries no valid "
                                          "grant from the master; writes need a put_start grant")
-                self.table.check_write(req.offset, req.gen)  # before any byte lands
+                if req.op in ("written", "commit"):
+                    self.table.check_write(req.offset, req.gen)
             if req.op == "read":
                 self.table.check_read(req.offset, req.size, req.gen)
                 out.append(frame(DataReply(True, size=req.size)))
@@ -153,19 +223,29 @@ class DataServer:
                     return 0
                 out.append(seg.view[req.offset:req.offset + req.size])
                 return req.size + 16
-            if req.op == "write":
-                seg.recv(rd, req.offset, req.size)
+            if req.op == "write":  # claimed by this thread while its bytes land (storenode/extents.py)
+                w = self._writer.w
+                self.table.claim(req.offset, req.size, req.gen, w)  # before any byte lands
+                try:
+                    seg.recv(rd, req.offset, req.size)
+                finally:
+                    self.table.release(req.offset, req.gen, w)
                 self.bytes_in += req.size
                 self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
+            elif req.op == "claim":  # a same-host writer asks before copying into the mapping
+                if not unix or seg.fd is None:
+                    raise InvalidRequest("claim is only served on the Unix socket of a shared-memory segment")
+                w = self._writer.w
+                w.identify()
+                self.table.claim(req.offset, req.size, req.gen, w)
             elif req.op == "commit":  # one-way: no reply, whatever happens
                 self.table.commit(ExtentEntry(req.key, req.offset, req.size, req.gen, req.checksum, req.layout,
                                               True, req.replicas), writer=True)
                 return 0
-            elif req.op == "written":
-                if seg.fd is None:  # nobody can have copied into device memory from outside
-                    raise InvalidRequest("written is only accepted for a shared-memory segment; send the bytes "
-                                         "with write")
-                self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
+            elif req.op == "written":  # one-way, like commit
+                if seg.fd is not None:  # nobody can have copied into device memory from outside
+                    self.table.record_write(req.key, req.offset, req.size, req.gen, req.checksum, req.layout)
+                return 0
             elif req.op == "map":
                 if not unix:
                     raise InvalidRequest("map is only served on the node's Unix socket")
@@ -181,11 +261,13 @@ class DataServer:
                 out.append(frame(DataReply(True, capacity=seg.capacity)))
                 return 16
             else:
-                raise InvalidRequest(f"unknown data op {req.op!r}; accepted: write, written, commit, read, map, ping")
+                raise InvalidRequest(f"unknown data op {req.op!r}; accepted: write, claim, written, commit, read, map, "
+                                     "ping")
             out.append(_OK)
             return len(_OK)
         except KVPoolError as e:
-            if req.op == "commit":
+            self.stats.errors["data", e.code] += 1
+            if req.op in ("commit", "written"):
                 return 0  # one-way: a refused copy of a commit notice is dropped (the master's notice rules)
             if req.op == "write":
                 # keep the stream in step: swallow the payload the client is sending

@@ -4,15 +4,45 @@ Rows are keyed by segment offset and carry the allocation generation ``gen`` the
 assigned. A read must name the current ``(offset, gen)``; a freed or reused extent
 refuses it (:class:`~protocol.errors.StaleExtent`). Committed rows are what the master
 rebuilds its index from after a failover (DESIGN.md §8).
+
+**Write claims: a revoked writer never lands bytes in another object.** Every byte that
+enters the segment does so under a *claim* of ``[offset, offset + size)`` for one grant
+``gen``, taken here before the first byte moves: a same-host writer asks for it over the
+node's Unix socket (``claim``) and copies into the shared mapping only after the node said
+yes; a network ``write`` is claimed by the node's own data thread for the time its
+``recv_into`` the segment runs. A claim ends when its writer says it is done (``written``,
+sent after the copy returned), when the node's receive ends, or when the writer's
+process is gone (:mod:`storenode.writers`). The rules, all decided under one lock:
+
+1. a claim of ``gen`` is refused with PutRevoked when the master freed that grant
+   (``free`` raised the offset's floor above ``gen``) or when any row or claim overlapping
+   the range carries a newer generation (a newer grant exists: generations grow per node,
+   so this holds even when the master's free notice has not arrived yet);
+2. a claim overlapping another live claim is refused with ExtentBusy, even when the
+   master freed that other claim's grant and placed the memory again: a revoked writer
+   may still be copying, so its range stays quarantined here until its claim ends.
+
+Why no interleaving breaks it: a writer copies only after its claim was accepted, and
+keeps copying only inside its own range. Take a revoked writer A and the next owner B of
+overlapping memory (gen_B > gen_A). If B's claim came first, A's claim meets B's claim
+or row (newer gen) and is refused (rule 1); B's row stays until the master frees B, and
+that free is sent after A's (notices to a node go in order), so by then A's floor is
+raised. If A's claim came first, B's claim is refused (rule 2) for as long as A's is
+live, however long A stalls and at whatever instruction (before, during or after its
+copy); A's claim ends only when A said it finished copying or A's process no longer
+exists, so no byte of A can arrive after B's claim is granted. A writer that stalls
+*before* asking stays harmless: rule 1 refuses it when it resumes.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 
 import msgspec
 
-from kvpool.protocol.errors import InvalidRequest, StaleExtent
+from kvpool.protocol.errors import ExtentBusy, InvalidRequest, PutRevoked, StaleExtent, StaleTerm
 from kvpool.protocol.messages import ExtentEntry
+from kvpool.protocol.terms import gen_term
 
 
 class ExtentTable:
@@ -20,7 +50,12 @@ class ExtentTable:
         self.capacity = capacity
         self._rows: dict[int, ExtentEntry] = {}
         self._floor: dict[int, int] = {}  # offset -> lowest generation a write there may carry
+        self._offs: list[int] = []  # sorted offsets of _rows (overlap queries)
+        self._max_size = 0  # largest row or claim size seen: bounds the overlap scan
+        # (offset, gen) -> (size, owner): ranges a writer may be copying into right now
+        self._claims: dict[tuple[int, int], tuple[int, object]] = {}
         self.max_gen = 0  # highest generation seen (a new master grants above it)
+        self.term = 0  # the newest leader term this node knows (protocol.terms); see check_term
         self._lock = threading.Lock()
 
     def check_bounds(self, offset: int, size: int) -> None:
@@ -31,21 +66,117 @@ class ExtentTable:
     def check_write(self, offset: int, gen: int) -> None:
         """Refuse a write whose grant is older than what this offset has since held: a
         writer that stalled past its put timeout must not overwrite the extent's next
-        owner. Raises StaleExtent."""
+        owner. Raises PutRevoked, or StaleTerm for a grant of a deposed leader."""
+        self.check_term(gen)
         with self._lock:
             cur = self._rows.get(offset)
             if gen < self._floor.get(offset, 0) or (cur is not None and cur.gen > gen):
-                raise StaleExtent(f"write to offset {offset} carries generation {gen}, older than the extent's "
+                raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than the extent's "
                                   "current one (the put was revoked); put the object again", offset=offset, gen=gen)
+
+    def claim(self, offset: int, size: int, gen: int, owner: object) -> None:
+        """Take the write claim of ``[offset, offset + size)`` for grant ``gen`` on behalf of
+        ``owner`` (a writer handle, compared by identity), before any byte of it lands.
+        Raises PutRevoked when the grant was freed or a newer grant overlaps the range, and
+        ExtentBusy when another live claim overlaps it (rules in the module docstring). A
+        repeated claim of the same grant by the same owner is accepted. Raises StaleTerm for
+        a grant of a deposed leader."""
+        self.check_bounds(offset, size)
+        self.check_term(gen)
+        end = offset + size
+        with self._lock:
+            if gen < self._floor.get(offset, 0):
+                raise PutRevoked(f"write to offset {offset} carries generation {gen}, which the master freed "
+                                 "(the put was revoked: its writer was silent past put_timeout); put the "
+                                 "object again", offset=offset, gen=gen)
+            for row in self._overlapping_rows(offset, end):
+                if row.gen > gen:
+                    raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than the "
+                                     f"extent's current one ({row.gen}): the put was revoked; put the object "
+                                     "again", offset=offset, gen=gen)
+            for (c_off, c_gen), (c_size, c_owner) in self._claims.items():
+                if c_off < end and offset < c_off + c_size and (c_off, c_gen) != (offset, gen):
+                    if c_gen > gen:
+                        raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than a "
+                                         f"write in progress there ({c_gen}): the put was revoked; put the "
+                                         "object again", offset=offset, gen=gen)
+                    raise ExtentBusy(f"[{offset}, +{size}) overlaps memory a revoked writer may still be "
+                                     f"copying into (generation {c_gen}); the put is placed again elsewhere",
+                                     offset=offset, gen=gen)
+            held = self._claims.get((offset, gen))
+            if held is not None and held[1] is not owner:
+                raise ExtentBusy(f"[{offset}, +{size}) generation {gen} is being written by another writer",
+                                 offset=offset, gen=gen)
+            self._claims[(offset, gen)] = (size, owner)
+            self._max_size = max(self._max_size, size)
+
+    def release(self, offset: int, gen: int, owner: object) -> bool:
+        """End ``owner``'s claim of ``(offset, gen)`` (its writer finished copying). False
+        when it held none."""
+        with self._lock:
+            held = self._claims.get((offset, gen))
+            if held is None or held[1] is not owner:
+                return False
+            del self._claims[(offset, gen)]
+            return True
+
+    def release_owner(self, owner: object) -> int:
+        """End every claim of ``owner`` (its process is gone); returns how many ended."""
+        with self._lock:
+            mine = [k for k, (_, o) in self._claims.items() if o is owner]
+            for k in mine:
+                del self._claims[k]
+            return len(mine)
+
+    def claims(self, owner: object | None = None) -> int:
+        """Live claims (of ``owner``, or all)."""
+        with self._lock:
+            return sum(1 for _, o in self._claims.values() if owner is None or o is owner)
+
+    def _overlapping_rows(self, start: int, end: int) -> list[ExtentEntry]:
+        """Rows overlapping ``[start, end)``; caller holds the lock."""
+        out = []
+        i = bisect.bisect_left(self._offs, end) - 1
+        while i >= 0 and self._offs[i] + self._max_size > start:
+            row = self._rows[self._offs[i]]
+            if row.offset + row.size > start:
+                out.append(row)
+            i -= 1
+        return out
+
+    def _put_row(self, row: ExtentEntry) -> None:
+        """Caller holds the lock."""
+        if row.offset not in self._rows:
+            bisect.insort(self._offs, row.offset)
+        self._rows[row.offset] = row
+        self._max_size = max(self._max_size, row.size)
+
+    def _del_row(self, offset: int) -> None:
+        """Caller holds the lock."""
+        del self._rows[offset]
+        i = bisect.bisect_left(self._offs, offset)
+        del self._offs[i]
+
+    def check_term(self, gen: int) -> None:
+        """Refuse a grant made by a leadership older than the newest term this node knows
+        (``term``, raised by the master's notices and by the ``leader`` key in etcd): a
+        deposed master's grants land no byte (:mod:`protocol.terms`). Raises StaleTerm."""
+        t = gen_term(gen)
+        if t < self.term:
+            raise StaleTerm(f"write grant generation {gen} comes from leader term {t}, but term {self.term} "
+                            "has been elected since; the grant's master was deposed. Put the object again "
+                            "(through the current leader)", gen=gen, term=self.term)
 
     def record_write(self, key: str, offset: int, size: int, gen: int, checksum: int,
                      layout: bytes | None) -> None:
         self.check_bounds(offset, size)
         with self._lock:
             cur = self._rows.get(offset)
-            if cur is not None and cur.gen > gen:
-                return  # a late write of an older generation never replaces the current row
-            self._rows[offset] = ExtentEntry(key, offset, size, gen, checksum, layout, False)
+            if cur is not None and (cur.gen > gen or cur.gen == gen and cur.committed):
+                return  # a late write of an older generation (or of a committed one) keeps the row
+            if gen < self._floor.get(offset, 0):
+                return  # freed meanwhile (a revoked writer's late notice)
+            self._put_row(ExtentEntry(key, offset, size, gen, checksum, layout, False))
             self.max_gen = max(self.max_gen, gen)
 
     def check_read(self, offset: int, size: int, gen: int) -> ExtentEntry:
@@ -71,7 +202,7 @@ class ExtentTable:
             if writer and cur is not None and cur.gen == row.gen and cur.committed:
                 return
             if cur is None or cur.gen <= row.gen:
-                self._rows[row.offset] = row if row.committed else msgspec.structs.replace(row, committed=True)
+                self._put_row(row if row.committed else msgspec.structs.replace(row, committed=True))
                 self.max_gen = max(self.max_gen, row.gen)
 
     def free(self, offset: int, gen: int) -> None:
@@ -80,7 +211,7 @@ class ExtentTable:
         with self._lock:
             row = self._rows.get(offset)
             if row is not None and row.gen == gen:
-                del self._rows[offset]
+                self._del_row(offset)
             self._floor[offset] = max(self._floor.get(offset, 0), gen + 1)
             self.max_gen = max(self.max_gen, gen)
 
@@ -91,8 +222,17 @@ class ExtentTable:
     def clear(self) -> None:
         with self._lock:
             self._rows.clear()
+            self._offs.clear()
             self._floor.clear()
+            self._claims.clear()
             self.max_gen = 0
+
+    def usage(self) -> tuple[int, int, int]:
+        """``(committed rows, written rows not committed yet, bytes under all rows)``."""
+        with self._lock:
+            rows = list(self._rows.values())
+        committed = sum(1 for r in rows if r.committed)
+        return committed, len(rows) - committed, sum(r.size for r in rows)
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -3,7 +3,13 @@ a lease, with a zmq control socket for the master's commit/free/list/copy notice
 
 The segment is host shared memory (``device="cpu"``, :mod:`storenode.segment`) or device
 memory served through staging (``cuda:N``, :mod:`storenode.device_segment`).
-Readiness is one line on stdout: ``KVPOOL_READY storenode <node_id> <data_addr>``.
+Readiness is one line on stdout: ``KVPOOL_READY storenode <node_id> <data_addr>``. With a
+metrics port, ``KVPOOL_METRICS storenode <node_id> <url>`` comes first, and that HTTP
+server answers ``/metrics`` (:mod:`storenode.metrics`), ``/healthz`` (the event loop turns)
+and ``/readyz`` (registered in etcd, segment mapped).
+The node keeps the newest leader term it knows (the masters' notices and etcd's ``leader``
+key, :meth:`StoreNode._follow_term`) and refuses notices and write grants of older terms
+with StaleTerm (:mod:`protocol.terms`).
 If the etcd lease is lost (an etcd outage or a pause), the node registers again with the
 same segment and extent table (while etcd is full, every 5 s until it has room; a node
 starting on a full etcd stops with :class:`~protocol.errors.EtcdFull`); a master that
@@ -13,7 +19,10 @@ any it has seen, so nothing the cluster removed in between comes back.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
+import logging
 import os
 import signal
 import sys
@@ -25,33 +34,75 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvpool.protocol import messages as M
 from kvpool.protocol import transport
+from kvpool.protocol import auth
+from kvpool.protocol.auth import OPEN, Security
+from kvpool.protocol.config import ClusterConfig, SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
-from kvpool.protocol.errors import ConfigError, EtcdFull, KVPoolError
-from kvpool.protocol.etcd import Etcd, Keys, kept_alive
+from kvpool.protocol.errors import ConfigError, EtcdFull, KVPoolError, Overloaded, StaleTerm
+from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys, kept_alive
+from kvpool.protocol.units import parse_duration, parse_size
 from kvpool.storenode.dataserver import DataServer
 from kvpool.storenode.device_segment import DeviceSegment
 from kvpool.storenode.extents import ExtentTable
 from kvpool.storenode.segment import Segment
 
+log = logging.getLogger("kvpool.storenode")
+_NODE = StoreNodeConfig()  # the defaults, stated once (protocol/config.py)
+COPY_MAX = 64  # copy requests queued or running at once; more are answered Overloaded
+CTRL_MAX_MSG = 256 << 20  # bytes: the largest control message accepted (a batch of commit rows)
+
+
+class _MasterKey:
+    """ZAP credentials check: the one CURVE client key allowed (the master's, derived from the secret)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.key)
+
 
 @dataclass(frozen=True)
 class NodeSettings:
-    """``memory_bytes`` of segment; ``node_ttl_s`` etcd lease TTL (seconds)."""
+    """``memory_bytes`` of segment; ``node_ttl_s`` etcd lease TTL (seconds). Defaults: those
+    of :class:`~protocol.config.StoreNodeConfig` (build it with :meth:`from_config`)."""
 
     etcd: str
-    cluster: str = "default"
+    cluster: str = ClusterConfig().cluster
     node_id: str | None = None
-    memory_bytes: int = 1 << 30
-    host: str = "127.0.0.1"
-    data_port: int = 0
+    memory_bytes: int = parse_size(_NODE.memory)
+    host: str = _NODE.host
+    data_port: int = _NODE.data_port
     host_id: str | None = None
-    node_ttl_s: float = 3.0
+    node_ttl_s: float = parse_duration(ClusterConfig().master.node_ttl)
     run_dir: str | None = None
-    device: str = "cpu"
-    ucx: bool = False
+    device: str = _NODE.device
+    ucx: bool = _NODE.ucx
+    metrics_port: int | None = _NODE.metrics_port  # /metrics, /healthz, /readyz (0: any free port; None: off)
+    security: Security = OPEN  # the cluster secret and TLS on the data and control sockets (protocol/auth.py)
+    max_conns: int = SecurityConfig().max_conns  # data connections served at once
+    advertise: str | None = _NODE.advertise  # host published in the descriptor (transport.advertise_host)
+    control_port: int = _NODE.control_port  # 0: any free port
+    ucx_port: int = _NODE.ucx_port  # 0: any free port
+    etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig, node: StoreNodeConfig, run_dir: str | None = None) -> "NodeSettings":
+        """The settings of store node ``node`` of ``cfg`` (validated by
+        :func:`~protocol.config.load_config`; its lease TTL is ``master.node_ttl``), whose
+        ``etcd.endpoint`` must be set. Raises ConfigError."""
+        eps = cfg.etcd.endpoints()
+        if not eps:
+            raise ConfigError("no etcd endpoint: pass --etcd http://host:port or set etcd.endpoint in the --config "
+                              "file (a store node does not start etcd; `kvpool up` does)", key="etcd.endpoint")
+        return cls(",".join(eps), cfg.cluster, node.name, parse_size(node.memory), node.host, node.data_port,
+                   node.host_id, parse_duration(cfg.master.node_ttl), run_dir, node.device, node.ucx,
+                   node.metrics_port, Security.from_config(cfg.security), cfg.security.max_conns, node.advertise,
+                   node.control_port, node.ucx_port, EtcdAuth.from_config(cfg.etcd))
 
 
 class StoreNode:
@@ -66,32 +117,74 @@ class StoreNode:
         run_dir = s.run_dir or tempfile.mkdtemp(prefix="kvpool-node-")
         self.run_dir = run_dir
         self.unix_path = os.path.join(run_dir, f"{self.node_id}.sock")
-        addrs = [f"tcp://{s.host}:{s.data_port}", f"unix://{self.unix_path}"]
+        # published host: the advertised one (checked before anything is bound: ConfigError)
+        self.public = transport.advertise_host(s.host, s.advertise, "storenodes[].advertise")
+        addrs = [f"tcp://{transport.host_port(s.host, s.data_port)}", f"unix://{self.unix_path}"]
         if s.ucx:  # raises ConfigError naming the extra when ucxx is not installed
-            addrs.append(f"ucx://{s.host}:0")
-        self.data = DataServer(self.segment, self.table, addrs)
+            addrs.append(f"ucx://{transport.host_port(s.host, s.ucx_port)}")
+        if s.security.secret is not None:  # derived from the secret: never published in etcd
+            self.segment.grant_key = s.security.grant_key(self.segment.incarnation)
+        self.data = DataServer(self.segment, self.table, addrs, s.security, s.max_conns)
+        self._copies = 0  # copy requests queued or running (at most COPY_MAX)
         self.host_id = s.host_id or transport.default_host_id()
         self._stop = asyncio.Event()
+        self.stats = self.data.stats
+        self.registered = False  # the descriptor is published under a live etcd lease
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def published(self, addr: str) -> str:
+        """A bound ``tcp://``/``ucx://`` address with its host replaced by the advertised one."""
+        scheme, rest = transport.split_addr(addr)
+        return f"{scheme}://{transport.host_port(self.public, int(rest.rsplit(':', 1)[1]))}"
 
     def descriptor(self, ctrl_addr: str) -> M.NodeDesc:
-        return M.NodeDesc(self.node_id, self.segment.incarnation, self.data.addrs[0], ctrl_addr,
-                          self.data.addrs[1], self.host_id, self.segment.capacity, self.s.device,
-                          self.segment.grant_key, self.data.addrs[2] if self.s.ucx else "", M.WIRE_VERSION)
+        """The etcd record of this node: every network address with the advertised host."""
+        return M.NodeDesc(self.node_id, self.segment.incarnation, self.published(self.data.addrs[0]),
+                          self.published(ctrl_addr), self.data.addrs[1], self.host_id, self.segment.capacity,
+                          self.s.device, b"" if self.s.security.secret is not None else self.segment.grant_key,
+                          self.published(self.data.addrs[2]) if self.s.ucx else "", M.WIRE_VERSION)
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        ops = None
+        if self.s.metrics_port is not None:
+            from kvpool.protocol.opshttp import OpsServer
+            from kvpool.storenode.metrics import node_registry
+
+            ops = OpsServer(self.s.host, self.s.metrics_port, node_registry(self), self.healthz, self.readyz)
+            print(f"KVPOOL_METRICS storenode {self.node_id} {ops.url}", flush=True)
         self.data.start()
         ctx = zmq.asyncio.Context()
+        zap = None
         ctrl = ctx.socket(zmq.ROUTER)
         ctrl.setsockopt(zmq.LINGER, 0)
-        port = ctrl.bind_to_random_port(f"tcp://{self.s.host}")
-        ctrl_addr = f"tcp://{self.s.host}:{port}"
-        ctrl_task = asyncio.create_task(self._control(ctrl))
+        ctrl.setsockopt(zmq.MAXMSGSIZE, CTRL_MAX_MSG)  # a larger message drops its peer's connection
+        if self.s.security.secret is not None:  # CURVE: only the master's derived key gets in
+            zap = AsyncioAuthenticator(ctx)
+            zap.start()
+            zap.configure_curve_callback("*", _MasterKey(auth.curve_client_public(self.s.security)))
+            auth.curve_server(ctrl, self.s.security)
+        bind = f"tcp://{transport.host_port(self.s.host, 0)}"[:-2]  # tcp://host (IPv6 in brackets)
+        if ":" in self.s.host:
+            ctrl.setsockopt(zmq.IPV6, 1)
+        if self.s.control_port:
+            try:
+                ctrl.bind(f"{bind}:{self.s.control_port}")
+            except zmq.ZMQError as e:
+                raise ConfigError(f"storenodes[].control_port: cannot bind {bind}:{self.s.control_port} ({e}); "
+                                  "pick a free port or 0 for any", key="storenodes[].control_port") from None
+            port = self.s.control_port
+        else:
+            port = ctrl.bind_to_random_port(bind)
+        ctrl_addr = f"{bind}:{port}"
+        ctrl_task = self._ctrl_task = asyncio.create_task(self._control(ctrl))
         announced = registered = False
+        term_task = None
         try:
-            async with Etcd(self.s.etcd) as etcd:
+            async with Etcd(self.s.etcd, auth=self.s.etcd_auth) as etcd:
+                term_task = asyncio.create_task(self._follow_term(etcd))
                 while not self._stop.is_set():
                     lost = asyncio.Event()
                     try:
@@ -99,7 +192,7 @@ class StoreNode:
                             desc = self.descriptor(ctrl_addr)
                             if not await self._register(etcd, lease, desc):
                                 break  # stopped while waiting for the name
-                            registered = True
+                            registered = self.registered = True
                             if not announced:
                                 print(f"KVPOOL_READY storenode {self.node_id} {desc.data_addr}", flush=True)
                                 announced = True
@@ -108,33 +201,68 @@ class StoreNode:
                             await asyncio.wait({stop_wait, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
                             stop_wait.cancel()
                             lost_wait.cancel()
+                            self.registered = False
                     except EtcdFull as e:
                         if not announced:
                             raise  # at start-up: stop with the error, which says how to free space
                         # serving already: keep the segment and register again once etcd has room
-                        print(f"storenode {self.node_id}: cannot register again: {e}", file=sys.stderr, flush=True)
+                        log.error("storenode %s: cannot register again: %s", self.node_id, e)
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(self._stop.wait(), 5.0)
                         continue
                     if lost.is_set() and not self._stop.is_set():
                         # etcd let our lease lapse (an outage, a pause): register again with
                         # the same segment; a master that dropped us meanwhile re-indexes our
-                        # committed extents when it sees us join (master/server.py _adopt)
-                        print(f"storenode {self.node_id}: etcd lease lost; registering again", flush=True)
+                        # committed extents when it sees us join (master/nodes.py _adopt)
+                        log.warning("storenode %s: etcd lease lost; registering again", self.node_id)
                         await asyncio.sleep(0.2)
                 if registered:
                     with contextlib.suppress(Exception):
                         await etcd.delete(self.keys.node(self.node_id))
         finally:
+            self.registered = False
+            if ops is not None:
+                ops.close()
             ctrl_task.cancel()
+            if term_task is not None:
+                term_task.cancel()
             self.data.stop()
             ctrl.close(0)
+            if zap is not None:
+                zap.stop()
             ctx.term()
             with contextlib.suppress(OSError):
                 os.unlink(self.unix_path)
             if self._own_run_dir:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.run_dir)
+
+    def healthz(self) -> tuple[bool, str]:
+        """Alive (called from the ops HTTP server's threads): the event loop answers within
+        2 s and the control loop runs. ``(ok, detail)``."""
+        loop = self.loop
+        if loop is None or self._stop.is_set():
+            return False, "stopping" if loop is not None else "starting"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        loop.call_soon_threadsafe(fut.set_result, None)
+        try:
+            fut.result(timeout=2.0)
+        except concurrent.futures.TimeoutError:
+            return False, "the event loop did not answer within 2s"
+        task = getattr(self, "_ctrl_task", None)
+        if task is None or task.done():
+            return False, "the control loop is not running"
+        return True, "registered" if self.registered else "not registered in etcd"
+
+    def readyz(self) -> tuple[bool, str]:
+        """Ready: the descriptor is published in etcd under a live lease and the segment is
+        mapped. ``(ok, detail or reason)``."""
+        mm = getattr(self.segment, "mm", None)
+        if mm is not None and mm.closed:
+            return False, "the segment is unmapped"
+        if not self.registered:
+            return False, "not registered in etcd (starting, the name is held, or the etcd lease was lost)"
+        return True, f"registered as {self.node_id}, {self.segment.capacity} bytes of {self.s.device} memory"
 
     async def _register(self, etcd: Etcd, lease, desc: M.NodeDesc) -> bool:
         """Publish ``desc`` under this node's name only if no other process holds the name.
@@ -159,8 +287,8 @@ class StoreNode:
                 raise ConfigError(f"store node name {self.node_id!r} is held by a live node ({where}); start "
                                   "this one with another --name, or stop that node first", key="name")
             if not told:
-                print(f"storenode {self.node_id}: the name is registered by another process ({where}); waiting "
-                      f"up to {deadline - time.monotonic():.0f}s for its lease to lapse", flush=True)
+                log.warning("storenode %s: the name is registered by another process (%s); waiting up to %.0fs for "
+                            "its lease to lapse", self.node_id, where, deadline - time.monotonic())
                 told = True
             try:
                 await asyncio.wait_for(self._stop.wait(), 0.25)
@@ -176,12 +304,16 @@ class StoreNode:
                 continue  # not our framing (identity, body): drop it, keep serving
             ident, body = frames
             try:
-                await self._control_one(ctrl, ident, M.decode_node_request(body))
+                req = M.decode_node_request(body)
+                self.stats.requests["control", type(req).__name__.removeprefix("Node").lower()] += 1
+                await self._control_one(ctrl, ident, req)
             except (KVPoolError, ValueError, TypeError, OverflowError) as e:
                 err = e if isinstance(e, KVPoolError) else KVPoolError(f"bad control request: {e}")
+                self.stats.errors["control", err.code] += 1
                 await ctrl.send_multipart([ident, M.encode(M.Reply(error=err.to_wire()))])
 
     async def _control_one(self, ctrl, ident: bytes, req) -> None:
+        self._see_term(req.term, type(req).__name__)  # raises StaleTerm: answered as an error Reply
         if isinstance(req, M.NodeCommit):
             for row in req.rows:
                 self.table.commit(row)
@@ -193,13 +325,51 @@ class StoreNode:
             await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(
                 [self.segment.incarnation, rows, self.table.max_gen]))))])
         elif isinstance(req, M.NodeCopy):
+            if self._copies >= COPY_MAX:  # bounded: a flood is refused, not queued
+                err = Overloaded(f"store node {self.node_id} has {COPY_MAX} copies queued; retry later")
+                self.stats.errors["control", err.code] += 1
+                await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err.to_wire()))])
+                return
+            self._copies += 1
             asyncio.create_task(self._copy(ctrl, ident, req))
+
+    def _see_term(self, term: int, what: str) -> None:
+        """A master's notice of leader ``term``: refused (StaleTerm) when a newer term is
+        known here (its sender was deposed); a newer one is adopted, so from now on every
+        notice and write grant of the older leaderships is refused (:mod:`protocol.terms`)."""
+        known = self.table.term
+        if term < known:
+            raise StaleTerm(f"store node {self.node_id}: {what} of leader term {term} refused; term {known} has "
+                            "been elected since, so its sender is no longer the leader", term=known)
+        if term > known:
+            self.table.term = term
+            log.info("storenode %s: leader term %d", self.node_id, term)
+
+    async def _follow_term(self, etcd: Etcd) -> None:
+        """Learn the leader term from etcd itself (the ``leader`` key's create revision),
+        every ``min(1, node_ttl/3)`` seconds: a deposed leader is the one that cannot see
+        etcd, so the node must not rely on the masters alone to tell it. A term *below* the
+        known one can only come from an etcd whose history restarted (revisions never go
+        back within one history); the node then follows that etcd."""
+        every = max(0.2, min(1.0, self.s.node_ttl_s / 3))
+        while True:
+            with contextlib.suppress(Exception):  # etcd unreachable: the masters' notices still count
+                meta = await etcd.get_meta(self.keys.leader)
+                if meta is not None and meta.create_revision != self.table.term:
+                    if meta.create_revision < self.table.term:
+                        log.warning("storenode %s: etcd names leader term %d, below the %d seen here: etcd's "
+                                    "history restarted; following it", self.node_id, meta.create_revision,
+                                    self.table.term)
+                        self.table.term = meta.create_revision
+                    else:
+                        self._see_term(meta.create_revision, "etcd's leader key")
+            await asyncio.sleep(every)
 
     async def _copy(self, ctrl, ident: bytes, req: M.NodeCopy) -> None:
         """Push one committed extent to another node (re-replication for repair/drain)."""
         def push() -> None:
             row = self.table.check_read(req.src_offset, req.dst.size, req.src_gen)
-            sock = transport.connect(req.dst.data_addr, 10.0)
+            sock = transport.connect(req.dst.data_addr, 10.0, self.s.security)
             try:
                 sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,
                                                req.dst.gen, req.key, row.checksum, req.layout, req.dst.token)))
@@ -215,6 +385,8 @@ class StoreNode:
             await asyncio.to_thread(push)
         except (KVPoolError, OSError) as e:
             err = M.ErrorInfo("copy_failed", str(e))
+        finally:
+            self._copies -= 1
         await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err))])
 
 
@@ -223,7 +395,7 @@ def main(s: NodeSettings) -> None:
     try:
         asyncio.run(node.run())
     except KVPoolError as e:
-        print(f"storenode: {e}", file=sys.stderr, flush=True)
+        log.error("storenode: %s", e)
         sys.exit(2)
     finally:
         node.segment.close()

@@ -52,8 +52,8 @@ class _Started:
         self.shm_before = _shm_files()
 
     def start(self, nodes: int = 2, memory: str = "256MiB", etcd: dict | None = None,
-              master_env: dict[str, str] | None = None, **master) -> LocalCluster:
-        lc = LocalCluster(cluster_config(nodes, memory, etcd, **master), master_env=master_env)
+              master_env: dict[str, str] | None = None, metrics: bool = False, **master) -> LocalCluster:
+        lc = LocalCluster(cluster_config(nodes, memory, etcd, **master), master_env=master_env, metrics=metrics)
         self.clusters.append(lc)
         lc.__enter__()
         for c in [*lc.nodes.values(), *lc.masters]:

@@ -2,6 +2,7 @@
 no generic top-level module is importable, the master and store node start without torch,
 and a wheel built by ``python -m build`` installs in a fresh venv and runs ``kvpool demo``."""
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,8 +56,13 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path):
     repository. Its third-party dependencies come from this venv through a .pth file (which
     does not load this venv's editable finder), so the test needs no package index."""
     pytest.importorskip("build")
+    # build from a copy: setuptools leaves build/ in the source tree, whose stale files a
+    # later wheel would ship
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "__pycache__",
+                                                             "*.egg-info", ".pytest_cache"))
     dist = tmp_path / "dist"
-    b = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(REPO)],
+    b = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(src)],
                        capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
     wheels = list(dist.glob("kvpool-*.whl"))

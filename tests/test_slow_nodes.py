@@ -224,3 +224,32 @@ def test_frozen_replica_holder_does_not_stall_reads(make_cluster):
             t.join(60)
         for c in clients:
             c.close()
+
+
+def test_put_with_a_frozen_replica_node_lands_on_the_live_one(make_cluster):
+    """replicas=2, one of two nodes frozen (SIGSTOP), io_timeout 30 s: each put finishes
+    within the per-replica write deadline plus one placement more, on the live node, and
+    says it landed fewer replicas than asked; replicas=1 puts placed on the frozen node
+    fail over the same way. Nothing waits the I/O timeout."""
+    lc = make_cluster(nodes=2, memory="64MiB", replicas=2, node_ttl="3s")
+    frozen = lc.nodes["node-1"].proc.pid
+    with lc.client(io_timeout_s=30.0) as c:
+        assert all(r.replicas == 2 for r in c.put_batch_results(["warm"], [b"w" * 4096]))  # both nodes mapped
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            worst = {1: 0.0, 2: 0.0}
+            short = 0
+            for i in range(40):
+                n = 2 if i % 2 == 0 else 1
+                data = os.urandom(64 * KiB)
+                t0 = time.monotonic()
+                res = c.put_batch_results([f"z/{i}"], [data], replicas=n)[0]
+                worst[n] = max(worst[n], time.monotonic() - t0)
+                assert res.ok and res.stored, res.error
+                short += res.short
+                assert c.get(f"z/{i}") == data
+            print(f"frozen node: worst put latency replicas=2 {worst[2]:.2f}s, replicas=1 {worst[1]:.2f}s; "
+                  f"{short} of 20 two-replica puts short")
+            assert short >= 1 and max(worst.values()) < 10.0, worst
+        finally:
+            os.kill(frozen, signal.SIGCONT)

@@ -314,7 +314,7 @@ def test_node_extent_table_records_committed_rows_and_ignores_stale_ones():
 
 
 def test_node_notices_keep_their_order_when_coalesced():
-    from kvpool.master.server import _coalesce
+    from kvpool.master.nodes import _coalesce
     from kvpool.protocol.messages import ExtentEntry
 
     row = ExtentEntry("a", 0, MiB, 1, 7, None, True)
@@ -351,7 +351,7 @@ def test_node_table_refuses_writes_of_a_revoked_generation():
     t.check_write(0, 1)
     t.record_write("stale", 0, 4096, 1, 0, None)
     t.free(0, 1)  # the master revoked that put
-    with pytest.raises(E.StaleExtent, match="older than"):
+    with pytest.raises(E.PutRevoked, match="older than"):
         t.check_write(0, 1)  # the stalled writer comes back
     t.check_write(0, 2)  # the extent's next owner writes
     t.record_write("victim", 0, 8192, 2, 0, None)

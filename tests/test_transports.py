@@ -289,8 +289,9 @@ def test_device_that_is_not_here_is_a_config_error():
 
 
 def test_device_segment_staging_is_bounded_and_refuses_written(tmp_path):
-    """Many connections share at most STAGE_BUFFERS staging buffers; a ``written`` notice
-    (bytes copied by a same-host client) is refused, since nobody maps device memory."""
+    """Many connections share at most STAGE_BUFFERS staging buffers; a ``claim`` (a same-host
+    client asking to copy into the mapping) is refused and a ``written`` notice records
+    nothing, since nobody maps device memory."""
     from kvpool.storenode.device_segment import STAGE_BUFFERS
 
     seg = DeviceSegment(8 << 20, "cpu")
@@ -311,10 +312,12 @@ def test_device_segment_staging_is_bounded_and_refuses_written(tmp_path):
         s = transport.connect(srv.addrs[0], 5.0)
         from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
         s.sendall(frame(DataRequest("written", seg.incarnation, ref.offset, ref.size, ref.gen, "x", 0, None,
+                                    ref.token)))  # one-way: no reply
+        s.sendall(frame(DataRequest("claim", seg.incarnation, ref.offset, ref.size, ref.gen, "x", 0, None,
                                     ref.token)))
         rep = recv_reply(s)
         s.close()
-        assert not rep.ok and "only accepted for a shared-memory segment" in rep.error.message
+        assert not rep.ok and "shared-memory segment" in rep.error.message
         with pytest.raises(E.StaleExtent):
             table.check_read(ref.offset, ref.size, ref.gen)
     finally:

@@ -1,0 +1,151 @@
+"""Same-host segment mapping of the data plane (:class:`connector.dataclient.DataPlane`):
+the ``map`` handshake over a node's Unix socket, which hands over the node's segment memfd
+(SCM_RIGHTS) and proves the node shares this host; the mappings per node incarnation, their
+retry after a node that did not answer, and unmapping a dead or restarted node's segment."""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import time
+
+from kvpool.connector.shmcopy import _address, _prefault_aside
+from kvpool.protocol import transport
+from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
+from kvpool.protocol.errors import KVPoolError, NodeUnavailable
+from kvpool.protocol.messages import ExtentRef
+
+_MAP_S = 2.0  # seconds asking a node for its segment's mapping may take
+_MAP_RETRY_S = 5.0  # a node that did not answer that is asked again after this many seconds
+_POPULATE_MAX = 8 << 30  # segments up to this size get their page tables prefaulted (~2 MiB of PTEs per GiB)
+log = logging.getLogger("kvpool.data")
+
+
+class _SegmentMaps:
+    """The shared-memory mappings of a :class:`~connector.dataclient.DataPlane` (mixed into
+    it; uses its ``_maps``, ``_bases``, ``_mmaps``, ``_node_inc``, ``_map_retry``,
+    ``_proven``, ``_told_remote``, ``_map_lock``, ``_pins``, ``mode``, ``host_id``,
+    ``io_timeout_s`` and ``security``)."""
+
+    def uses_shm(self, ref: ExtentRef) -> bool:
+        return self.mode in ("auto", "shm") and ref.host_id == self.host_id and self._segment(ref) is not None
+
+    def same_host(self, ref: ExtentRef) -> bool:
+        """Whether ``ref``'s node proved to share this host: it publishes this client's host
+        id and its Unix socket answered the ``map`` handshake for ``ref``'s incarnation (a
+        host id alone proves nothing: two machines may carry the same one). Asked once per
+        incarnation, as :meth:`_segment` asks; a node that does not prove it is reached over
+        TCP, with one warning per node."""
+        if self.mode == "tcp" or ref.host_id != self.host_id or not ref.shm_path:
+            return False
+        if self._maps.get(ref.incarnation) is None:
+            self._segment(ref, self.mode in ("auto", "shm"))
+        return bool(self._maps.get(ref.incarnation) is not None or self._proven.get(ref.incarnation))
+
+    def _not_local(self, ref: ExtentRef, why: str) -> None:
+        """Record that ``ref``'s node did not prove it shares this host; warn once per node."""
+        self._proven[ref.incarnation] = False
+        if ref.node_id not in self._told_remote:
+            self._told_remote.add(ref.node_id)
+            log.warning("store node %s carries this client's host id %r but its Unix socket %s did not prove it "
+                        "is on this host (%s); using TCP %s. Give hosts distinct host ids (--host-id) if they "
+                        "differ", ref.node_id, self.host_id, ref.shm_path, why, ref.data_addr)
+
+    def _segment(self, ref: ExtentRef, map_it: bool = True) -> memoryview | None:
+        """The mapped segment of ``ref``'s node incarnation (None when it cannot be mapped).
+        Asking for the mapping waits at most ``min(io_timeout_s, 2 s)``; a node that did not
+        answer (frozen, overloaded, or another machine with the same host id) is asked again
+        after 5 s, meanwhile served by TCP. The answer also settles :meth:`same_host`: a
+        reply naming ``ref``'s incarnation (a mapping, or a device segment's refusal) proves
+        the node is on this host. ``map_it=False`` (transport ``unix``/``ucx``) asks the same
+        question but closes the memfd unmapped."""
+        seg = self._maps.get(ref.incarnation, False)
+        if seg is not False and (seg is not None or ref.incarnation not in self._map_retry):
+            return seg
+        with self._map_lock:
+            if ref.incarnation in self._maps:
+                if self._map_retry.get(ref.incarnation, float("inf")) > time.monotonic():
+                    return self._maps[ref.incarnation]
+                del self._maps[ref.incarnation], self._map_retry[ref.incarnation]
+            seg = None
+            old = self._node_inc.get(ref.node_id)
+            if old is not None and old != ref.incarnation:
+                self._unmap(old)  # the node restarted: drop the dead incarnation's mapping
+            self._node_inc[ref.node_id] = ref.incarnation
+            try:
+                s = transport.connect(ref.shm_path, min(self.io_timeout_s, _MAP_S), self.security)
+                try:
+                    s.settimeout(min(self.io_timeout_s, _MAP_S))
+                    s.sendall(frame(DataRequest("map", ref.incarnation)))
+                    msg, fds, _, _ = socket.recv_fds(s, 1 << 16, 1)
+                    try:
+                        rep = recv_reply(_Buffered(msg))
+                        if rep.ok and fds and map_it:
+                            mm = mmap.mmap(fds[0], rep.capacity, mmap.MAP_SHARED,
+                                           mmap.PROT_READ | mmap.PROT_WRITE)
+                            self._mmaps[ref.incarnation] = mm
+                            seg = memoryview(mm)
+                            if rep.capacity <= _POPULATE_MAX:
+                                _prefault_aside(seg, rep.capacity)
+                        # our incarnation was answered (a memfd, or a device segment's refusal)
+                        if (rep.ok and fds) or (not rep.ok and rep.error is not None
+                                                and rep.error.code != "stale_extent"):
+                            self._proven[ref.incarnation] = True
+                        else:
+                            self._not_local(ref, "another node answers there" if not rep.ok else "no memfd came")
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                finally:
+                    s.close()
+            except (KVPoolError, OSError) as e:
+                seg = None
+                self._not_local(ref, f"{type(e).__name__}: {e}")
+                if isinstance(e, (TimeoutError, NodeUnavailable)):  # no answer: ask again later
+                    self._map_retry[ref.incarnation] = time.monotonic() + _MAP_RETRY_S
+            self._maps[ref.incarnation] = seg
+            return seg
+
+    def _extent_address(self, ref: ExtentRef) -> int:
+        base = self._bases.get(ref.incarnation)
+        if base is None:
+            base = self._bases[ref.incarnation] = _address(self._segment(ref)[:1])
+        return base + ref.offset
+
+    def forget_node(self, node_id: str) -> None:
+        """Unmap ``node_id``'s segment (it died): a long-lived client must not keep a dead
+        node's whole segment resident."""
+        with self._map_lock:
+            inc = self._node_inc.pop(node_id, None)
+            if inc is not None:
+                self._unmap(inc)
+
+    def _unmap(self, incarnation: str) -> None:
+        """Caller holds ``_map_lock``."""
+        self._proven.pop(incarnation, None)
+        view = self._maps.pop(incarnation, None)
+        base = self._bases.pop(incarnation, None)
+        if self._pins is not None:
+            self._pins.drop(incarnation, base)  # CUDA registration goes before the mapping
+        mm = self._mmaps.pop(incarnation, None)
+        try:
+            if view is not None:
+                view.release()
+            if mm is not None:
+                mm.close()
+        except BufferError:
+            pass  # a slice is still in use by another thread; the OS unmaps it with the object
+
+
+class _Buffered:
+    """Present already-received bytes as a socket for :func:`recv_reply`."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def recv_into(self, view: memoryview, n: int) -> int:
+        chunk = self.data[self.pos:self.pos + n]
+        view[:len(chunk)] = chunk
+        self.pos += len(chunk)
+        return len(chunk)

@@ -1,0 +1,185 @@
+"""Bounded cost per peer, on real processes: floods of idle, half-sent and over-cap
+connections and of copy requests leave the master and the store nodes within memory bounds,
+and honest clients keep working meanwhile. Figures are printed (``-s``) for the record; the
+asserts are loose memory bounds, never speeds."""
+from __future__ import annotations
+
+import socket
+import time
+
+import msgspec
+import psutil
+import pytest
+import zmq
+
+from conftest import wait_for
+from kvpool.cli.cluster import LocalCluster
+from kvpool.protocol import auth, rpcwire, transport
+from kvpool.protocol import messages as M
+from kvpool.protocol.config import load_config
+from kvpool.protocol.errors import Overloaded
+from test_auth import _closed, _descs
+
+MiB = 1 << 20
+
+
+def _cfg(**security):
+    return load_config(None, {"storenodes": [{"name": f"node-{i}", "memory": "64MiB"} for i in range(2)],
+                              "security": security}, environ={})
+
+
+@pytest.fixture(scope="module")
+def lc():
+    c = LocalCluster(_cfg(max_conns=64, frame_timeout="2s"), secure=True)
+    c.__enter__()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _rss(child) -> int:
+    return psutil.Process(child.proc.pid).memory_info().rss
+
+
+def _hostport(addr: str) -> tuple[str, int]:
+    host, port = addr[len("tcp://"):].rsplit(":", 1)
+    return host, int(port)
+
+
+def _honest(lc, key: str) -> None:
+    with lc.client(transport="tcp") as c:
+        c.put(key, b"h" * 65536)
+        assert c.get(key) == b"h" * 65536
+
+
+def test_idle_and_junk_flood_is_bounded(lc):
+    master, node = lc.masters[0], lc.nodes["node-0"]
+    d = next(x for x in _descs(lc) if x.node_id == "node-0")
+    before = _rss(master), _rss(node)
+    t0 = time.monotonic()
+    socks = []
+    for addr in (lc.master_addr, d.data_addr):
+        for i in range(60):  # under the cap: each waits out the handshake deadline
+            s = socket.create_connection(_hostport(addr))
+            if i % 2:
+                s.sendall(auth.MAGIC + bytes([auth.VERSION]) + b"\0" * 32)  # a hello, then silence
+            socks.append(s)
+    _honest(lc, "during-idle-flood")  # while 120 peers sit in the handshake
+    grown = _rss(master) - before[0], _rss(node) - before[1]
+    for s in socks:
+        s.settimeout(auth.HANDSHAKE_S + 15)
+        assert _closed(s)
+        s.close()
+    closed_after = time.monotonic() - t0
+    print(f"\nidle flood: 60+60 unauthenticated connections, master +{grown[0] / MiB:.1f} MiB, node "
+          f"+{grown[1] / MiB:.1f} MiB, all closed after {closed_after:.1f}s")
+    assert grown[0] < 64 * MiB and grown[1] < 128 * MiB
+    _honest(lc, "after-idle-flood")
+
+
+def test_connection_cap_refuses_with_a_clear_error(lc):
+    d = next(x for x in _descs(lc) if x.node_id == "node-1")
+    holders = [socket.create_connection(_hostport(d.data_addr)) for _ in range(64)]
+    try:
+        wait_for(lambda: _refused(d.data_addr), 10, what="a connection over the cap to be refused")
+        with pytest.raises(Overloaded, match="max_conns"):
+            transport.connect(d.data_addr, 5.0, lc.security)
+    finally:
+        for s in holders:
+            s.close()
+    wait_for(lambda: _connects(d.data_addr, lc.security), 10, what="the data server to take connections again")
+    _honest(lc, "after-cap")
+
+
+def _refused(addr: str) -> bool:
+    s = socket.create_connection(_hostport(addr))
+    try:
+        s.settimeout(2)
+        return s.recv(5) == auth.MAGIC + auth.REFUSED
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _connects(addr: str, security) -> bool:
+    try:
+        transport.connect(addr, 5.0, security).close()
+        return True
+    except Overloaded:
+        return False
+
+
+def test_half_sent_frames_are_closed_at_the_deadline(lc):
+    """Authenticated peers that start 64 MiB frames and stall: bounded by what they sent,
+    and closed at security.frame_timeout (2 s here)."""
+    master = lc.masters[0]
+    before = _rss(master)
+    socks = []
+    for _ in range(12):
+        s = transport.connect(lc.master_addr, 5.0, lc.security, auth.RPC)
+        s.sendall(rpcwire.HEAD.pack(rpcwire.MAX_FRAME, 7) + b"\0" * MiB)  # 1 MiB of a 64 MiB frame
+        socks.append(s)
+    _honest(lc, "during-half-sent")
+    grown = _rss(master) - before
+    t0 = time.monotonic()
+    for s in socks:
+        s.settimeout(30)
+        assert _closed(s)
+        s.close()
+    print(f"\nhalf-sent frames: 12 x 1 MiB of 64 MiB frames, master +{grown / MiB:.1f} MiB, closed "
+          f"{time.monotonic() - t0:.1f}s after the flood")
+    assert grown < 12 * 2 * MiB + 64 * MiB
+    _honest(lc, "after-half-sent")
+
+
+def test_copy_request_flood_is_refused_not_queued(lc):
+    """An authenticated control peer (holding the secret) floods a node with copy requests
+    whose destination never answers: at most storenode.server.COPY_MAX are taken, the rest
+    are answered Overloaded at once; the node keeps its etcd lease and serves."""
+    from kvpool.storenode.server import COPY_MAX
+
+    with lc.client() as c:
+        c.put("copy-src", b"c" * 4096)
+    node = lc.nodes["node-0"]
+    d = next(x for x in _descs(lc) if x.node_id == "node-0")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = auth.curve_client_keys(lc.security)
+    sock.connect(d.ctrl_addr)
+    sock.send(M.encode(M.NodeList()))
+    assert sock.poll(5000)
+    rep = msgspec.msgpack.decode(sock.recv(), type=M.Reply)
+    term = rep.error.fields.get("term", 0) if rep.error is not None else 0
+    sock.send(M.encode(M.NodeList(term=term)))
+    assert sock.poll(5000)
+    rows = msgspec.msgpack.decode(msgspec.msgpack.decode(sock.recv(), type=M.Reply).result)[1]
+    if not rows:
+        pytest.skip("the object landed on the other node")  # placement spreads; node-0 usually has it
+    row = rows[0]
+    sink = socket.socket()
+    sink.bind(("127.0.0.1", 0))
+    sink.listen(4096)  # accepts into the backlog, never answers
+    dst = M.ExtentRef("sink", "x", "tcp://127.0.0.1:%d" % sink.getsockname()[1], "", "h", 0, row[2], 1)
+    before = _rss(node)
+    n = 3000
+    t0 = time.monotonic()
+    for _ in range(n):
+        sock.send(M.encode(M.NodeCopy(row[1], row[3], dst, row[0], row[4], term=term)))
+    refused = 0
+    deadline = time.monotonic() + 30
+    while refused < n - COPY_MAX and time.monotonic() < deadline:
+        if sock.poll(1000):
+            r = msgspec.msgpack.decode(sock.recv(), type=M.Reply)
+            refused += r.error is not None and r.error.code == "overloaded"
+    took = time.monotonic() - t0
+    grown = _rss(node) - before
+    _honest(lc, "during-copy-flood")
+    print(f"\ncopy flood: {n} requests, {refused} refused Overloaded in {took:.1f}s, node +{grown / MiB:.1f} MiB")
+    assert refused >= n - COPY_MAX
+    assert grown < 64 * MiB
+    assert node.alive()
+    sink.close()
+    sock.close()

@@ -1,0 +1,176 @@
+"""A revoked same-host writer never lands bytes in another object (DESIGN.md §8, Writers).
+
+Writer A is a real process that maps the node's segment; it is frozen (SIGSTOP) at a
+chosen instruction of its put, past ``put_timeout`` + ``quarantine``, while writer B stores
+the same key; then A resumes (or is SIGKILLed). Real etcd, master and store node.
+"""
+import os
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.protocol import errors as E
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.chaos
+KiB = 1 << 10
+
+# Writer A: put KEY of SIZE bytes (0xAA), stopping itself (SIGSTOP) either before it asks the
+# node for its extent ("before_claim") or after the node granted the claim, right before the
+# copy into the shared mapping ("before_copy"). Prints "STALL <offset>", then "RESULT <error|ok>".
+_WRITER = r"""
+import os, signal, sys
+from kvpool.connector import dataclient
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol.config import load_config
+
+cfg, master, key, size, where = sys.argv[1:6]
+c = KVPoolClient.from_config(load_config(cfg, environ={}), master=master)
+
+def stall(op):
+    print("STALL", op.ref.offset, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+write, write_shm = dataclient.DataPlane.write, dataclient.DataPlane._write_shm
+if where == "before_claim":
+    def hooked(self, ops, deadline=None):
+        stall(ops[0])
+        return write(self, ops, deadline)
+    dataclient.DataPlane.write = hooked
+else:
+    def hooked(self, op):
+        stall(op)
+        return write_shm(self, op)
+    dataclient.DataPlane._write_shm = hooked
+try:
+    c.put(key, b"\xaa" * int(size))
+    print("RESULT ok", flush=True)
+except Exception as e:
+    print("RESULT", type(e).__name__, e, flush=True)
+c.close()
+"""
+
+
+def _start_writer(lc, key: str, size: int, where: str) -> tuple[subprocess.Popen, int]:
+    """Writer A, frozen at ``where``; returns it and the offset of its grant."""
+    a = subprocess.Popen([sys.executable, "-c", _WRITER, lc.write_config(), lc.master_addr, key, str(size), where],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready, _, _ = select.select([a.stdout], [], [], 60)
+    line = a.stdout.readline() if ready else ""
+    assert line.startswith("STALL "), f"writer A did not reach its stall point: {line!r}"
+    wait_for(lambda: _state(a.pid) == "T", 10, what="writer A stopped")
+    return a, int(line.split()[1])
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _finish(a: subprocess.Popen) -> str:
+    os.kill(a.pid, signal.SIGCONT)
+    out, _ = a.communicate(timeout=60)
+    return out
+
+
+@pytest.mark.parametrize("where", ["before_claim", "before_copy"])
+def test_stalled_writer_never_lands_in_the_next_owner(make_cluster, where):
+    """The issue's sequence: one node, put_timeout 1 s, quarantine 2 s; A put_starts k and
+    stalls; once A's grant is revoked and its extent has left the master's quarantine, B puts
+    k (acknowledged); A resumes and writes its grant. B's get(k) returns B's bytes and A's put
+    fails with PutRevoked. Stalled before its claim, A is refused when it resumes (B's put
+    took A's very extent); stalled after it, the node keeps A's range quarantined, so B's put
+    lands elsewhere."""
+    size = 256 * KiB
+    lc = make_cluster(nodes=1, memory="16MiB", put_timeout="1s", quarantine="2s")
+    a, a_off = _start_writer(lc, "k", size, where)
+    try:
+        with lc.client(in_flight_wait_s=0.2) as b:
+            # A is revoked after put_timeout; its extent is free at the master after quarantine
+            wait_for(lambda: b.stats().nodes[0].used == 0 and not b.exists("k"), 20,
+                     what="A's grant revoked and released by the master")
+            mine = os.urandom(size)
+            assert b.put("k", mine)
+            b_off = b.lookup(["k"])[0].replicas[0].offset
+            out = _finish(a)
+            assert "RESULT PutRevoked" in out, out
+            assert b.get("k") == mine
+            if where == "before_claim":
+                assert b_off == a_off  # the master placed B in A's extent: A was refused there
+            else:
+                assert b_off != a_off  # A's range stayed quarantined on the node until A said it was done
+            # nothing leaked: A's range is usable again, by the same key's next owner too
+            b.remove("k", force=True)
+            wait_for(lambda: b.stats().nodes[0].used == 0, 20, what="B's extents freed")
+            again = os.urandom(size)
+            assert b.put("k", again) and b.get("k") == again
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(10)
+
+
+def test_killed_writer_extents_are_reclaimed(make_cluster):
+    """A writer SIGKILLed between its claim and its copy: while it is only stopped, its range
+    stays quarantined on the node (a put that can only go there fails with a typed error);
+    once the node sees the process gone, the range is reclaimed and the put lands there."""
+    size = 3 << 20
+    lc = make_cluster(nodes=1, memory="4MiB", put_timeout="1s", quarantine="2s")
+    a, _ = _start_writer(lc, "victim", size, "before_copy")
+    try:
+        with lc.client(in_flight_wait_s=0.2) as b:
+            wait_for(lambda: b.stats().nodes[0].used == 0, 20, what="A's grant revoked and released by the master")
+            data = os.urandom(size)
+            with pytest.raises((E.ExtentBusy, E.NoSpace)):
+                b.put("other", data)  # only A's range can hold it, and A may still be copying
+            a.kill()
+            a.wait(10)
+
+            def stored() -> bool:
+                try:
+                    return b.put("other", data)
+                except (E.ExtentBusy, E.NoSpace):
+                    return False
+
+            wait_for(stored, 30, interval_s=0.3, what="A's range reclaimed after its process died")
+            assert b.get("other") == data
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(10)
+
+
+def test_claim_rules_of_the_node_table():
+    """storenode/extents.py rules, without processes: a freed or superseded grant is refused
+    (PutRevoked); a live claim keeps overlapping grants out (ExtentBusy) even after its own
+    grant was freed, until its writer ends it."""
+    from kvpool.storenode.extents import ExtentTable
+
+    t, a, b = ExtentTable(1 << 20), object(), object()
+    t.claim(0, 8192, 1, a)
+    t.free(0, 1)  # the master revoked A while A may be copying
+    with pytest.raises(E.ExtentBusy):
+        t.claim(4096, 8192, 2, b)  # the master placed B over part of A's range
+    assert t.release(0, 1, a) and not t.release(0, 1, a)
+    t.claim(4096, 8192, 2, b)  # A said it was done: B may write
+    with pytest.raises(E.PutRevoked):
+        t.claim(0, 8192, 1, a)  # A again: freed
+    t.release(4096, 2, b)
+    t.record_write("k", 4096, 8192, 2, 0, None)
+    with pytest.raises(E.PutRevoked):
+        t.claim(0, 8192, 1, object())  # older than the overlapping row, whatever the free notices did
+    t.claim(8192, 4096, 3, a)
+    assert t.release_owner(a) == 1 and t.claims() == 0
+
+
+def test_join_settings_are_config_keys():
+    from kvpool.protocol.config import load_config
+
+    m = load_config(None, {"master": {"join_timeout": "1s", "join_backoff": "250ms", "join_backoff_max": "8s"}},
+                    environ={}).master
+    assert m.join_settings() == (1.0, 0.25, 8.0)
+    with pytest.raises(E.ConfigError, match="join_backoff_max"):
+        load_config(None, {"master": {"join_timeout": "10s", "join_backoff_max": "5s"}}, environ={})
