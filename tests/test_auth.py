@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from conftest import wait_for
+from tests.conftest import wait_for
 from kvpool.cli.cluster import LocalCluster
 from kvpool.connector.client import KVPoolClient
 from kvpool.protocol import auth, transport

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import wait_for
+from tests.conftest import wait_for
 from kvpool.cli.cluster import LocalCluster
 from kvpool.protocol import auth, rpcwire, transport
 from kvpool.protocol import messages as M
