@@ -20,7 +20,8 @@ from kvpool.protocol import errors as E
 from kvpool.protocol.config import ClusterConfig, load_config
 from kvpool.protocol.units import parse_duration
 
-console = Console()
+# a pipe or a file (no terminal, no $COLUMNS) would squeeze tables to 80 columns and cut addresses
+console = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=200)
 err_console = Console(stderr=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Cluster YAML (default configs/local.yaml)")]

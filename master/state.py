@@ -516,9 +516,10 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             why = self._skip_reason(obj, now)
             if why and not force:
                 err = (E.HasLease(f"{key!r} has a live read lease; retry after it lapses "
-                                  f"({self.s.lease_ttl_s:g}s) or pass force", key=key)
+                                  f"({self.s.lease_ttl_s:g}s) or force it (kvpool rm --force; force=True)", key=key)
                        if why == "leased" else
-                       E.Pinned(f"{key!r} is {why}; unpin it / ack the hand-off, or pass force", key=key))
+                       E.Pinned(f"{key!r} is {why}; unpin it / ack the hand-off, or force it (kvpool rm --force; "
+                                "force=True)", key=key))
                 out.append(err.to_wire())
                 continue
             self._drop(obj, reason="remove")

@@ -223,7 +223,7 @@ class ServerHandshake:
         if not self.ns:
             if len(self.buf) >= 4 and self.buf[:4] != MAGIC or len(self.buf) >= 5 and self.buf[4] != VERSION:
                 self.error = AuthFailed("this server requires the cluster secret and the peer sent none; set "
-                                        f"{SECRET_FILE_ENV} or {SECRET_ENV} (or --secret-file) to the cluster's "
+                                        f"{SECRET_FILE_ENV} or {SECRET_ENV} (for kvpool processes also --secret-file or security.secret_file in --config) to the cluster's "
                                         "secret", cause="missing_secret")
                 head, self.buf = self.buf[:64], b""
                 return self.reject(self.error, head), b""
