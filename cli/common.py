@@ -35,7 +35,7 @@ LogLevelOpt = Annotated[Optional[str], typer.Option("--log-level", help="debug, 
 
 EXIT_CODES: dict[type, int] = {E.NotFound: 3, E.ConfigError: 2, E.InvalidRequest: 2, E.InvalidKey: 2,
                                E.Timeout: 4, E.EtcdUnavailable: 4, E.NotLeader: 4, E.NoSpace: 5, E.HasLease: 6,
-                               E.Pinned: 6}
+                               E.Pinned: 6, E.AuthFailed: 7, E.Overloaded: 8}
 
 
 def state_file(cluster: str) -> Path:

@@ -43,6 +43,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvpool.cli.proxy_guard import ConnectionGuard
 from kvpool.cli.proxy_pool import BACKEND_ERRORS, Backend, Pool, describe, health_loop
 from kvpool.protocol.config import ProxyConfig
 from kvpool.protocol.errors import ConfigError, KVPoolError
@@ -50,7 +51,12 @@ from kvpool.protocol.units import parse_duration
 
 log = logging.getLogger("kvpool.proxy")
 
-MAX_BODY_BYTES = 64 << 20  # largest request body accepted (long prompts, inline images)
+MAX_BODY_BYTES = 32 << 20  # largest request body accepted (long prompts, inline images)
+BODY_BUDGET_BYTES = 128 << 20  # request bodies being received and handled at once (parsed JSON takes ~8x)
+_OFF_LOOP_BYTES = 256 << 10  # bodies this large are parsed and serialized on a worker thread
+MAX_CONNECTIONS = 4096  # open client connections; one more gets 503 and is closed
+HEAD_TIMEOUT_S = 10.0  # a client's request head (line and headers) must arrive within this
+KEEPALIVE_S = 75.0  # aiohttp's idle keep-alive time between requests on one connection
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # visible ASCII, as a header value can carry it
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DONE = b"data: [DONE]\n\n"
@@ -134,7 +140,8 @@ class ProxyMetrics:
     failed (/v1/models). Latency histograms in seconds: ``kvpool_proxy_prefill_seconds``,
     ``kvpool_proxy_decode_ttfb_seconds`` (until the decode server's first byte),
     ``kvpool_proxy_decode_seconds`` (until its last). ``kvpool_proxy_handoff_failures_total
-    {reason}``, ``kvpool_proxy_retries_total{role}``, ``kvpool_proxy_backend_healthy{role,
+    {reason}``, ``kvpool_proxy_connections_refused_total{reason}`` (max_conns, head_timeout:
+    :mod:`kvpool.cli.proxy_guard`), ``kvpool_proxy_retries_total{role}``, ``kvpool_proxy_backend_healthy{role,
     server}`` (1 or 0)."""
 
     def __init__(self) -> None:
@@ -153,6 +160,9 @@ class ProxyMetrics:
             "kv_transfer_params), producer_error (its params carry an error), decode_failed (no decode server took "
             "it)", ["reason"], registry=r)
         self.retries = Counter("kvpool_proxy_retries", "Requests retried on another server", ["role"], registry=r)
+        self.refused = Counter("kvpool_proxy_connections_refused", "Client connections closed by the proxy: "
+                               "max_conns (over its connection cap), head_timeout (request head too slow)",
+                               ["reason"], registry=r)
         self.healthy = Gauge("kvpool_proxy_backend_healthy", "1 when the server passes its health check",
                              ["role", "server"], registry=r)
 
@@ -172,6 +182,15 @@ def error_response(status: int, message: str, kind: str, **extra) -> web.Respons
     """An OpenAI-style JSON error: ``{"error": {"message", "type", "code", ...extra}}``."""
     return web.json_response({"error": {"message": message, "type": kind, "code": status, **extra}},
                              status=status)
+
+
+def _finite(text: str) -> float:
+    """``json.loads`` hook: a number too large for a float (``1e400``) would become
+    ``inf`` and be sent on as ``Infinity``, which is not JSON."""
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:32]} is out of range")
+    return v
 
 
 def _not_json(name: str):
@@ -201,6 +220,8 @@ class Proxy:
         self._health: asyncio.Task | None = None
         self._kv = None  # AsyncKVPoolClient, when --master/--etcd is given
         self.in_flight = 0  # generate requests being served (event-loop thread only)
+        self.body_bytes = 0  # their request bodies' bytes (Content-Length, else MAX_BODY_BYTES)
+        self.guard = None  # ConnectionGuard, set by serve()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -237,6 +258,8 @@ class Proxy:
     @web.middleware
     async def _request_id(self, request: web.Request, handler) -> web.StreamResponse:
         """Honour or make the request id; put it on every response that is not streaming yet."""
+        if self.guard is not None:
+            self.guard.seen(request.transport)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         if self.s.api_key and request.path.startswith("/v1/") and not self._authorized(request):
             resp = error_response(401, "missing or wrong API key: send Authorization: Bearer <key> (the proxy's "
@@ -256,6 +279,8 @@ class Proxy:
                 resp = error_response(e.status, e.reason, "invalid_request_error")
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
+        if self.guard is not None:
+            self.guard.idle(request.transport)  # the next request head is due within the keep-alive time
         return resp
 
     def _authorized(self, request: web.Request) -> bool:
@@ -267,15 +292,19 @@ class Proxy:
 
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
         chat = path == "/v1/chat/completions"
-        if self.in_flight >= self.s.max_in_flight:
+        cost = min(request.content_length or MAX_BODY_BYTES, MAX_BODY_BYTES)
+        if self.in_flight >= self.s.max_in_flight or self.body_bytes + cost > BODY_BUDGET_BYTES:
             self.metrics.requests.labels(path, "overloaded").inc()
-            return error_response(503, f"the proxy is serving {self.in_flight} requests (--max-in-flight); retry "
-                                  "later", "overloaded")
+            return error_response(503, f"the proxy is serving {self.in_flight} requests with "
+                                  f"{self.body_bytes >> 20} MiB of bodies (--max-in-flight, {BODY_BUDGET_BYTES >> 20} "
+                                  "MiB); retry later", "overloaded")
         self.in_flight += 1
+        self.body_bytes += cost
         try:
             return await self._generate_one(request, path, chat)
         finally:
             self.in_flight -= 1
+            self.body_bytes -= cost
 
     async def _generate_one(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         try:
@@ -297,7 +326,10 @@ class Proxy:
 
         try:
             raw = await asyncio.wait_for(request.read(), self.s.read_timeout_s)
-            body = json.loads(raw, parse_constant=_not_json)
+            if len(raw) < _OFF_LOOP_BYTES:
+                body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+            else:
+                body = await asyncio.to_thread(json.loads, raw, parse_constant=_not_json, parse_float=_finite)
         except asyncio.TimeoutError:
             raise _Answer(error_response(408, f"request body not received within {self.s.read_timeout_s:g} s",
                                          "invalid_request_error"), "bad_request") from None
@@ -320,6 +352,16 @@ class Proxy:
             raise bad('"stream" must be true or false')
         return body
 
+    async def _dumps(self, obj: dict, request: web.Request) -> bytes:
+        """``obj`` as JSON bytes; a large one is serialized on a worker thread so that the
+        event loop keeps serving other clients."""
+        if (request.content_length or 0) < _OFF_LOOP_BYTES:
+            return json.dumps(obj).encode()
+        return await asyncio.to_thread(lambda: json.dumps(obj).encode())
+
+    def _json_headers(self, request: web.Request) -> dict[str, str]:
+        return {**self._headers(request), "Content-Type": "application/json"}
+
     def _headers(self, request: web.Request) -> dict[str, str]:
         h = {"X-Request-Id": request["request_id"]}
         if self.s.backend_api_key:  # servers started with --api-key
@@ -335,6 +377,7 @@ class Proxy:
         pbody.update(max_tokens=1, stream=False)
         if chat:
             pbody["max_completion_tokens"] = 1
+        pdata = await self._dumps(pbody, request)
         tried: list[Backend] = []
         errors: list[str] = []
         while len(tried) < 2 and (b := self.prefill.pick(tried)) is not None:
@@ -344,7 +387,7 @@ class Proxy:
             t0 = time.monotonic()
             try:
                 with self.prefill.busy(b):
-                    async with self.session.post(b.url + path, json=pbody, headers=self._headers(request),
+                    async with self.session.post(b.url + path, data=pdata, headers=self._json_headers(request),
                                                  timeout=self.timeout) as r:
                         data = await r.read()
             except BACKEND_ERRORS as e:
@@ -384,6 +427,7 @@ class Proxy:
         if params is not None:
             dbody["kv_transfer_params"] = params
         stream = bool(body.get("stream"))
+        ddata = await self._dumps(dbody, request)
         tried: list[Backend] = []
         errors: list[str] = []
         while (b := self.decode.pick(tried)) is not None:
@@ -393,7 +437,7 @@ class Proxy:
             t0 = time.monotonic()
             with self.decode.busy(b):
                 try:
-                    r = await self.session.post(b.url + path, json=dbody, headers=self._headers(request),
+                    r = await self.session.post(b.url + path, data=ddata, headers=self._json_headers(request),
                                                 timeout=self.timeout)
                 except BACKEND_ERRORS as e:
                     errors.append(f"{b.url}: {describe(e, self.s.timeout_s)}")
@@ -526,18 +570,28 @@ def make_app(s: ProxySettings) -> web.Application:
     return Proxy(s).app()
 
 
+async def _listen(runner: web.AppRunner, proxy: Proxy, host: str, port: int):
+    """Listen with aiohttp's server behind a :class:`ConnectionGuard`; returns the asyncio
+    server and the guard's sweeper task."""
+    guard = proxy.guard = ConnectionGuard(runner.server, MAX_CONNECTIONS, HEAD_TIMEOUT_S, KEEPALIVE_S,
+                                          proxy.metrics.refused)
+    server = await asyncio.get_running_loop().create_server(guard.factory, host, port, reuse_address=True,
+                                                            backlog=1024)
+    return server, asyncio.create_task(guard.sweep())
+
+
 async def serve(s: ProxySettings, stop: asyncio.Event | None = None,
                 on_ready=None) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when it is None). ``on_ready(url)``
     runs once the socket listens (``url`` has the real port when ``s.port`` is 0).
     Raises ConfigError for bad settings, OSError when the address is taken."""
-    app = make_app(s)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    proxy = Proxy(s)
+    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
+    server = sweeper = None
     try:
-        site = web.TCPSite(runner, s.host, s.port)
-        await site.start()
-        url = f"http://{s.host}:{runner.addresses[0][1]}"
+        server, sweeper = await _listen(runner, proxy, s.host, s.port)
+        url = f"http://{s.host}:{server.sockets[0].getsockname()[1]}"
         if stop is None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -546,6 +600,10 @@ async def serve(s: ProxySettings, stop: asyncio.Event | None = None,
         (on_ready or (lambda u: None))(url)
         await stop.wait()
     finally:
+        if sweeper is not None:
+            sweeper.cancel()
+        if server is not None:
+            server.close()
         await runner.cleanup()
 
 

@@ -5,6 +5,7 @@ import json
 import re
 import signal
 import subprocess
+import time
 import sys
 import urllib.error
 import urllib.request
@@ -192,3 +193,41 @@ def test_up_serves_metrics_and_status_shows_them(tmp_path):
         out, _ = p.communicate(timeout=60)
     assert p.returncode == 0 and "cluster stopped" in out
     assert (data_dir / "member").is_dir()  # etcd.data_dir: the embedded etcd's, kept after stop
+
+
+def test_ops_endpoint_bounds_slow_and_many_peers(monkeypatch):
+    """Half-sent requests hold at most MAX_CONNECTIONS threads, each for IO_TIMEOUT_S at
+    most; connections past the cap are closed at once; afterwards the probes answer."""
+    import socket
+    import threading
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from kvpool.protocol import opshttp
+
+    monkeypatch.setattr(opshttp, "IO_TIMEOUT_S", 1.0)
+    ops = opshttp.OpsServer("127.0.0.1", 0, CollectorRegistry(), lambda: (True, "alive"), lambda: (True, "ready"))
+    try:
+        host, port = ops.url.removeprefix("http://").split(":")
+        before = threading.active_count()
+        peers = []
+        for _ in range(3 * opshttp.MAX_CONNECTIONS):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never ends its head
+            peers.append(s)
+        time.sleep(0.3)
+        assert threading.active_count() - before <= opshttp.MAX_CONNECTIONS + 2
+        for s in peers:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(ops.url + "/healthz", timeout=5) as r:
+                    assert r.status == 200 and r.read() == b"ok: alive\n"
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "/healthz did not answer after the flood"
+                time.sleep(0.2)
+    finally:
+        ops.close()
