@@ -158,6 +158,9 @@ class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str = "cpu"
     ucx: bool = False  # also serve the data plane on ucx:// (needs the [ucx] extra)
     metrics_port: int | None = None  # /metrics, /healthz, /readyz over HTTP (0: any free port; null: off)
+    # threads serving data requests (1..1024); idle connections wait on one selector thread
+    # and cost none (storenode/connpool.py)
+    data_workers: int = 16
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -209,7 +212,8 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     * ``max_conns``: connections one server (master RPC, a store node's data server) holds
       at once; more are refused with :class:`~protocol.errors.Overloaded`.
     * ``frame_timeout``: the master closes a client that leaves a request frame half-sent
-      this long with no whole frame meanwhile.
+      this long with no whole frame meanwhile; a store node's data server closes a
+      connection whose blocking ``recv`` or ``send`` waits this long.
     """
 
     secret_file: str | None = None
@@ -295,6 +299,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if n.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", n.name):
                 raise ConfigError(f"storenodes[{i}].name: {n.name!r}; use letters, digits, '_', '.', '-'",
                                   key=f"storenodes[{i}].name")
+            if not 1 <= n.data_workers <= 1024:
+                raise ConfigError(f"storenodes[{i}].data_workers: {n.data_workers!r}; accepted: 1 to 1024",
+                                  key=f"storenodes[{i}].data_workers")
             if not re.fullmatch(DEVICE_RE, n.device):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")

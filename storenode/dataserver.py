@@ -1,15 +1,22 @@
 """Threaded data server: reads and writes extents straight between sockets and the
 segment, with no per-byte Python work.
 
-One thread per connection, at most ``max_conns`` of them (more are refused with
-:class:`~protocol.errors.Overloaded`); socket calls release the GIL, so several streams
-run in parallel. Each connection first passes TLS and the cluster-secret handshake when
-they are configured (:mod:`protocol.auth`, within ``auth.HANDSHAKE_S``). Frames are described in :mod:`protocol.dataplane`. A malformed frame gets an
-error reply and the connection is closed (its stream position can no longer be trusted).
+At most ``max_conns`` connections (more are refused with
+:class:`~protocol.errors.Overloaded`), served by a bounded pool of ``workers`` threads
+and one selector thread, not a thread each (:mod:`storenode.connpool`): the selector runs
+TLS and the cluster-secret handshake when they are configured (:mod:`protocol.auth`,
+within ``auth.HANDSHAKE_S``) and watches idle connections; a worker takes a readable one
+and serves every request that arrives while it holds it. Socket calls release the GIL, so
+several streams run in parallel. Every blocking ``recv``/``send`` of a worker has a
+deadline of ``frame_timeout_s``: a peer sending a frame slowly (or not reading its
+replies) holds one worker for at most that long per stalled call, then is closed. ``ucx://``
+streams have no readiness descriptor and keep a thread each. Frames are described in
+:mod:`protocol.dataplane`. A malformed frame gets an error reply and the connection is
+closed (its stream position can no longer be trusted).
 
 Syscalls per request are what bound small objects, so each connection:
 
-* reads through a 256 KiB buffer (:class:`protocol.dataplane.FrameReader`): one ``recv_into`` brings in many
+* reads through its worker's 256 KiB buffer (:class:`protocol.dataplane.FrameReader`): one ``recv_into`` brings in many
   pipelined request frames; a write's payload is taken from the buffer as far as it is
   there, and the rest is ``recv_into`` the segment directly (no staging copy);
 * gathers replies and sends them with one ``sendmsg`` (header + payload memoryviews,
@@ -32,10 +39,13 @@ import msgspec
 
 from kvpool.protocol import auth, transport
 from kvpool.protocol.auth import OPEN, Security
+from kvpool.protocol.config import SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
 from kvpool.protocol.errors import AuthFailed, InvalidRequest, KVPoolError, NodeUnavailable, Overloaded, StaleExtent
 from kvpool.protocol.grants import check_token
 from kvpool.protocol.messages import ExtentEntry
+from kvpool.protocol.units import parse_duration
+from kvpool.storenode.connpool import Conn, ConnPool
 from kvpool.storenode.device_segment import DeviceSegment
 from kvpool.storenode.extents import ExtentTable
 from kvpool.storenode.metrics import NodeStats
@@ -49,17 +59,25 @@ _OK = frame(DataReply(True))
 
 class DataServer:
     """Serves one segment (host shared memory, or a :class:`DeviceSegment` through staging)
-    on the given listen addresses (``tcp://``, ``unix://``, ``ucx://``)."""
+    on the given listen addresses (``tcp://``, ``unix://``, ``ucx://``). ``workers``: threads
+    serving requests; ``frame_timeout_s``: deadline (seconds) of each blocking socket call."""
 
     def __init__(self, segment: Segment | DeviceSegment, table: ExtentTable, addrs: list[str],
-                 security: Security = OPEN, max_conns: int = 1024) -> None:
+                 security: Security = OPEN, max_conns: int = SecurityConfig().max_conns,
+                 workers: int = StoreNodeConfig().data_workers,
+                 frame_timeout_s: float = parse_duration(SecurityConfig().frame_timeout)) -> None:
         self.segment = segment
         self.table = table
         self.writers = WriterWatch(table)  # claims of writers whose connection closed (storenode/writers.py)
-        self._writer = threading.local()  # this connection thread's Writer
         self.security = security
-        self.max_conns = max_conns  # connections served at once (one thread each); more are refused
+        self.max_conns = max_conns  # connections held at once; more are refused
+        self.frame_timeout_s = frame_timeout_s
         self._tls = security.server_context()
+        self._local = threading.local()  # each worker's FrameReader
+        self.pool = ConnPool(workers, frame_timeout_s, self._tls,
+                             security.derive("auth") if security.secret is not None else None,
+                             lambda e, _head: frame(DataReply(False, e.to_wire())),
+                             self._opened, self._serve, self._closed, self._auth_failed)
         self.listeners = [(a, transport.listen(a)) for a in addrs]
         self.addrs = [self._bound(a, s) for a, s in self.listeners]
         self._stop = threading.Event()
@@ -82,12 +100,14 @@ class DataServer:
         return addr
 
     def start(self) -> None:
+        self.pool.start()
         for addr, s in self.listeners:
             threading.Thread(target=self._accept, args=(addr, s), daemon=True, name=f"accept-{addr}").start()
 
     def stop(self) -> None:
         self._stop.set()
         self.writers.stop()
+        self.pool.stop()
         for _, s in self.listeners:
             with contextlib.suppress(OSError):
                 s.close()
@@ -108,13 +128,15 @@ class DataServer:
             if scheme == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                full = len(self._conns) >= self.max_conns
-                if not full:
+                full = len(self._conns) + len(self.pool) >= self.max_conns
+                if not full and not isinstance(conn, socket.socket):
                     self._conns.add(conn)
             if full:
                 self._refuse(conn, scheme)
-                continue
-            threading.Thread(target=self._serve, args=(conn, unix, scheme == "tcp"), daemon=True).start()
+            elif isinstance(conn, socket.socket):
+                self.pool.add(conn, unix, scheme == "tcp")
+            else:  # no readiness descriptor (ucx://): a thread of its own
+                threading.Thread(target=self._serve_thread, args=(conn,), daemon=True).start()
 
     def _refuse(self, conn, scheme: str) -> None:
         """Over the cap: tell the peer (in the framing it expects) and close, without a thread."""
@@ -131,44 +153,45 @@ class DataServer:
         with contextlib.suppress(OSError):
             conn.close()
 
-    def _secure(self, conn, tcp: bool):
-        """TLS (TCP, when configured) and the secret handshake, within auth.HANDSHAKE_S: the
-        stream to serve, or None (the peer was told why and is to be closed)."""
-        try:
-            if tcp and self._tls is not None:
-                conn.settimeout(auth.HANDSHAKE_S)
-                conn = self._tls.wrap_socket(conn, server_side=True)
-            if self.security.secret is not None:
-                auth.server_handshake(conn, self.security, auth.DATA,
-                                      lambda e, _head: frame(DataReply(False, e.to_wire())))
-            conn.settimeout(None)
-            return conn
-        except (AuthFailed, OSError):  # ssl.SSLError and timeouts are OSErrors
-            self.auth_failures += 1
-            self.stats.errors["data", AuthFailed.code] += 1
-            return None
+    def _auth_failed(self, _err: BaseException) -> None:
+        """A connection failed TLS or the secret handshake (AuthFailed, or an OSError: ssl.SSLError, EOF)."""
+        self.auth_failures += 1
+        self.stats.errors["data", AuthFailed.code] += 1
 
-    def _serve(self, raw: socket.socket, unix: bool, tcp: bool = False) -> None:
-        conn = self._secure(raw, tcp)
-        if conn is None:
-            with self._lock:
-                self._conns.discard(raw)
-            with contextlib.suppress(OSError):
-                raw.close()
-            return
-        if conn is not raw:  # TLS: stop() closes the wrapped socket
-            with self._lock:
-                self._conns.discard(raw)
-                self._conns.add(conn)
-        rd = FrameReader(conn)
+    def _opened(self, c: Conn) -> None:
+        """``c`` is authenticated: its writer identity."""
+        c.state = Writer(c.sock if c.unix else None)
+
+    def _closed(self, c: Conn) -> None:
+        if c.state is not None:
+            self.writers.closed(c.state)
+
+    def _reader(self, sock) -> FrameReader:
+        """This thread's read buffer, reading ``sock``: buffers belong to workers, not to
+        connections (one is handed back only with nothing buffered), so an idle connection
+        holds no buffer."""
+        rd = getattr(self._local, "rd", None)
+        if rd is None:
+            rd = self._local.rd = FrameReader(sock)
+        rd.sock, rd.lo, rd.hi = sock, 0, 0
+        return rd
+
+    def _serve(self, c: Conn, ready: bool = True) -> bool:
+        """Serve every request of ``c`` (on a worker; ``ready``: its socket is readable) until
+        nothing is buffered and nothing more has arrived: True to watch it again, False to
+        close it (EOF, a malformed frame, a deadline or any socket error)."""
+        conn, writer = c.sock, c.state
+        rd = self._reader(conn)
         out: list = []
         pending = 0
-        writer = self._writer.w = Writer(conn if unix else None)
         try:
             while not self._stop.is_set():
                 if out and (pending >= _FLUSH_BYTES or not rd.has_frame()):
                     sendv(conn, out)
                     out, pending = [], 0
+                if not rd.buffered() and not ready and not (c.tls and conn.pending()):
+                    return True  # nothing buffered: the pool waits for more (storenode/connpool.py)
+                ready = False
                 try:
                     body = rd.frame()
                     try:
@@ -179,22 +202,39 @@ class DataServer:
                     self.stats.errors["data", e.code] += 1
                     out.append(frame(DataReply(False, e.to_wire())))
                     sendv(conn, out)
-                    return
-                pending += self._handle(conn, rd, req, unix, out)
+                    return False
+                pending += self._handle(conn, rd, req, c.unix, out, writer)
         except (NodeUnavailable, OSError):
-            return
+            return False
         except (TypeError, ValueError):
             if not self._stop.is_set():
                 raise
             # stopping: the segment was closed under an in-flight transfer; the peer sees EOF
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            with contextlib.suppress(OSError):
-                conn.close()
-            self.writers.closed(writer)
+        return False
 
-    def _handle(self, conn, rd: FrameReader, req: DataRequest, unix: bool, out: list) -> int:
+    def _serve_thread(self, conn) -> None:
+        """A stream without a readiness descriptor (``ucx://``): authenticated and served on
+        this thread until it closes."""
+        c = Conn(conn, False, False, None)
+        try:
+            if self.security.secret is not None:
+                auth.server_handshake(conn, self.security, auth.DATA,
+                                      lambda e, _head: frame(DataReply(False, e.to_wire())))
+            conn.settimeout(None)
+        except (AuthFailed, OSError) as e:
+            self._auth_failed(e)
+            c.state = None
+        else:
+            self._opened(c)
+            while self._serve(c):
+                pass
+        with self._lock:
+            self._conns.discard(conn)
+        with contextlib.suppress(OSError):
+            conn.close()
+        self._closed(c)
+
+    def _handle(self, conn, rd: FrameReader, req: DataRequest, unix: bool, out: list, w: Writer) -> int:
         """Serve one request, appending its reply buffers to ``out``; returns their bytes."""
         seg = self.segment
         self.stats.requests["data", req.op] += 1
@@ -203,7 +243,7 @@ class DataServer:
                 raise StaleExtent(f"store node segment restarted (generation {seg.incarnation}, request "
                                   f"named {req.incarnation}); look the key up again")
             if req.op == "written":  # the writer finished copying: its claim ends (needs no grant:
-                self.table.release(req.offset, req.gen, self._writer.w)  # it names only its own claims)
+                self.table.release(req.offset, req.gen, w)  # it names only its own claims)
             if req.op in ("write", "written", "commit", "claim"):
                 self.table.check_bounds(req.offset, req.size)
                 if not check_token(seg.grant_key, seg.incarnation, req.offset, req.size, req.gen, req.key,
@@ -223,8 +263,7 @@ class DataServer:
                     return 0
                 out.append(seg.view[req.offset:req.offset + req.size])
                 return req.size + 16
-            if req.op == "write":  # claimed by this thread while its bytes land (storenode/extents.py)
-                w = self._writer.w
+            if req.op == "write":  # claimed by this connection while its bytes land (storenode/extents.py)
                 self.table.claim(req.offset, req.size, req.gen, w)  # before any byte lands
                 try:
                     seg.recv(rd, req.offset, req.size)
@@ -235,7 +274,6 @@ class DataServer:
             elif req.op == "claim":  # a same-host writer asks before copying into the mapping
                 if not unix or seg.fd is None:
                     raise InvalidRequest("claim is only served on the Unix socket of a shared-memory segment")
-                w = self._writer.w
                 w.identify()
                 self.table.claim(req.offset, req.size, req.gen, w)
             elif req.op == "commit":  # one-way: no reply, whatever happens

@@ -89,6 +89,8 @@ class NodeSettings:
     control_port: int = _NODE.control_port  # 0: any free port
     ucx_port: int = _NODE.ucx_port  # 0: any free port
     etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
+    data_workers: int = _NODE.data_workers  # threads serving data requests (storenode/connpool.py)
+    frame_timeout_s: float = parse_duration(SecurityConfig().frame_timeout)  # deadline of each data socket call
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig, node: StoreNodeConfig, run_dir: str | None = None) -> "NodeSettings":
@@ -102,7 +104,8 @@ class NodeSettings:
         return cls(",".join(eps), cfg.cluster, node.name, parse_size(node.memory), node.host, node.data_port,
                    node.host_id, parse_duration(cfg.master.node_ttl), run_dir, node.device, node.ucx,
                    node.metrics_port, Security.from_config(cfg.security), cfg.security.max_conns, node.advertise,
-                   node.control_port, node.ucx_port, EtcdAuth.from_config(cfg.etcd))
+                   node.control_port, node.ucx_port, EtcdAuth.from_config(cfg.etcd), node.data_workers,
+                   parse_duration(cfg.security.frame_timeout))
 
 
 class StoreNode:
@@ -124,7 +127,8 @@ class StoreNode:
             addrs.append(f"ucx://{transport.host_port(s.host, s.ucx_port)}")
         if s.security.secret is not None:  # derived from the secret: never published in etcd
             self.segment.grant_key = s.security.grant_key(self.segment.incarnation)
-        self.data = DataServer(self.segment, self.table, addrs, s.security, s.max_conns)
+        self.data = DataServer(self.segment, self.table, addrs, s.security, s.max_conns, s.data_workers,
+                               s.frame_timeout_s)
         self._copies = 0  # copy requests queued or running (at most COPY_MAX)
         self.host_id = s.host_id or transport.default_host_id()
         self._stop = asyncio.Event()

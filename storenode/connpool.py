@@ -1,0 +1,292 @@
+"""Connections of the data server: one selector thread, a bounded pool of workers.
+
+No thread per connection. A connection is owned by exactly one of:
+
+* the **selector thread** (``selectors.DefaultSelector``), while it authenticates or sits
+  idle. It drives TLS (``ssl`` with ``do_handshake_on_connect=False``) and the
+  cluster-secret handshake (:class:`protocol.auth.ServerHandshake`, fed from non-blocking
+  reads) within ``auth.HANDSHAKE_S`` of the accept, so unauthenticated peers cost no worker;
+  and it watches authenticated connections for their next request;
+* a **worker** (``workers`` of them), once the connection is readable: the worker runs
+  ``serve(conn)``, which serves every request that arrives while it holds the connection
+  and returns True to hand it back to the selector (or False: it was closed). A TLS
+  connection whose SSL object still buffers plaintext (``pending() > 0``) goes straight back
+  to the work queue, since its socket may never become readable for those bytes.
+
+A worker keeps a connection it has just served for up to :data:`LINGER_S` more, waiting
+for its next request, while another worker is free: a client that sends one request per
+reply is then not handed between threads on every request. A connection made readable
+meanwhile waits at most that long for a worker, and only when every other worker is busy.
+
+While a worker holds a connection its socket is blocking with a deadline of
+``frame_timeout_s`` on every ``recv`` and ``send`` (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on plain
+sockets, the socket timeout under TLS); a deadline that passes closes the connection. So a
+peer that sends a frame slowly, or does not read its replies, holds one worker for at most
+that deadline per stalled call; with every worker so held, other connections wait their turn.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import select
+import selectors
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from kvpool.protocol import auth
+from kvpool.protocol.errors import AuthFailed
+
+_log = logging.getLogger("kvpool.storenode")
+_R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
+_SWEEP_S = 0.25  # the selector wakes at least this often while handshakes are under way
+LINGER_S = 0.005  # a worker waits this long for a served connection's next request (another worker free)
+
+
+class Conn:
+    """One accepted stream. ``sock``: the stream served (an ``ssl.SSLSocket`` under TLS);
+    ``unix``: it came in on the Unix socket; ``state``: what the server keeps for it once
+    it is authenticated (its writer identity)."""
+
+    __slots__ = ("sock", "unix", "tls", "tls_up", "hs", "deadline", "events", "authed", "closed", "state")
+
+    def __init__(self, sock, unix: bool, tls: bool, hs: auth.ServerHandshake | None) -> None:
+        self.sock = sock
+        self.unix = unix
+        self.tls = tls
+        self.tls_up = not tls  # the TLS handshake finished
+        self.hs = hs  # the secret handshake, until it succeeds
+        self.deadline = time.monotonic() + auth.HANDSHAKE_S
+        self.events = 0  # what the selector watches it for (0: not registered)
+        self.authed = False
+        self.closed = False
+        self.state: Any = None
+
+
+class ConnPool:
+    """Authenticates connections and hands readable ones to ``workers`` threads.
+
+    ``opened(conn)`` runs (on the selector thread) once a connection is authenticated;
+    ``serve(conn) -> bool`` (on a worker) serves it and returns whether to watch it again;
+    ``closed(conn)`` runs once for every connection when it is closed; ``failed(err)`` counts
+    a connection that failed TLS or the handshake (``err``: the AuthFailed, or an OSError)."""
+
+    def __init__(self, workers: int, frame_timeout_s: float, tls: ssl.SSLContext | None, auth_key: bytes | None,
+                 reject: Callable[[AuthFailed, bytes], bytes], opened: Callable[[Conn], None],
+                 serve: Callable[[Conn], bool], closed: Callable[[Conn], None],
+                 failed: Callable[[BaseException], None]) -> None:
+        self.workers = workers
+        self.frame_timeout_s = frame_timeout_s
+        self._timeval = struct.pack("ll", int(frame_timeout_s), int(frame_timeout_s % 1 * 1e6))
+        self._tls, self._key, self._reject = tls, auth_key, reject
+        self._opened, self._serve, self._closed, self._failed = opened, serve, closed, failed
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, _R, None)
+        self._back: deque[Conn] = deque()  # new and parked connections for the selector to take
+        self._pending: deque[Conn] = deque()  # handshaking connections, in deadline order
+        self._work: queue.SimpleQueue[Conn | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.conns: set[Conn] = set()
+        self._idle = 0  # workers waiting for work (under _lock)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __len__(self) -> int:
+        return len(self.conns)
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._select, daemon=True, name="kvpool-data-select")]
+        self._threads += [threading.Thread(target=self._worker, daemon=True, name=f"kvpool-data-{i}")
+                          for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Stop the threads and shut every connection down (blocked workers see EOF)."""
+        self._stop.set()
+        self._wake()
+        for _ in range(self.workers):
+            self._work.put(None)
+        with self._lock:
+            conns = list(self.conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)
+
+    def add(self, sock: socket.socket, unix: bool, tcp: bool) -> None:
+        """Take a freshly accepted socket (any thread); its handshake starts on the selector."""
+        sock.setblocking(False)
+        tls = tcp and self._tls is not None
+        if tls:
+            sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        hs = auth.ServerHandshake(self._key, auth.DATA, self._reject) if self._key is not None else None
+        c = Conn(sock, unix, tls, hs)
+        with self._lock:
+            self.conns.add(c)
+        self._back.append(c)
+        self._wake()
+
+    def close(self, c: Conn) -> None:
+        """Close ``c`` (by its current owner)."""
+        if c.closed:
+            return
+        c.closed = True
+        with self._lock:
+            self.conns.discard(c)
+        with contextlib.suppress(OSError):
+            c.sock.close()
+        self._closed(c)
+
+    # ---- the selector thread ------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+            self._wake_w.send(b"\0")
+
+    def _select(self) -> None:
+        sel = self._sel
+        while not self._stop.is_set():
+            timeout = _SWEEP_S if self._pending else None
+            for key, ev in sel.select(timeout):
+                c = key.data
+                if c is None:
+                    with contextlib.suppress(OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                elif c.authed:
+                    self._unwatch(c)
+                    self._work.put(c)
+                else:
+                    self._step(c)
+            while self._back:
+                c = self._back.popleft()
+                if c.closed:
+                    continue
+                if c.authed:
+                    self._watch(c, _R)
+                else:
+                    self._pending.append(c)
+                    self._step(c)
+            now = time.monotonic()
+            while self._pending and (self._pending[0].authed or self._pending[0].closed
+                                     or self._pending[0].deadline <= now):
+                c = self._pending.popleft()
+                if not (c.authed or c.closed):
+                    self._fail(c, AuthFailed("peer did not finish the cluster-secret handshake in time",
+                                             cause="timeout"))
+        for key in list(sel.get_map().values()):
+            if key.data is not None:
+                self.close(key.data)
+        sel.close()
+
+    def _watch(self, c: Conn, events: int) -> None:
+        if c.events == events:
+            return
+        if c.events:
+            self._sel.modify(c.sock, events, c)
+        else:
+            self._sel.register(c.sock, events, c)
+        c.events = events
+
+    def _unwatch(self, c: Conn) -> None:
+        if c.events:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(c.sock)
+            c.events = 0
+
+    def _fail(self, c: Conn, err: BaseException) -> None:
+        self._unwatch(c)
+        self._failed(err)
+        self.close(c)
+
+    def _step(self, c: Conn) -> None:
+        """Advance ``c``'s TLS and secret handshake as far as its socket allows."""
+        s = c.sock
+        try:
+            if not c.tls_up:
+                try:
+                    s.do_handshake()
+                except ssl.SSLWantReadError:
+                    return self._watch(c, _R)
+                except ssl.SSLWantWriteError:
+                    return self._watch(c, _W)
+                c.tls_up = True
+            while c.hs is not None:
+                try:
+                    data = s.recv(c.hs.want())  # never more than the handshake holds
+                except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+                    return self._watch(c, _R)
+                except ssl.SSLWantWriteError:
+                    return self._watch(c, _W)
+                if not data:
+                    raise AuthFailed("peer closed the connection during the handshake", cause="closed")
+                out, _ = c.hs.feed(data)  # nothing lies past the proof: no more than it was read
+                if out and s.send(out) != len(out):  # a few bytes into an empty send buffer
+                    raise AuthFailed("peer does not read the handshake", cause="closed")
+                if c.hs.error is not None:
+                    raise c.hs.error
+                if c.hs.done:
+                    c.hs = None
+        except (AuthFailed, OSError) as e:  # ssl.SSLError is an OSError
+            return self._fail(c, e)
+        self._unwatch(c)
+        try:
+            s.setblocking(True)
+            if c.tls:
+                s.settimeout(self.frame_timeout_s)
+            else:  # kernel deadlines: no extra poll per call
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._timeval)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._timeval)
+        except OSError as e:
+            return self._fail(c, e)
+        c.authed = True
+        self._opened(c)
+        if c.tls and s.pending():
+            self._work.put(c)  # requests pipelined after the proof, already decrypted
+        else:
+            self._watch(c, _R)
+
+    # ---- workers ------------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            c = self._work.get()
+            with self._lock:
+                self._idle -= 1
+            if c is None:
+                return
+            try:
+                keep = self._serve(c)
+                while keep and self._idle and not self._stop.is_set() and self._linger(c):
+                    keep = self._serve(c)
+            except Exception:  # a bug must not cost the pool a worker
+                _log.exception("storenode: data connection failed")
+                keep = False
+            if not keep:
+                self.close(c)
+            elif self._stop.is_set():
+                self.close(c)
+            elif c.tls and c.sock.pending():
+                self._work.put(c)
+            else:
+                self._back.append(c)
+                self._wake()
+
+    @staticmethod
+    def _linger(c: Conn) -> bool:
+        """``c`` has more to read within LINGER_S."""
+        if c.tls and c.sock.pending():
+            return True
+        p = select.poll()
+        p.register(c.sock.fileno(), select.POLLIN)
+        return bool(p.poll(LINGER_S * 1000))
