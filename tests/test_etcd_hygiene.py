@@ -202,7 +202,7 @@ async def _free_space(e: Etcd) -> None:
 def test_a_full_etcd_fails_pins_and_handoffs_clearly_and_serves_data(make_cluster):
     lc = make_cluster(nodes=2, memory="32MiB", node_ttl="1s", etcd={"quota_backend": "2MiB"})
     with lc.client() as c:
-        c.put("full/a", b"a" * 1000)
+        c.put("full/a", b"a" * 1000, replicas=2)  # on both nodes: it outlives node-1's restart below
         c.handoff_publish("full-before", {"0": ["full/a"]}, {}, ttl_s=60)
         assert etcd_do(lc.etcd_endpoint, _fill) > 0
         fix = r"compact.*defrag.*alarm disarm.*--quota-backend-bytes"
