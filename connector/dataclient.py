@@ -24,7 +24,7 @@ Paths, chosen per replica (``transport="auto"``):
   the reply buffer). A buffer that does not start on a cache line (numpy arrays and
   bytearrays start 16 bytes into a page) receives through a 256 KiB L2-resident bounce
   buffer instead: two copies, measured faster than the kernel's slow misaligned one
-  (4 MiB over TCP: 3.3 ms instead of 5.1 ms). Writes: headers and payloads go out with
+  (benchmarks/RESULTS.md, "Copies per byte"). Writes: headers and payloads go out with
   ``sendmsg`` scatter/gather straight from the caller's buffer: **one copy** (buffer →
   kernel); a put's first replica is sent in 256 KiB pieces, each hashed right after the
   kernel copied it, so the checksum (sent with ``put_end``) needs no pass of its own.

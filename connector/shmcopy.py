@@ -38,7 +38,8 @@ def _memcpy(dst: memoryview, src) -> None:
 
 def _misaligned(mv: memoryview) -> bool:
     """True when ``mv`` does not start on a cache line (numpy arrays and bytearrays start
-    16 bytes into a page): the kernel's copy into such a buffer runs ~1.5× slower."""
+    16 bytes into a page): the kernel's copy into such a buffer is markedly slower
+    (benchmarks/RESULTS.md, "Copies per byte")."""
     try:
         return _address(mv) % 64 != 0
     except (TypeError, ValueError):
@@ -139,10 +140,9 @@ class _ShmCopies:
         caller owns the buffer, so its bytes are the stored ones. A get must hash what
         landed in its output, not the segment (see the module docstring).
 
-        Measured on the project VM (2 vCPUs, interleaved A/B, same-host 16 MiB put p50):
-        3.04 ms against 3.57 ms hashing as it copies; at 4 MiB and below the put hashes
-        while ``put_start`` is in flight instead, and the ~0.1 ms hand-off to a thread
-        ate the gain at 2 MiB, hence :data:`HASH_ASIDE_MIN`."""
+        Worth it only for large puts: at :data:`HASH_ASIDE_MIN` and below the put hashes
+        while ``put_start`` is in flight instead, and the hand-off to a thread costs more
+        than it saves (benchmarks/RESULTS.md has the measurements)."""
         if not self._hasher_free.acquire(blocking=False):
             return None
         try:

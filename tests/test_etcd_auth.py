@@ -72,7 +72,7 @@ def test_user_and_password_against_an_etcd_with_auth_enabled(tmp_path):
 
 
 def test_tls_to_an_etcd_serving_https(tmp_path):
-    trustme = pytest.importorskip("trustme")
+    import trustme  # the test extra installs it (pyproject [test])
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
