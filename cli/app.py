@@ -359,7 +359,8 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
                           f"{escape(why)}", highlight=False)
         ev = {k: v for k, v in st.counters.items() if k.startswith("evictions_")}
         console.print(f"watermarks high {st.high_watermark:.2f} / low {st.low_watermark:.2f}; pending puts "
-                      f"{st.pending}; held {format_bytes(st.held_bytes)}; under-replicated {st.under_replicated}")
+                      f"{st.pending}; reserved for writers {format_bytes(st.reserved_bytes)}; held "
+                      f"{format_bytes(st.held_bytes)}; under-replicated {st.under_replicated}")
         console.print("evictions: " + (", ".join(f"{k[10:]} {v}" for k, v in sorted(ev.items())) or "none"))
         rs, rd = st.counters.get("repairs_started", 0), st.counters.get("repairs_done", 0)
         if rs or st.under_replicated:
@@ -561,6 +562,8 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
           baseline: Annotated[Optional[str], typer.Option(help="Peer to run the same workload against: redis")] = None,
           repeat: Annotated[int, typer.Option(help="Repeats per cell (best kept)")] = 1,
           streams: Annotated[int, typer.Option(help="Network connections per store node per batch (1-16)")] = 1,
+          reserve: Annotated[Optional[str], typer.Option(
+              help="Bytes of extents each client reserves ahead of need (0: off; default: the client's)")] = None,
           json_: JsonOpt = False, config: ConfigOpt = None) -> None:
     """Throughput and latency of put/get beside the memcpy and raw-socket ceilings."""
     from kvpool.cli.bench import render_bench, run_bench
@@ -577,7 +580,7 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
                         [int(c) for c in clients.split(",")], parse_size(total), transport, metadata,
                         progress=not json_, batches=[int(b) for b in batches.split(",")],
                         replicas=[int(r) for r in replicas.split(",")], baseline=baseline, repeat=repeat,
-                        streams=streams)
+                        streams=streams, reserve=None if reserve is None else parse_size(reserve, key="reserve"))
         if json_:
             print(json.dumps(rep, indent=2))
         else:

@@ -182,7 +182,8 @@ class _Worker:
             else:
                 from kvpool.connector.client import KVPoolClient
 
-                c = KVPoolClient(msg["master"], transport=name, streams_per_node=msg.get("streams", 1))
+                extra = {} if msg.get("reserve") is None else {"reserve_bytes": msg["reserve"]}
+                c = KVPoolClient(msg["master"], transport=name, streams_per_node=msg.get("streams", 1), **extra)
             self.clients[name] = c
         return c
 
@@ -448,7 +449,8 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
               metadata: bool = False, progress: bool = True, *, batches: Sequence[int] = (1,),
               replicas: Sequence[int] = (1,),
               baseline: str | None = None, master: str | None = None, max_objects: int = 4096,
-              meta_keys: int = 4096, ceiling_bytes: int | None = None, repeat: int = 1, streams: int = 1) -> dict:
+              meta_keys: int = 4096, ceiling_bytes: int | None = None, repeat: int = 1, streams: int = 1,
+              reserve: int | None = None) -> dict:
     """Run the benchmark and return the report dict (see the module docstring).
 
     ``transport``: comma-separated paths among ``auto`` (same-host shared memory), ``tcp``,
@@ -460,6 +462,8 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
     socket ceiling run (default 256 MiB). Small values of these make a quick run for tests.
     ``repeat``: run each cell's put+get that many times and keep the best (shared machines).
     ``streams``: the clients' ``streams_per_node`` (network connections per node per batch).
+    ``reserve``: the clients' ``reserve_bytes`` (extents reserved ahead of need; 0: every
+    put asks the master first; None: the client's default).
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -493,7 +497,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                               "config": {"sizes": list(sizes), "clients": list(clients), "batches": list(batches),
                                          "replicas": list(replicas), "total_bytes": total_bytes, "transports": paths,
                                          "baseline": baseline, "repeat": repeat, "ceiling_chunk_bytes": chunk,
-                                         "streams_per_node": streams},
+                                         "streams_per_node": streams, "reserve_bytes": reserve},
                               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     try:
         with prog:
@@ -539,7 +543,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                     continue
                 per = max(b, min(max_objects, budget // (size * nrep)) // nc // b * b)
                 base = {"transport": t, "master": master, "size": size, "count": per, "batch": b, "replicas": nrep,
-                        "redis_port": red.port if red else 0, "streams": streams}
+                        "redis_port": red.port if red else 0, "streams": streams, "reserve": reserve}
                 procs = workers[:nc]
                 for w_i, p in enumerate(procs):
                     _send(p, {**base, "cmd": "cell", "prefix": f"bench/{run_id}/{t}/{size}/{nc}/{b}/{nrep}/{w_i}"})

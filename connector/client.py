@@ -1,9 +1,11 @@
 """KVPoolClient: put/get/exists/remove of bytes and torch tensors, batch forms, admin calls
 and the P/D hand-off API (DESIGN.md §5–7).
 
-Put: ``put_start`` (master places replicas) → write every replica in parallel (one
-thread per node) → ``put_end`` commits; a failed replica write revokes the put and
-reports the error for that key. The master places as many replicas as live nodes can take
+Put: into extents reserved ahead of need, one copy and one ``PutReserved`` round trip
+(:mod:`connector.reserved_puts`); otherwise, and for anything that path cannot finish,
+``put_start`` (master places replicas) → write every replica in parallel (one thread per
+node) → ``put_end`` commits; a failed replica write revokes the put and reports the error
+for that key. The master places as many replicas as live nodes can take
 (up to the count asked for); :meth:`KVPoolClient.put_batch_results` says per key how many
 landed (:class:`PutResult`). Get: ``lookup`` grants a read lease → read one replica
 (same-host shared memory first) → verify the xxh3_64 checksum and that the lease was
@@ -31,6 +33,7 @@ import xxhash
 
 from kvpool.connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, WriteOp
 from kvpool.connector.hedge import ReplicaReads
+from kvpool.connector.reserved_puts import ReservedPuts
 from kvpool.connector.rpc import MasterRPC
 from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol import messages as M
@@ -140,7 +143,7 @@ class PutResult:
         return self.stored and self.replicas < self.replicas_wanted
 
 
-class KVPoolClient:
+class KVPoolClient(ReservedPuts):
     """A connection to one kvpool cluster. Thread-safe.
 
     ``master``: the master's RPC address (``tcp://host:port``), or ``etcd`` + ``cluster``
@@ -169,6 +172,11 @@ class KVPoolClient:
     connection raises :class:`~protocol.errors.AuthFailed` naming the cause.
     ``etcd_auth``: etcd credentials for the leader lookups (:class:`~protocol.etcd.EtcdAuth`:
     user/password, TLS files); None: an open etcd.
+    ``reserve_bytes``: bytes of extents this client reserves ahead of need, across object
+    sizes, so that a put is one copy and one round trip to the master
+    (:mod:`connector.reserved_puts`); 0 turns reservations off (every put asks the master for
+    its extents first). ``reserve_max_object_bytes``: objects above this size (bytes) are
+    never put through reservations. ConfigError for negative values.
     """
 
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
@@ -177,7 +185,8 @@ class KVPoolClient:
                  streams_per_node: int = 1, read_hook: Callable[[str], None] | None = None,
                  cuda_direct: bool = True, replica_timeout_s: float | None = 1.0,
                  hedge_after_s: float | None = 0.1, security: Security | None = None,
-                 write_timeout_s: float | None = 2.0, etcd_auth=None) -> None:
+                 write_timeout_s: float | None = 2.0, etcd_auth=None, reserve_bytes: int = 64 << 20,
+                 reserve_max_object_bytes: int = 64 << 20) -> None:
         if not (isinstance(streams_per_node, int) and 1 <= streams_per_node <= 16):
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")
@@ -198,21 +207,32 @@ class KVPoolClient:
         self.in_flight_wait_s = in_flight_wait_s
         self.read_hook = read_hook
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvpool-io")
+        if not (isinstance(reserve_bytes, int) and reserve_bytes >= 0 and isinstance(reserve_max_object_bytes, int)
+                and reserve_max_object_bytes >= 0):
+            raise ConfigError(f"reserve_bytes and reserve_max_object_bytes must be integers >= 0, got "
+                              f"{reserve_bytes!r} and {reserve_max_object_bytes!r}", key="reserve_bytes")
+        self._init_reserved(reserve_bytes, reserve_max_object_bytes)
 
     @classmethod
-    def from_config(cls, cfg, master: str | None = None) -> "KVPoolClient":
+    def from_config(cls, cfg, master: str | None = None, **overrides) -> "KVPoolClient":
+        """A client with the settings of ``cfg.client`` (and its etcd and security sections);
+        ``overrides``: constructor arguments that replace them."""
         from kvpool.protocol.etcd import EtcdAuth
-        from kvpool.protocol.units import parse_duration
+        from kvpool.protocol.units import parse_duration, parse_size
 
-        return cls(master, etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
-                   host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
-                   io_timeout_s=parse_duration(cfg.client.io_timeout), streams_per_node=cfg.client.streams_per_node,
-                   replica_timeout_s=_seconds_or_none(cfg.client.replica_timeout),
-                   hedge_after_s=_seconds_or_none(cfg.client.hedge_after),
-                   write_timeout_s=_seconds_or_none(cfg.client.write_timeout),
-                   security=Security.from_config(cfg.security), etcd_auth=EtcdAuth.from_config(cfg.etcd))
+        kw = dict(etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
+                  host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
+                  io_timeout_s=parse_duration(cfg.client.io_timeout), streams_per_node=cfg.client.streams_per_node,
+                  replica_timeout_s=_seconds_or_none(cfg.client.replica_timeout),
+                  hedge_after_s=_seconds_or_none(cfg.client.hedge_after),
+                  write_timeout_s=_seconds_or_none(cfg.client.write_timeout),
+                  security=Security.from_config(cfg.security), etcd_auth=EtcdAuth.from_config(cfg.etcd),
+                  reserve_bytes=parse_size(cfg.client.reserve, key="client.reserve"),
+                  reserve_max_object_bytes=parse_size(cfg.client.reserve_max_object, key="client.reserve_max_object"))
+        return cls(master, **{**kw, **overrides})
 
     def close(self) -> None:
+        self._close_reserved()
         self._pool.shutdown(wait=True)
         self.replica_reads.close()
         self.data.close()
@@ -279,6 +299,9 @@ class KVPoolClient:
                 idx.append(i)
             except KVPoolError as e:
                 results[i] = e
+        if items and self.reserve_budget:
+            todo = self._put_reserved(items, bufs, idx, replicas, results, stored)
+            items, bufs, idx = [items[j] for j in todo], [bufs[j] for j in todo], [idx[j] for j in todo]
         if items:
             retry = self._put_round(items, bufs, idx, replicas, results, stored)
             if retry:  # writes that hit a dead node are placed once more, elsewhere

@@ -61,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from kvpool.connector.claims import _SharedClaims
 from kvpool.connector.datastream import ReplicaDeadline, _Connections, _Stream, _wait_bytes, readable
 from kvpool.connector.dma import _CudaDirect, _stage
 from kvpool.connector.segmap import _SegmentMaps
@@ -73,6 +74,7 @@ from kvpool.protocol.messages import ExtentRef
 __all__ = ["DataPlane", "ReadOp", "ReplicaDeadline", "WriteOp", "readable"]
 
 _BIG = 64 << 10         # payloads at least this big are read without greedy buffering
+_NET_ASIDE_MIN = 1 << 20  # network writes at least this big, not hashed yet, are hashed beside the send
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _RELEASE_S = 0.5  # seconds the release of unanswered claims may wait to be sent
 
@@ -106,7 +108,7 @@ class ReadOp:
         self.digest: int | bool | None = True if digest else None
 
 
-class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect):
+class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClaims):
     """Thread-safe: connections are per thread; shared-memory maps are shared.
 
     ``transport_mode``: ``auto``/``shm`` (shared memory on the same host, else TCP),
@@ -142,10 +144,11 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect):
         self._pins = None  # connector.device_buffer.PinnedWindows, made on the first CUDA tensor
         self._hasher: ThreadPoolExecutor | None = None  # see _hash_aside
         self._hasher_free = threading.Lock()
+        self._init_claims()
 
     # ---- writes -------------------------------------------------------------------------
 
-    def write(self, ops: Sequence[WriteOp], deadline: ReplicaDeadline | None = None) -> None:
+    def write(self, ops: Sequence[WriteOp], deadline: ReplicaDeadline | None = None, held: bool = False) -> None:
         """Write every op (all to one node); sets ``op.error`` per failed op. ``deadline``:
         how long the writes may wait on the node (connect, each wait for bytes or a reply;
         default ``io_timeout_s``): past it the ops fail with NodeUnavailable.
@@ -160,7 +163,11 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect):
         argument is in :mod:`storenode.extents`). Ops with
         ``checksum=None`` are hashed chunk by chunk as they are copied (the bytes are still
         in cache), so the checksum costs no separate pass over memory; network writes of
-        such ops hash each 256 KiB piece right after sending it (see :func:`_send_hashing`)."""
+        such ops hash each 256 KiB piece right after sending it (see :func:`_send_hashing`).
+
+        ``held``: the same-host ops' extents are claimed already, on the shared claim stream
+        (reserved extents, :mod:`connector.claims`): they are copied without a claim, and
+        their claims outlive this call (:meth:`end_held` ends them)."""
         shm, net, dma = [], [], []
         for op in ops:
             local = self.uses_shm(op.ref)
@@ -177,16 +184,21 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect):
                 op.error = _gone(r)
             elif r.offset < 0 or r.offset + r.size > len(seg) or len(op.data) != r.size:
                 op.error = KVPoolError(f"grant for {op.key!r} does not fit the mapped segment")
-        claim = self._send_writes(shm, True, deadline)
-        self._finish_writes(claim, deadline, claims=True)  # the node's verdicts, before any byte is copied
-        claimed = [op for op in claim[2] if op.error is None] if claim else []
+        if held:
+            claim, claimed = None, [op for op in shm if op.error is None]
+            dma = [op for op in dma if op.error is None]
+        else:
+            claim = self._send_writes(shm, True, deadline)
+            self._finish_writes(claim, deadline, claims=True)  # the node's verdicts, before any byte is copied
+            claimed = [op for op in claim[2] if op.error is None] if claim else []
         try:
             for op in claimed:
                 if isinstance(op.data, memoryview):
                     self._write_shm(op)
             self._dma(dma, into_segment=True)
         finally:
-            self._end_claims(claim[0] if claim else "", claimed)
+            if not held:
+                self._end_claims(claim[0] if claim else "", claimed)
         self._finish_writes(self._send_writes(net, False, deadline), deadline)
 
     def _end_claims(self, addr: str, ops: Sequence[WriteOp]) -> None:
@@ -214,6 +226,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect):
             if deadline is not None:
                 s.sock.settimeout(deadline.timeout_s)
             bufs: list = []
+            hashing: list = []  # (op, future of its xxh3_64 on the helper thread)
             for op in ops:
                 r = op.ref
                 if not notice and len(op.data) != r.size:
@@ -221,15 +234,21 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect):
                 if not notice and op.checksum is None and r.size <= _CHUNK:
                     op.checksum = xxhash.xxh3_64_intdigest(op.data)  # one piece: hash it up front
                 stream_hash = not notice and op.checksum is None
+                aside = self._hash_aside(op.data) if stream_hash and r.size >= _NET_ASIDE_MIN else None
                 bufs.append(frame(DataRequest("claim" if notice else "write", r.incarnation, r.offset, r.size,
                                               r.gen, op.key, op.checksum or 0, op.layout, r.token)))
-                if stream_hash:  # the node learns the checksum from the master's commit
+                if aside is not None:  # hashed on the helper while the kernel copies it
+                    hashing.append((op, aside))
+                    bufs.append(op.data)
+                elif stream_hash:  # the node learns the checksum from the master's commit
                     sendv(s.sock, bufs)
                     bufs = []
                     op.checksum = _send_hashing(s.sock, op.data)
                 elif not notice and r.size:
                     bufs.append(op.data)
             sendv(s.sock, bufs)
+            for op, fut in hashing:
+                op.checksum = fut.result()
             return addr, s, ops
         except (OSError, KVPoolError) as e:
             self._stream_failed(addr, ops, e, "write")

@@ -377,6 +377,13 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             return st.put_start(req.items, req.host_id, req.replicas, now)
         if isinstance(req, M.PutEnd):
             return st.put_end(req.keys, req.put_ids, now, req.checksums)
+        if isinstance(req, M.PutReserved):
+            results, tokens = st.put_reserved(req.items, now)
+            r = req.refill
+            refill = None if r is None else st.reserve(r.size, r.count, r.host_id, r.replicas, now, r.release, r.ahead)
+            return M.PutReservedReply(results, tokens, refill)
+        if isinstance(req, M.Reserve):
+            return st.reserve(req.size, req.count, req.host_id, req.replicas, now, req.release, req.ahead)
         if isinstance(req, M.Lookup):
             return st.lookup(req.keys, req.lease, now)
         if isinstance(req, M.ReleaseLeases):

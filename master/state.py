@@ -34,6 +34,7 @@ from kvpool.master.eviction import EvictionMixin
 from kvpool.master.handoffs import Handoff, HandoffMixin
 from kvpool.master.placement import spread
 from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
+from kvpool.master.reservations import Held, ReservationMixin
 from kvpool.protocol import errors as E
 from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
@@ -71,6 +72,7 @@ class Node:
     quarantine: list[tuple[float, int, int]] = field(default_factory=list)
     draining: bool = False
     suspect_until: float = 0.0
+    reserved: int = 0  # bytes of extents reserved ahead of need here (master/reservations.py)
     next_gen: itertools.count = field(default_factory=lambda: itertools.count(1))
     # keys removed or evicted while this incarnation was away (see MasterState.departed):
     # its rows for them are stale and are not indexed again when it comes back
@@ -94,7 +96,7 @@ class Node:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
 
 
-class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
+class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
     """All master decisions. Not thread-safe: the server calls it from one event loop.
     ``seed``: of placement's random choices (:mod:`master.placement`); None: from the OS."""
 
@@ -104,6 +106,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         self.nodes: dict[str, Node] = {}
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
+        self.reserved: dict[int, Held] = {}  # reservation id -> extents reserved ahead (master/reservations.py)
+        self._res_ids = itertools.count((int.from_bytes(os.urandom(5), "little") << 20) + 1)
         self.handoffs: dict[str, Handoff] = {}
         # pins and hand-off holds of objects that are away with a store node (it left, or was
         # not indexed at a rebuild): applied when the key is committed again or the node
@@ -182,6 +186,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             else:
                 self._maybe_repair(obj)
         self._cancel_repairs(node_id)
+        self.drop_reservations_on(node_id, now)
         # after the drops above: what the node alone held may come back with it
         self.departed[node.desc.incarnation] = [now + DEPARTED_KEEP_S, set()]
         return lost
@@ -325,7 +330,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         return spread(nodes, rank, self.s.high_watermark, self.rng)
 
     def _place(self, key: str, size: int, host_id: str, replicas: int, now: float,
-               live: list[Node] | None = None) -> list[ExtentRef]:
+               live: list[Node] | None = None, evict: bool = True) -> list[ExtentRef]:
+        """Extents for one object (see :meth:`_alloc_on` for ``evict``). Raises NoSpace or
+        ObjectTooLarge."""
         if live is None:
             live = self._placeable(now)
         if not live:
@@ -360,12 +367,12 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         refs: list[ExtentRef] = []
         spare = None
         for n in chosen:
-            off = self._alloc_on(n, size, now)
+            off = self._alloc_on(n, size, now, evict)
             if off is None and spare is None:
                 spare = [m for m in fits if m not in chosen]
             while off is None and spare:
                 n = spare.pop(0)
-                off = self._alloc_on(n, size, now)
+                off = self._alloc_on(n, size, now, evict)
             if off is None:
                 for r in refs:
                     self.nodes[r.node_id].alloc.free(r.offset, r.size)
@@ -376,8 +383,15 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             refs.append(_grant(n, off, size, key))
         return refs
 
-    def _alloc_on(self, node: Node, size: int, now: float) -> int | None:
+    def _alloc_on(self, node: Node, size: int, now: float, evict: bool = True) -> int | None:
+        """An offset for ``size`` bytes on ``node``, evicting on failure; with ``evict`` False
+        only from free memory that stays under the high watermark (extents reserved ahead
+        of need must not push out data)."""
         self._release_quarantine(node, now)
+        if not evict:
+            if node.alloc.used + align_up(max(size, 1)) > self.s.high_watermark * node.alloc.capacity:
+                return None
+            return node.alloc.alloc(size)
         off = node.alloc.alloc(size)
         if off is None:
             # evict on allocation failure, then retry once
@@ -606,6 +620,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
         from etcd)."""
         for obj in [o for o in self.pending.values() if o.writer_deadline <= now]:
             self._revoke_pending(obj, now, quarantine=True)
+        if self.reserved:
+            self.expire_reservations(now)
         for inc in [i for i, (until, _) in self.departed.items() if until <= now]:
             del self.departed[inc]
         for key in [k for k, (_, until, forget) in self.waiting_pins.items()
@@ -679,12 +695,13 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin):
             if o.replica_count() < o.replicas_wanted:
                 under += 1
         nodes = [NodeStats(n.node_id, n.desc.data_addr, n.desc.host_id, n.alloc.capacity, n.alloc.used,
-                           per_node[n.node_id], True, n.draining, n.desc.incarnation, n.desc.device)
+                           per_node[n.node_id], True, n.draining, n.desc.incarnation, n.desc.device, n.reserved)
                  for n in self.nodes.values()]
         return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
                             sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,
                             self.s.high_watermark, self.s.low_watermark, under, dict(self.counters),
-                            dict(self.refused), repairs_in_flight=len(self.repairs))
+                            dict(self.refused), repairs_in_flight=len(self.repairs),
+                            reserved_bytes=self.reserved_bytes())
 
     def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the

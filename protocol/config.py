@@ -198,6 +198,11 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a put's write of one replica waits at most this long on its node (null: io_timeout); then
     # the put is placed again without that node
     write_timeout: str | float | None = "2s"
+    # extents reserved ahead of need, so a put is one copy and one round trip to the master
+    # (connector/reserved_puts.py): bytes held at most across object sizes (0: off), and the
+    # largest object put that way
+    reserve: str | int = "64MiB"
+    reserve_max_object: str | int = "64MiB"
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -16,6 +16,10 @@ gen; refused for a freed or reused extent: :class:`~protocol.errors.StaleExtent`
 ``commit`` (one-way, no reply: the writer's copy of the master's commit notice, sent once
 ``put_end`` was acknowledged, so an acknowledged put reaches the node's committed table
 even if the master dies before its own notice leaves; same grant token as the write).
+Batched forms, one frame for many extents (``items``; the reserved-extent path,
+:mod:`connector.claims`): ``claims`` (one reply, ``errors`` per item), ``written_all`` and
+``commits`` (one-way). A frame of any op stays under :data:`MAX_HEADER` bytes:
+:func:`batch_frames` splits a long batch.
 """
 from __future__ import annotations
 
@@ -31,6 +35,21 @@ MAX_HEADER = 1 << 16
 READ_BUF = 256 << 10
 
 
+class HeldExtent(msgspec.Struct, array_like=True):
+    """One extent of a batched ``claims`` / ``written_all`` / ``commits`` frame
+    (:attr:`DataRequest.items`): byte offset and size in the segment, grant generation and
+    token, and for a commit the object's key, xxh3_64 checksum, layout and wanted replicas."""
+
+    offset: int
+    size: int
+    gen: int
+    token: bytes
+    key: str = ""
+    checksum: int = 0
+    layout: bytes | None = None
+    replicas: int = 0
+
+
 class DataRequest(msgspec.Struct, array_like=True):
     op: str
     incarnation: str
@@ -43,6 +62,7 @@ class DataRequest(msgspec.Struct, array_like=True):
     token: bytes = b""
     pad: bytes = b""  # filler set by :func:`frame` (frame alignment)
     replicas: int = 0  # commit: the object's wanted replica count (0: the cluster default)
+    items: list[HeldExtent] = []  # the extents of a batched op (claims, written_all, commits)
 
 
 class DataReply(msgspec.Struct, array_like=True):
@@ -51,6 +71,7 @@ class DataReply(msgspec.Struct, array_like=True):
     size: int = 0
     capacity: int = 0
     pad: bytes = b""  # filler set by :func:`frame` (frame alignment)
+    errors: list[ErrorInfo | None] = []  # per item of a batched ``claims``: None (claimed) or why not
 
 
 _req_dec = msgspec.msgpack.Decoder(DataRequest)
@@ -217,3 +238,18 @@ class FrameReader:
             if got == 0:
                 raise NodeUnavailable(self.eof_message)
             n -= got
+
+
+def batch_frames(op: str, incarnation: str, items: list[HeldExtent]) -> list[bytes]:
+    """Frames of the batched ``op`` over ``items``, each under :data:`MAX_HEADER` bytes (a
+    batch is halved until its frame fits). Raises InvalidRequest for one item that alone
+    does not fit (a key and layout of more than ~64 KiB)."""
+    if not items:
+        return []
+    f = frame(DataRequest(op, incarnation, items=items))
+    if len(f) - 4 <= MAX_HEADER:
+        return [f]
+    if len(items) == 1:
+        raise InvalidRequest(f"{op} frame of one extent is {len(f)} bytes, over {MAX_HEADER}")
+    half = len(items) // 2
+    return batch_frames(op, incarnation, items[:half]) + batch_frames(op, incarnation, items[half:])

@@ -14,7 +14,7 @@ import msgspec
 from kvpool.protocol.errors import ConfigError, ErrorInfo, InvalidRequest
 from kvpool.protocol.layout import LayoutSpec
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 """Version of every message and data frame kvpool processes exchange. Bump it with any
 change an older process would misread. A master does not place on a store node of
 another version (``ClusterStats.refused``); a client refuses a master of another version
@@ -119,6 +119,7 @@ class NodeStats(msgspec.Struct, frozen=True):
     draining: bool = False
     incarnation: str = ""
     device: str = "cpu"  # where the segment lives: cpu (shared memory) or cuda:N
+    reserved: int = 0  # bytes of ``used`` reserved ahead of need for writers (master/reservations.py)
 
 
 class ClusterStats(msgspec.Struct, frozen=True):
@@ -137,6 +138,7 @@ class ClusterStats(msgspec.Struct, frozen=True):
     refused: dict[str, int] = {}  # node id -> wire version of store nodes not placed on (another version)
     repairs_in_flight: int = 0  # re-replication copies under way (``under_replicated``: objects short of replicas)
     joining: dict[str, str] = {}  # node id -> why a published store node is not taken in (placed on) yet
+    reserved_bytes: int = 0  # bytes of extents reserved ahead of need (in ``used``; master/reservations.py)
 
 
 class EvictSelector(msgspec.Struct, frozen=True):
@@ -203,6 +205,68 @@ class PutEnd(msgspec.Struct, tag="put_end"):
 class PutRevoke(msgspec.Struct, tag="put_revoke"):
     keys: list[str]
     put_ids: list[int]
+
+
+class Reserve(msgspec.Struct, tag="reserve"):
+    """Reserve extents of ``size`` bytes (``replicas`` each, 0: the cluster default) for a
+    writer on ``host_id``: ``count`` needed now (placed as a put is, evicting when memory
+    is short) and ``ahead`` more for later objects (only from free memory under the high
+    watermark); ``release``: reservations given back first (:mod:`master.reservations`)."""
+
+    size: int
+    count: int
+    host_id: str = ""
+    replicas: int = 0
+    release: list[int] = []
+    ahead: int = 0
+
+
+class Reservation(msgspec.Struct, frozen=True, array_like=True):
+    """Extents reserved for one object of the reserved size: write grants whose tokens
+    name no key (``res_id`` names the reservation in :class:`PutReserved`)."""
+
+    res_id: int
+    replicas: list[ExtentRef]
+
+
+class Reserved(msgspec.Struct, frozen=True, array_like=True, tag="reserved"):
+    """Reservations granted; each is the master's for ``ttl_s`` seconds from the request.
+    ``error``: why none could be placed (empty ``reservations``)."""
+
+    reservations: list[Reservation]
+    ttl_s: float
+    replicas_wanted: int
+    error: ErrorInfo | None = None
+
+
+class ReservedPut(msgspec.Struct, frozen=True, array_like=True):
+    """An object written into reservation ``res_id``: its key, size (bytes, the
+    reservation's), xxh3_64 checksum and layout."""
+
+    key: str
+    res_id: int
+    size: int
+    checksum: int
+    layout: LayoutSpec | None = None
+
+
+class PutReserved(msgspec.Struct, tag="put_reserved"):
+    """Commit objects written into reservations; ``refill``: a Reserve answered in the same
+    reply."""
+
+    items: list[ReservedPut]
+    refill: Reserve | None = None
+
+
+class PutReservedReply(msgspec.Struct, frozen=True, array_like=True):
+    """Per item: None (committed), "exists"/"in_flight" (not indexed; the reservation stays
+    the writer's) or an ErrorInfo; ``tokens``: per item, the keyed write token of each
+    replica (for the writer's ``commit`` copy; empty unless committed); ``refill``: the
+    answer to the request's ``refill``."""
+
+    results: list[Union[ErrorInfo, str, None]]
+    tokens: list[list[bytes]]
+    refill: Reserved | None = None
 
 
 class Lookup(msgspec.Struct, tag="lookup"):
@@ -363,7 +427,7 @@ class HandoffRelease(msgspec.Struct, tag="handoff_release"):
     request_id: str
 
 
-Request = Union[PutStart, PutEnd, PutRevoke, Lookup, ReleaseLeases, Exists, Remove, ListObjects, Stats, Pin, Unpin,
+Request = Union[PutStart, PutEnd, PutRevoke, Reserve, PutReserved, Lookup, ReleaseLeases, Exists, Remove, ListObjects, Stats, Pin, Unpin,
                 Evict, ReportDead, ReportCorrupt, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease,
                 GetConfig, SetConfig, Hello]
 
@@ -371,6 +435,8 @@ RESULT_TYPES: dict[type, Any] = {
     PutStart: list[Union[PutGrant, ErrorInfo]],
     PutEnd: list[Union[ErrorInfo, None]],
     PutRevoke: list[Union[ErrorInfo, None]],
+    Reserve: Reserved,
+    PutReserved: PutReservedReply,
     Lookup: list[Union[ObjectInfo, ErrorInfo]],
     Exists: list[bool],
     ReleaseLeases: None,

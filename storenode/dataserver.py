@@ -54,6 +54,7 @@ from kvpool.storenode.writers import Writer, WriterWatch
 
 _FLUSH_BYTES = 1 << 20
 _req_dec = msgspec.msgpack.Decoder(DataRequest)
+_BATCHED = ("claims", "written_all", "commits")
 _OK = frame(DataReply(True))
 
 
@@ -234,6 +235,43 @@ class DataServer:
             conn.close()
         self._closed(c)
 
+    def _handle_batch(self, req: DataRequest, unix: bool, out: list, w: Writer) -> int:
+        """A batched ``claims`` (one reply, an error or None per item), ``written_all`` or
+        ``commits`` (one-way): each item checked as its single op is."""
+        seg, table, op = self.segment, self.table, req.op
+        if op == "claims":
+            if not unix or seg.fd is None:
+                raise InvalidRequest("claims are only served on the Unix socket of a shared-memory segment")
+            w.identify()
+        errors: list = []
+        for it in req.items:
+            try:
+                if op == "written_all":
+                    table.release(it.offset, it.gen, w)
+                table.check_bounds(it.offset, it.size)
+                if not check_token(seg.grant_key, seg.incarnation, it.offset, it.size, it.gen, it.key, it.token):
+                    raise InvalidRequest(f"[{it.offset}, +{it.size}) gen {it.gen} carries no valid grant from the "
+                                         "master; writes need a grant")
+                if op == "claims":
+                    table.claim(it.offset, it.size, it.gen, w)
+                elif op == "written_all":
+                    table.check_write(it.offset, it.gen)
+                    table.record_write(it.key, it.offset, it.size, it.gen, it.checksum, it.layout)
+                else:
+                    if not it.key:
+                        raise InvalidRequest("commit names no object key")
+                    table.check_write(it.offset, it.gen)
+                    table.commit(ExtentEntry(it.key, it.offset, it.size, it.gen, it.checksum, it.layout, True,
+                                             it.replicas), writer=True)
+                errors.append(None)
+            except KVPoolError as e:
+                self.stats.errors["data", e.code] += 1
+                errors.append(e.to_wire())
+        if op != "claims":
+            return 0
+        out.append(frame(DataReply(True, errors=errors)))
+        return 64
+
     def _handle(self, conn, rd: FrameReader, req: DataRequest, unix: bool, out: list, w: Writer) -> int:
         """Serve one request, appending its reply buffers to ``out``; returns their bytes."""
         seg = self.segment
@@ -242,6 +280,8 @@ class DataServer:
             if req.incarnation != seg.incarnation and req.op != "ping":
                 raise StaleExtent(f"store node segment restarted (generation {seg.incarnation}, request "
                                   f"named {req.incarnation}); look the key up again")
+            if req.op in _BATCHED:
+                return self._handle_batch(req, unix, out, w)
             if req.op == "written":  # the writer finished copying: its claim ends (needs no grant:
                 self.table.release(req.offset, req.gen, w)  # it names only its own claims)
             if req.op in ("write", "written", "commit", "claim"):
@@ -277,6 +317,8 @@ class DataServer:
                 w.identify()
                 self.table.claim(req.offset, req.size, req.gen, w)
             elif req.op == "commit":  # one-way: no reply, whatever happens
+                if not req.key:  # a reservation's keyless grant writes bytes but commits no object
+                    raise InvalidRequest("commit names no object key")
                 self.table.commit(ExtentEntry(req.key, req.offset, req.size, req.gen, req.checksum, req.layout,
                                               True, req.replicas), writer=True)
                 return 0
@@ -300,12 +342,12 @@ class DataServer:
                 return 16
             else:
                 raise InvalidRequest(f"unknown data op {req.op!r}; accepted: write, claim, written, commit, read, map, "
-                                     "ping")
+                                     "ping, claims, written_all, commits")
             out.append(_OK)
             return len(_OK)
         except KVPoolError as e:
             self.stats.errors["data", e.code] += 1
-            if req.op in ("commit", "written"):
+            if req.op in ("commit", "written", "written_all", "commits"):
                 return 0  # one-way: a refused copy of a commit notice is dropped (the master's notice rules)
             if req.op == "write":
                 # keep the stream in step: swallow the payload the client is sending

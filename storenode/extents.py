@@ -54,6 +54,9 @@ class ExtentTable:
         self._max_size = 0  # largest row or claim size seen: bounds the overlap scan
         # (offset, gen) -> (size, owner): ranges a writer may be copying into right now
         self._claims: dict[tuple[int, int], tuple[int, object]] = {}
+        self._coffs: list[int] = []  # sorted offsets of _claims (claims never overlap: one per offset)
+        self._max_claim = 0  # largest claim size seen: bounds the overlap scan
+        self._claim_gen: dict[int, int] = {}  # offset -> generation of the claim there
         self.max_gen = 0  # highest generation seen (a new master grants above it)
         self.term = 0  # the newest leader term this node knows (protocol.terms); see check_term
         self._lock = threading.Lock()
@@ -94,8 +97,8 @@ class ExtentTable:
                     raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than the "
                                      f"extent's current one ({row.gen}): the put was revoked; put the object "
                                      "again", offset=offset, gen=gen)
-            for (c_off, c_gen), (c_size, c_owner) in self._claims.items():
-                if c_off < end and offset < c_off + c_size and (c_off, c_gen) != (offset, gen):
+            for c_off, c_gen, c_size in self._overlapping_claims(offset, offset + max(size, 1)):
+                if (c_off, c_gen) != (offset, gen):
                     if c_gen > gen:
                         raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than a "
                                          f"write in progress there ({c_gen}): the put was revoked; put the "
@@ -107,8 +110,11 @@ class ExtentTable:
             if held is not None and held[1] is not owner:
                 raise ExtentBusy(f"[{offset}, +{size}) generation {gen} is being written by another writer",
                                  offset=offset, gen=gen)
+            if held is None:
+                bisect.insort(self._coffs, offset)
             self._claims[(offset, gen)] = (size, owner)
-            self._max_size = max(self._max_size, size)
+            self._claim_gen[offset] = gen
+            self._max_claim = max(self._max_claim, size, 1)
 
     def release(self, offset: int, gen: int, owner: object) -> bool:
         """End ``owner``'s claim of ``(offset, gen)`` (its writer finished copying). False
@@ -117,15 +123,34 @@ class ExtentTable:
             held = self._claims.get((offset, gen))
             if held is None or held[1] is not owner:
                 return False
-            del self._claims[(offset, gen)]
+            self._unclaim(offset, gen)
             return True
+
+    def _unclaim(self, offset: int, gen: int) -> None:
+        """Caller holds the lock."""
+        del self._claims[(offset, gen)]
+        del self._claim_gen[offset]
+        del self._coffs[bisect.bisect_left(self._coffs, offset)]
+
+    def _overlapping_claims(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(offset, gen, size)`` of the claims overlapping ``[start, end)``; caller holds the lock."""
+        out = []
+        i = bisect.bisect_left(self._coffs, end) - 1
+        while i >= 0 and self._coffs[i] + self._max_claim > start:
+            off = self._coffs[i]
+            gen = self._claim_gen[off]
+            size = self._claims[(off, gen)][0]
+            if off + max(size, 1) > start:  # an empty extent still owns its offset
+                out.append((off, gen, size))
+            i -= 1
+        return out
 
     def release_owner(self, owner: object) -> int:
         """End every claim of ``owner`` (its process is gone); returns how many ended."""
         with self._lock:
             mine = [k for k, (_, o) in self._claims.items() if o is owner]
-            for k in mine:
-                del self._claims[k]
+            for off, gen in mine:
+                self._unclaim(off, gen)
             return len(mine)
 
     def claims(self, owner: object | None = None) -> int:
@@ -225,6 +250,8 @@ class ExtentTable:
             self._offs.clear()
             self._floor.clear()
             self._claims.clear()
+            self._coffs.clear()
+            self._claim_gen.clear()
             self.max_gen = 0
 
     def usage(self) -> tuple[int, int, int]:

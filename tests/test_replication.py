@@ -43,7 +43,8 @@ def test_a_node_restarted_at_the_same_address_is_not_reported_dead(make_cluster,
         assert [(r.error, r.stored, r.replicas, r.replicas_wanted) for r in res] == [(None, True, 2, 2)] * 8
         assert all(sorted(o.nodes) == ["node-0", "node-1"] for o in c.ls("st/new"))
         assert c.stats().counters.get("nodes_reported_dead", 0) == 0
-        assert c.data.redials >= 1  # the stale streams were there, and were replaced
+        if transport == "unix":  # (same-host shm puts copy into the mapping: no stale stream need be used)
+            assert c.data.redials >= 1  # the stale streams were there, and were replaced
         for i in range(8):
             assert c.get(f"st/new{i}") is not None
 

@@ -21,14 +21,16 @@ KiB = 1 << 10
 # Writer A: put KEY of SIZE bytes (0xAA), stopping itself (SIGSTOP) either before it asks the
 # node for its extent ("before_claim") or after the node granted the claim, right before the
 # copy into the shared mapping ("before_copy"). Prints "STALL <offset>", then "RESULT <error|ok>".
+# RESERVE: the client's reserve_bytes (0: put_start/put_end; else the put goes into an extent
+# reserved and claimed ahead of need, connector/reserved_puts.py).
 _WRITER = r"""
 import os, signal, sys
 from kvpool.connector import dataclient
 from kvpool.connector.client import KVPoolClient
 from kvpool.protocol.config import load_config
 
-cfg, master, key, size, where = sys.argv[1:6]
-c = KVPoolClient.from_config(load_config(cfg, environ={}), master=master)
+cfg, master, key, size, where, reserve = sys.argv[1:7]
+c = KVPoolClient.from_config(load_config(cfg, environ={}), master=master, reserve_bytes=int(reserve))
 
 def stall(op):
     print("STALL", op.ref.offset, flush=True)
@@ -36,9 +38,9 @@ def stall(op):
 
 write, write_shm = dataclient.DataPlane.write, dataclient.DataPlane._write_shm
 if where == "before_claim":
-    def hooked(self, ops, deadline=None):
+    def hooked(self, ops, deadline=None, **kw):
         stall(ops[0])
-        return write(self, ops, deadline)
+        return write(self, ops, deadline, **kw)
     dataclient.DataPlane.write = hooked
 else:
     def hooked(self, op):
@@ -54,9 +56,10 @@ c.close()
 """
 
 
-def _start_writer(lc, key: str, size: int, where: str) -> tuple[subprocess.Popen, int]:
+def _start_writer(lc, key: str, size: int, where: str, reserve: int = 0) -> tuple[subprocess.Popen, int]:
     """Writer A, frozen at ``where``; returns it and the offset of its grant."""
-    a = subprocess.Popen([sys.executable, "-c", _WRITER, lc.write_config(), lc.master_addr, key, str(size), where],
+    a = subprocess.Popen([sys.executable, "-c", _WRITER, lc.write_config(), lc.master_addr, key, str(size), where,
+                          str(reserve)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready, _, _ = select.select([a.stdout], [], [], 60)
     line = a.stdout.readline() if ready else ""
@@ -76,17 +79,20 @@ def _finish(a: subprocess.Popen) -> str:
     return out
 
 
-@pytest.mark.parametrize("where", ["before_claim", "before_copy"])
-def test_stalled_writer_never_lands_in_the_next_owner(make_cluster, where):
-    """The issue's sequence: one node, put_timeout 1 s, quarantine 2 s; A put_starts k and
-    stalls; once A's grant is revoked and its extent has left the master's quarantine, B puts
-    k (acknowledged); A resumes and writes its grant. B's get(k) returns B's bytes and A's put
-    fails with PutRevoked. Stalled before its claim, A is refused when it resumes (B's put
-    took A's very extent); stalled after it, the node keeps A's range quarantined, so B's put
-    lands elsewhere."""
+@pytest.mark.parametrize("where,reserve", [("before_claim", 0), ("before_copy", 0), ("before_copy", 64 << 20)],
+                         ids=["put_start-before_claim", "put_start-before_copy", "reserved-before_copy"])
+def test_stalled_writer_never_lands_in_the_next_owner(make_cluster, where, reserve):
+    """The issue's sequence: one node, put_timeout 1 s, quarantine 2 s; A put_starts k (or
+    takes reserved extents, claimed at once) and stalls; once A's grant is revoked (the
+    reservation expired) and its extent has left the master's quarantine, B puts k
+    (acknowledged); A resumes and writes its grant. B's get(k) returns B's bytes. A's put
+    fails with PutRevoked, or, through a reservation, finds the master no longer holds it,
+    puts the long way and finds k stored (False). Stalled before its claim, A is refused
+    when it resumes (B's put took A's very extent); stalled after it, the node keeps A's
+    range quarantined, so B's put lands elsewhere."""
     size = 256 * KiB
     lc = make_cluster(nodes=1, memory="16MiB", put_timeout="1s", quarantine="2s")
-    a, a_off = _start_writer(lc, "k", size, where)
+    a, a_off = _start_writer(lc, "k", size, where, reserve)
     try:
         with lc.client(in_flight_wait_s=0.2) as b:
             # A is revoked after put_timeout; its extent is free at the master after quarantine
@@ -96,7 +102,7 @@ def test_stalled_writer_never_lands_in_the_next_owner(make_cluster, where):
             assert b.put("k", mine)
             b_off = b.lookup(["k"])[0].replicas[0].offset
             out = _finish(a)
-            assert "RESULT PutRevoked" in out, out
+            assert ("RESULT ok" if reserve else "RESULT PutRevoked") in out, out
             assert b.get("k") == mine
             if where == "before_claim":
                 assert b_off == a_off  # the master placed B in A's extent: A was refused there
@@ -113,13 +119,14 @@ def test_stalled_writer_never_lands_in_the_next_owner(make_cluster, where):
             a.wait(10)
 
 
-def test_killed_writer_extents_are_reclaimed(make_cluster):
+@pytest.mark.parametrize("reserve", [0, 64 << 20], ids=["put_start", "reserved"])
+def test_killed_writer_extents_are_reclaimed(make_cluster, reserve):
     """A writer SIGKILLed between its claim and its copy: while it is only stopped, its range
     stays quarantined on the node (a put that can only go there fails with a typed error);
     once the node sees the process gone, the range is reclaimed and the put lands there."""
     size = 3 << 20
     lc = make_cluster(nodes=1, memory="4MiB", put_timeout="1s", quarantine="2s")
-    a, _ = _start_writer(lc, "victim", size, "before_copy")
+    a, _ = _start_writer(lc, "victim", size, "before_copy", reserve)
     try:
         with lc.client(in_flight_wait_s=0.2) as b:
             wait_for(lambda: b.stats().nodes[0].used == 0, 20, what="A's grant revoked and released by the master")

@@ -1,0 +1,106 @@
+"""Write claims held across calls, for reserved extents (:mod:`master.reservations`).
+
+A same-host writer claims a reservation's extent at the node when it receives the
+reservation, long before it copies an object in (:mod:`storenode.extents` has the claim
+rules; they do not care how long a claim lasts). A node owns claims per connection, and
+any of the client's threads may use a reservation, so these claims live on one stream per
+node shared by the client's threads (:class:`_SharedClaims`, under one lock), not on the
+per-thread streams: the claim, the ``written`` that ends it and the writer's ``commit``
+copy all go on it. Should that stream break, the node keeps its claims until this process
+exits (:mod:`storenode.writers`); the reservations are then given up.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+
+from kvpool.connector.datastream import _Stream
+from kvpool.protocol import transport
+from kvpool.protocol.dataplane import HeldExtent, batch_frames, sendv
+from kvpool.protocol.errors import KVPoolError, NodeUnavailable, from_wire
+from kvpool.protocol.messages import ExtentRef
+
+_RELEASE_S = 0.5  # seconds the release of unanswered claims may wait to be sent
+
+
+class _SharedClaims:
+    """Mixed into :class:`~connector.dataclient.DataPlane` (uses its ``io_timeout_s``,
+    ``security``, ``_map_lock`` and ``_all_conns``)."""
+
+    def _init_claims(self) -> None:
+        self._claim_lock = threading.Lock()
+        self._claim_streams: dict[str, _Stream] = {}
+
+    def _claim_stream(self, addr: str, incarnation: str) -> _Stream:
+        """Caller holds ``_claim_lock``."""
+        s = self._claim_streams.get(addr)
+        if s is not None and s.incarnation != incarnation:  # opened to the node's earlier instance
+            self._drop_claim_stream(addr)
+            s = None
+            self.redials += 1
+        if s is None:
+            sock = transport.connect(addr, self.io_timeout_s, self.security)
+            sock.settimeout(self.io_timeout_s)
+            s = self._claim_streams[addr] = _Stream(sock, incarnation)
+            with self._map_lock:
+                self._all_conns.add(s)
+        return s
+
+    def _drop_claim_stream(self, addr: str) -> None:
+        s = self._claim_streams.pop(addr, None)
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.sock.close()
+
+    def claim_held(self, refs: Sequence[ExtentRef], timeout_s: float) -> list[KVPoolError | None]:
+        """Claim ``refs`` (keyless reservation grants, all on one same-host node) on the
+        shared stream; per ref None (claimed) or the node's refusal (PutRevoked, ExtentBusy,
+        StaleTerm) or NodeUnavailable when it did not answer within ``timeout_s``."""
+        r0 = refs[0]
+        out: list[KVPoolError | None] = [None] * len(refs)
+        with self._claim_lock:
+            try:
+                s = self._claim_stream(r0.shm_path, r0.incarnation)
+                s.sock.settimeout(timeout_s)
+                frames = batch_frames("claims", r0.incarnation, [HeldExtent(r.offset, r.size, r.gen, r.token)
+                                                                 for r in refs])
+                sendv(s.sock, [b"".join(frames)])
+                i = 0
+                for _ in frames:
+                    rep = s.reply()
+                    errs = rep.errors if rep.ok else [rep.error] * (len(refs) - i)
+                    for e in errs[:len(refs) - i]:
+                        out[i] = None if e is None else from_wire(e)
+                        i += 1
+                if i < len(refs):
+                    raise NodeUnavailable(f"store node {r0.node_id} answered {i} of {len(refs)} claims",
+                                          node=r0.node_id)
+                s.sock.settimeout(self.io_timeout_s)
+            except (OSError, KVPoolError) as e:
+                with contextlib.suppress(OSError, KVPoolError, UnboundLocalError):
+                    s.sock.settimeout(_RELEASE_S)  # claims the node took late end with this stream's end
+                self._drop_claim_stream(r0.shm_path)
+                err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
+                    f"store node {r0.node_id} did not answer a claim within {timeout_s:g}s: {e}", node=r0.node_id)
+                out = [o or err for o in out]
+        return out
+
+    def end_held(self, done: Sequence[ExtentRef], commits: Sequence[tuple[ExtentRef, str, int, bytes | None, int]]
+                 ) -> None:
+        """One-way, on the shared stream of one same-host node: ``written`` for each of
+        ``done`` (their copies are over or will not happen: the claims end), then the
+        writer's ``commit`` copy of each ``(ref with the keyed token, key, checksum,
+        layout, replicas wanted)``. Best effort: a broken stream keeps the claims until
+        this process exits."""
+        r0 = done[0] if done else commits[0][0]
+        bufs = batch_frames("written_all", r0.incarnation, [HeldExtent(r.offset, r.size, r.gen, r.token) for r in done])
+        bufs += batch_frames("commits", r0.incarnation, [HeldExtent(r.offset, r.size, r.gen, r.token, key, checksum,
+                                                                    layout, wanted)
+                                                         for r, key, checksum, layout, wanted in commits])
+        with self._claim_lock:
+            try:
+                s = self._claim_stream(r0.shm_path, r0.incarnation)
+                sendv(s.sock, [b"".join(bufs)])
+            except (OSError, KVPoolError):
+                self._drop_claim_stream(r0.shm_path)

@@ -1,0 +1,160 @@
+"""The writer's side of reserved extents: which reservations it holds, per object size.
+
+Pure bookkeeping, thread-safe, no I/O (the client moves the bytes and talks to the master
+and the nodes; the protocol is in :mod:`master.reservations`). Reservations are kept per
+``(size, replicas)``, each with the leader term that granted it and the monotonic time it
+must be used by (half its lifetime at the master, counted from when it was asked for, so
+clock and scheduling slack never let a writer copy into an extent the master has freed
+before the writer's commit is answered).
+
+How many to hold per size: none until a size has been put twice (a one-off size reserves
+only what its put needs), then three times the largest batch of that size seen, at least
+:data:`MIN_DEPTH`, at most :data:`MAX_DEPTH` and the client's byte budget. A batch that
+finds too few asks for the rest on the spot (one round trip, as a put without reservations
+would), and a commit asks for more (riding on its reply) when what is left would not cover
+the next batch of the same size. Reservations held ahead are placed only in free memory
+under the high watermark (:mod:`master.reservations`): they never push data out. At most :data:`MAX_SIZES` sizes are kept; the least
+recently used size's reservations are given back first.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from kvpool.protocol.messages import Reservation
+
+MIN_DEPTH = 64  # reservations held per size at least (once the size was put twice)
+MAX_DEPTH = 1024  # reservations held per size at most (the master's cap per call)
+MAX_SIZES = 16  # distinct (size, replicas) pools kept
+
+
+@dataclass(slots=True)
+class Slot:
+    """One reservation as the writer holds it: ``res`` (res_id, replicas), the object size
+    (bytes), the replica count asked for (0: the cluster default) and wanted, the granting
+    term, the monotonic use-by time (seconds) and the replicas claimed on this host."""
+
+    res: Reservation
+    size: int
+    replicas: int
+    wanted: int
+    term: int
+    use_by: float
+    local: list = field(default_factory=list)  # replicas claimed on the shared claim stream (same host)
+
+
+@dataclass(slots=True)
+class _Size:
+    slots: deque
+    batch: int = 1
+    uses: int = 0  # puts of this size seen (reservations are held ahead from the second on)
+
+
+class ReservationPool:
+    """Reservations per ``(size, replicas)``. ``budget_bytes``: bytes of reservations held
+    at most across sizes (a batch may exceed it for the time of one call)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._sizes: OrderedDict[tuple[int, int], _Size] = OrderedDict()
+        self._dead: list[Slot] = []  # taken out unused (expired, stale term, size dropped): to give back
+        self._lock = threading.Lock()
+
+    def take(self, size: int, replicas: int, n: int, now: float, term: int) -> list[Slot]:
+        """Up to ``n`` usable reservations of ``size`` bytes; records the batch size. Expired
+        ones and ones of a term older than ``term`` go to :meth:`take_dead`."""
+        with self._lock:
+            key = (size, replicas)
+            st = self._sizes.get(key)
+            if st is None:
+                st = self._sizes[key] = _Size(deque())
+                while len(self._sizes) > MAX_SIZES:
+                    _, old = self._sizes.popitem(last=False)
+                    self._dead.extend(old.slots)
+            self._sizes.move_to_end(key)
+            st.batch = max(st.batch, n)
+            st.uses += 1
+            out: list[Slot] = []
+            while st.slots and len(out) < n:
+                s = st.slots.popleft()
+                if s.use_by <= now or s.term < term:
+                    self._dead.append(s)
+                else:
+                    out.append(s)
+            return out
+
+    def give_back(self, slots: list[Slot]) -> None:
+        """Return slots that were taken but not consumed (their key was stored already):
+        they are used first next time."""
+        self._put(slots, front=True)
+
+    def add(self, slots: list[Slot]) -> None:
+        """Hold newly granted slots (a size no longer kept sends them to :meth:`take_dead`)."""
+        self._put(slots, front=False)
+
+    def _put(self, slots: list[Slot], front: bool) -> None:
+        with self._lock:
+            for s in slots:
+                st = self._sizes.get((s.size, s.replicas))
+                if st is None:
+                    self._dead.append(s)
+                elif front:
+                    st.slots.appendleft(s)
+                else:
+                    st.slots.append(s)
+
+    def target(self, size: int, replicas: int) -> int:
+        """How many reservations of this size to hold (see the module docstring); none for
+        a size put only once so far."""
+        with self._lock:
+            st = self._sizes.get((size, replicas))
+            if st is None or st.uses < 2:
+                return 0
+            batch = st.batch
+        return max(0, min(max(3 * batch, MIN_DEPTH), MAX_DEPTH, self.budget_bytes // max(size, 1)))
+
+    def refill(self, size: int, replicas: int) -> int:
+        """How many to ask for now: 0 while what is held covers the next batch of this size,
+        else the target minus what is held."""
+        want = self.target(size, replicas)
+        with self._lock:
+            st = self._sizes.get((size, replicas))
+            have = len(st.slots) if st is not None else 0
+            batch = st.batch if st is not None else 1
+        return want - have if have < min(batch, want) else 0
+
+    def take_dead(self, now: float | None = None) -> list[Slot]:
+        """Slots to give back: those taken out unused, plus (given ``now``) every held slot
+        past its use-by time."""
+        with self._lock:
+            if now is not None:
+                for st in self._sizes.values():
+                    while st.slots and st.slots[0].use_by <= now:
+                        self._dead.append(st.slots.popleft())
+                    if any(s.use_by <= now for s in st.slots):
+                        keep = [s for s in st.slots if s.use_by > now]
+                        self._dead.extend(s for s in st.slots if s.use_by <= now)
+                        st.slots = deque(keep)
+            out, self._dead = self._dead, []
+            return out
+
+    def drain(self) -> list[Slot]:
+        """Every slot held (the client is closing)."""
+        with self._lock:
+            out = self._dead
+            for st in self._sizes.values():
+                out.extend(st.slots)
+            self._sizes.clear()
+            self._dead = []
+            return out
+
+    def next_use_by(self) -> float | None:
+        """The earliest use-by time of a held slot (None: none held)."""
+        with self._lock:
+            times = [st.slots[0].use_by for st in self._sizes.values() if st.slots]
+        return min(times) if times else None
+
+    def held(self) -> int:
+        with self._lock:
+            return sum(len(st.slots) for st in self._sizes.values())

@@ -1,0 +1,311 @@
+"""Puts into extents reserved ahead of need: one copy and one round trip to the master.
+
+The client holds reservations per object size (:mod:`connector.reservations`; protocol in
+:mod:`master.reservations`). A put takes one per object (asking for any it lacks first),
+copies each object into its extents (same host: straight into the claimed shared mapping;
+network: a ``write`` to the node, which claims while the bytes land), then commits the
+batch with one ``PutReserved`` whose reply carries the next reservations when the pool runs
+low. After the reply, each same-host node gets one one-way send: the ``written`` frames
+that end the claims and the writer's ``commit`` copies of what was acknowledged.
+
+Anything this path cannot finish (a refused claim, a failed write, a reservation the master
+no longer holds, a new leader) falls back to ``put_start``/``put_end`` for that object, so
+its outcome is what a put without reservations would report. A daemon thread gives back
+reservations that reach their use-by time unused.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+
+import msgspec
+
+from kvpool.connector.dataclient import WriteOp
+from kvpool.connector.reservations import ReservationPool, Slot
+from kvpool.protocol import messages as M
+from kvpool.protocol.errors import KVPoolError, NodeUnavailable, PutRevoked, from_wire
+
+_REAP_S = 1.0  # the reaper looks for expired reservations at least this often (seconds)
+_FLUSH_S = 0.005  # queued claim ends and commit copies wait at most this long (seconds)
+_FLUSH_ITEMS = 256  # ... or until this many are queued
+
+
+class ReservedPuts:
+    """Mixed into :class:`~connector.client.KVPoolClient` (uses its ``rpc``, ``data``,
+    ``host_id``, ``_parallel``, ``_write_deadline`` and ``_await_in_flight``)."""
+
+    def _init_reserved(self, budget_bytes: int, max_object_bytes: int) -> None:
+        self.reserve_budget = budget_bytes
+        self.reserve_max_object = max_object_bytes
+        self._res_pool = ReservationPool(budget_bytes)
+        self._reaper: threading.Thread | None = None
+        self._reaper_stop = threading.Event()
+        self._reaper_wake = threading.Event()
+        self._reaper_lock = threading.Lock()
+        self._ends_lock = threading.Lock()
+        # (node id, incarnation) -> (claims to end, commit copies), queued (see _end_claims)
+        self._ends: defaultdict = defaultdict(lambda: ([], []))
+        self._ends_n = 0
+        self._ends_since = 0.0
+
+    def _reservable(self, size: int) -> bool:
+        return self.reserve_budget > 0 and 0 < size <= self.reserve_max_object
+
+    # ---- the put ------------------------------------------------------------------------
+
+    def _put_reserved(self, items, bufs, idx, replicas, results, stored) -> list[int]:
+        """Put ``items`` through reservations; returns the positions (in ``items``) left for
+        ``put_start`` (not reservable, or this path could not finish them)."""
+        rep = replicas or 0
+        fallback = [j for j, it in enumerate(items) if not self._reservable(it.size)]
+        by_size: dict[int, list[int]] = defaultdict(list)
+        for j, it in enumerate(items):
+            if self._reservable(it.size):
+                by_size[it.size].append(j)
+        slot_of: dict[int, Slot] = {}
+        now = time.monotonic()
+        for size, js in by_size.items():
+            slots = self._res_pool.take(size, rep, len(js), now, self.rpc.term)
+            if len(slots) < len(js):
+                slots += self._reserve(size, rep, len(js) - len(slots))
+            for j, s in zip(js, slots):
+                slot_of[j] = s
+            fallback += js[len(slots):]
+        if not slot_of:
+            self._give_back_dead()
+            return fallback
+        by_node: dict[str, list[WriteOp]] = defaultdict(list)
+        ops_of: dict[int, list[WriteOp]] = {}
+        for j, s in slot_of.items():
+            lay = items[j].layout
+            ops = [WriteOp(r, bufs[j], "", None if k == 0 else 0, lay.encode() if lay else None, s.wanted)
+                   for k, r in enumerate(s.res.replicas)]
+            ops_of[j] = ops
+            for op in ops:
+                by_node[op.ref.node_id].append(op)
+        try:
+            self._parallel(self._write_held, by_node)
+        except BaseException:  # a bug or Ctrl-C mid-copy: the reservations are given back
+            self._release(list(slot_of.values()))
+            raise
+        done: list[Slot] = []  # copied (or failed) and settled: their claims end now
+        failed: list[Slot] = []  # a replica write failed: given back, the object goes the long way
+        commit_j, failed_j = [], []
+        for j, ops in ops_of.items():
+            if any(op.error is not None for op in ops):
+                failed.append(slot_of[j])
+                failed_j.append(j)
+            else:
+                commit_j.append(j)
+        fallback += failed_j
+        if failed_j:
+            self._report_dead([op for j in failed_j for op in ops_of[j]])
+        commits: dict[str, list] = defaultdict(list)  # same-host node -> commit copies
+        net_commits: dict[str, list[WriteOp]] = defaultdict(list)
+        if not commit_j:
+            self._release(failed)
+            return sorted(fallback)
+        firsts = {(slot_of[j].size, slot_of[j].replicas): slot_of[j] for j in commit_j}.values()
+        size, rp, count = max(((s.size, s.replicas, self._res_pool.refill(s.size, s.replicas)) for s in firsts),
+                              key=lambda w: w[2])
+        count = _per_call(size, count)
+        dead = self._res_pool.take_dead(time.monotonic())
+        back = [s.res.res_id for s in dead + failed]
+        refill = M.Reserve(size, 0, self.host_id, rp, back, ahead=count) if count or back else None
+        t_sent = time.monotonic()
+        try:
+            reply = self.rpc.call(M.PutReserved(
+                [M.ReservedPut(items[j].key, slot_of[j].res.res_id, items[j].size, ops_of[j][0].checksum or 0,
+                               items[j].layout) for j in commit_j], refill))
+        except BaseException:  # not acknowledged: the master frees what it did not commit
+            self._end_claims([slot_of[j] for j in commit_j] + dead + failed)
+            raise
+        keep: list[Slot] = []  # not consumed: the reservation stays ours, still claimed
+        in_flight = []
+        for j, res, toks in zip(commit_j, reply.results, reply.tokens):
+            s = slot_of[j]
+            if res is None:
+                stored[idx[j]] = (len(ops_of[j]), s.wanted or len(ops_of[j]))
+                done.append(s)
+                checksum = ops_of[j][0].checksum or 0
+                for op, tok in zip(ops_of[j], toks):
+                    ref = msgspec.structs.replace(op.ref, token=tok)
+                    if op.ref in s.local:
+                        commits[op.ref.node_id].append((ref, items[j].key, checksum, op.layout, s.wanted))
+                    else:
+                        op.ref, op.key, op.checksum = ref, items[j].key, checksum
+                        net_commits[op.ref.node_id].append(op)
+            elif isinstance(res, str):  # "exists" / "in_flight"
+                keep.append(s)
+                if res == "in_flight":
+                    in_flight.append(j)
+            else:
+                err = from_wire(res)
+                if isinstance(err, PutRevoked):  # not held by this leader: put it the long way
+                    done.append(s)
+                    fallback.append(j)
+                else:  # e.g. NoSpace past max_objects: the master keeps the reservation
+                    keep.append(s)
+                    results[idx[j]] = err
+        self._end_claims(done + dead + failed, commits)
+        for ops in net_commits.values():
+            self.data.commit(ops)
+        self._res_pool.give_back(keep)
+        if reply.refill is not None:
+            self._take_reserved(reply.refill, rp, size, t_sent)
+        if in_flight:
+            self._await_in_flight(items, idx, in_flight, results)
+        return sorted(fallback)
+
+    def _report_dead(self, ops: list[WriteOp]) -> None:
+        """Nodes a write could not reach: the master stops placing there for a while."""
+        dead = {op.ref.node_id: op.ref.incarnation for op in ops if isinstance(op.error, NodeUnavailable)}
+        for nid, inc in dead.items():
+            self.rpc.call(M.ReportDead(nid, inc))
+            self.data.forget_node(nid)
+
+    def _write_held(self, ops: list[WriteOp]) -> None:
+        self.data.write(ops, self._write_deadline, held=True)
+
+    # ---- reservations -------------------------------------------------------------------
+
+    def _reserve(self, size: int, replicas: int, n: int) -> list[Slot]:
+        """Ask for ``n`` reservations now (and for the pool's target beyond them); returns
+        up to ``n``, the rest going to the pool. [] when the master could place none."""
+        n = _per_call(size, n)
+        ahead = _per_call(size, n + self._res_pool.target(size, replicas)) - n
+        dead = self._res_pool.take_dead(time.monotonic())
+        t_sent = time.monotonic()
+        try:
+            got = self.rpc.call(M.Reserve(size, n, self.host_id, replicas, [s.res.res_id for s in dead], ahead))
+        finally:
+            self._end_claims(dead)
+        slots = self._take_reserved(got, replicas, size, t_sent, keep=n)
+        return slots
+
+    def _take_reserved(self, got: M.Reserved, replicas: int, size: int, t_sent: float, keep: int = 0) -> list[Slot]:
+        """Claim the same-host extents of reservations ``got``; the first ``keep`` usable
+        ones are returned, the others go to the pool."""
+        term = self.rpc.term
+        use_by = t_sent + got.ttl_s * 0.5
+        slots = [Slot(r, size, replicas, got.replicas_wanted, term, use_by) for r in got.reservations]
+        local: dict[str, list[tuple[int, M.ExtentRef]]] = defaultdict(list)
+        for i, s in enumerate(slots):
+            for r in s.res.replicas:
+                if self.data.uses_shm(r):
+                    local[r.node_id].append((i, r))
+        bad: set[int] = set()
+        if local and self._ends_n:
+            self._flush_ends()  # our own ended claims first: a range may come back to us
+        timeout = self._write_deadline.timeout_s if self._write_deadline is not None else self.data.io_timeout_s
+        for pairs in local.values():
+            for (i, r), err in zip(pairs, self.data.claim_held([r for _, r in pairs], timeout)):
+                slots[i].local.append(r)  # refused too: a late verdict of an unanswered claim ends with written
+                if err is not None:
+                    bad.add(i)
+        if bad:  # refused claims: give those reservations back (their other claims end too)
+            self._release([slots[i] for i in sorted(bad)])
+        good = [s for i, s in enumerate(slots) if i not in bad]
+        self._res_pool.add(good[keep:])
+        self._start_reaper()
+        return good[:keep]
+
+    def _release(self, slots: list[Slot], give_back: bool = True) -> None:
+        """End the claims of ``slots`` and, with ``give_back``, tell the master (one-way)."""
+        if not slots:
+            return
+        self._end_claims(slots)
+        if give_back:
+            self.rpc.send_nowait(M.Reserve(0, 0, self.host_id, 0, [s.res.res_id for s in slots]))
+
+    def _end_claims(self, slots: list[Slot], commits: dict[str, list] | None = None, now: bool = False) -> None:
+        """Queue, per same-host node, ``written`` for ``slots``' extents there and the commit
+        copies ``commits[node_id]``; they go out in one send per node once
+        :data:`_FLUSH_ITEMS` are queued or the oldest has waited :data:`_FLUSH_S` (the
+        reaper's timer), before the next claims, at close, or at once with ``now``.
+
+        Why waiting is safe: a claim that lasts a little longer only keeps its own range
+        busy; the commit copy is the second path by which a node learns an acknowledged
+        commit (the master's notice left before the acknowledgement), needed only when the
+        master dies in the instant after it, and a new leader reads the nodes' tables no
+        sooner than the leader key's TTL later."""
+        with self._ends_lock:
+            for s in slots:
+                for r in s.local:
+                    self._ends[r.node_id, r.incarnation][0].append(r)
+                    self._ends_n += 1
+            for group in (commits or {}).values():
+                for c in group:
+                    self._ends[c[0].node_id, c[0].incarnation][1].append(c)
+                    self._ends_n += 1
+            first = self._ends_n and not self._ends_since
+            if first:
+                self._ends_since = time.monotonic()
+            due = now or self._ends_n >= _FLUSH_ITEMS or (
+                self._ends_since and time.monotonic() - self._ends_since >= _FLUSH_S)
+        if due:
+            self._flush_ends()
+        elif first:  # the reaper's timer sends them
+            self._start_reaper()
+            self._reaper_wake.set()
+
+    def _flush_ends(self) -> None:
+        """Send what :meth:`_end_claims` queued."""
+        with self._ends_lock:
+            ends, self._ends = self._ends, defaultdict(lambda: ([], []))
+            self._ends_n, self._ends_since = 0, 0.0
+        for done, copies in ends.values():
+            self.data.end_held(done, copies)
+
+    def _give_back_dead(self, now: float | None = None) -> None:
+        dead = self._res_pool.take_dead(now)
+        if dead:
+            self._release(dead)
+
+    # ---- upkeep -------------------------------------------------------------------------
+
+    def _start_reaper(self) -> None:
+        with self._reaper_lock:
+            if self._reaper is None and not self._reaper_stop.is_set():
+                self._reaper = threading.Thread(target=self._reap, name="kvpool-reservations", daemon=True)
+                self._reaper.start()
+
+    def _reap(self) -> None:
+        """Give back reservations that reached their use-by time unused, and send queued
+        claim ends and commit copies :data:`_FLUSH_S` after they were queued."""
+        while not self._reaper_stop.is_set():
+            nxt = self._res_pool.next_use_by()
+            wait = _REAP_S if nxt is None else min(_REAP_S, max(nxt - time.monotonic(), 0.01))
+            since = self._ends_since
+            if since:
+                wait = min(wait, max(since + _FLUSH_S - time.monotonic(), 0.0))
+            self._reaper_wake.wait(wait)
+            self._reaper_wake.clear()
+            if self._reaper_stop.is_set():
+                return
+            with contextlib.suppress(KVPoolError, OSError):
+                since = self._ends_since
+                if since and time.monotonic() - since >= _FLUSH_S:
+                    self._flush_ends()
+                self._give_back_dead(time.monotonic())
+
+    def _close_reserved(self) -> None:
+        """Give every reservation back (closing)."""
+        self._reaper_stop.set()
+        self._reaper_wake.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=2 * _REAP_S)
+        with contextlib.suppress(KVPoolError, OSError):
+            self._release(self._res_pool.drain())
+            self._flush_ends()
+
+    def reservations_held(self) -> int:
+        """Reservations this client holds now (all sizes)."""
+        return self._res_pool.held()
+
+
+def _per_call(size: int, count: int) -> int:
+    """``count`` within what one Reserve may ask for (:mod:`master.reservations`)."""
+    return max(0, min(count, 1024, (1 << 30) // max((size + 4095) & ~4095, 4096)))

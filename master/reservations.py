@@ -1,0 +1,244 @@
+"""Extents reserved ahead of need: a put in one round trip to the master.
+
+A writer asks for ``count`` extents of one size (``Reserve``) before it has the keys; the
+master places them as it would a put (:meth:`MasterState._place`), keyed by nothing, and
+answers with write grants whose tokens name no object (:func:`protocol.grants.grant_token`
+with key ``""``). The writer claims them on same-host nodes at once (the claim rules of
+:mod:`storenode.extents` hold unchanged: a claim is taken before any byte lands), copies
+an object into one when it has one, and commits it with ``PutReserved``: the key, the
+reservation id and the checksum. The master indexes the object there and then, sends the
+nodes its commit notice, and answers with the keyed tokens of the object's replicas (the
+writer's own ``commit`` copy to the node names the key, so a failover can rebuild the
+index from the nodes) and, when asked, the next reservations. So a same-host put is one
+copy and one round trip to the master, against three round trips with ``put_start``.
+
+A reservation lives ``put_timeout_s`` at the master (the writer uses it within half of
+that, measured from when it asked); past it, or when the writer gives it back, its extents
+are freed (free notice to the nodes, quarantined like a revoked put: its writer may still
+be copying). A key already stored (or being written) leaves the reservation reserved for
+the writer's next object. Reservations are a leader's own: a new leader knows none, so
+a commit naming one of an earlier term fails with PutRevoked and the writer puts the
+object again (the node refuses the old term's claims and commits, :mod:`protocol.terms`).
+
+Bounds: one call reserves at most :data:`MAX_PER_CALL` extents and :data:`MAX_BYTES_PER_CALL`
+bytes; reserved bytes count as used memory. Extents a put needs now are placed as a put's
+are (evicting when memory is short); those reserved ahead of need only in free memory under
+the high watermark and within :data:`AHEAD_SHARE` of each node's segment, so reserving
+ahead never pushes data out and never takes more than a small share of the cache.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from kvpool.master.allocator import align_up
+from kvpool.master.objects import COMMITTED, Obj
+from kvpool.master.repair import commit_row, grant as _grant
+from kvpool.protocol import errors as E
+from kvpool.protocol.grants import grant_token
+from kvpool.protocol.keys import validate_key
+from kvpool.protocol.messages import ExtentRef, NodeCommit, NodeFree, Reservation, Reserved, ReservedPut
+
+MAX_PER_CALL = 1024  # extents one Reserve may ask for
+MAX_BYTES_PER_CALL = 1 << 30  # bytes one Reserve may ask for
+AHEAD_SHARE = 1 / 16  # reservations ahead of need hold at most this share of a node's segment
+
+
+@dataclass(slots=True)
+class Held:
+    """One reservation: its size (bytes), replicas, wanted replica count and the monotonic
+    time after which the master frees it."""
+
+    size: int
+    refs: list[ExtentRef]
+    wanted: int
+    until: float
+
+
+class ReservationMixin:
+    """Reserve, commit into and give back reserved extents (see the module docstring).
+    Needs the state's ``reserved`` dict, ``_res_ids`` counter and placement methods."""
+
+    def reserve(self, size: int, count: int, host_id: str, replicas: int, now: float,
+                release: list[int] | None = None, ahead: int = 0) -> Reserved:
+        """Up to ``count`` + ``ahead`` reservations of ``size`` bytes (``replicas`` each; 0: the
+        cluster default), after giving back ``release``. The first ``count`` are placed as
+        puts are (evicting when memory is short); the ``ahead`` ones only in free memory under
+        the high watermark, so that reserving ahead never pushes data out. Fewer when the
+        nodes cannot take more: the reply's ``error`` says why none could be placed. Raises
+        InvalidRequest for a size below 1, counts outside 0..MAX_PER_CALL in all or a call
+        over MAX_BYTES_PER_CALL."""
+        if release:
+            self.release_reservations(release, now)
+        n = count + ahead
+        if n == 0:
+            return Reserved([], self.s.put_timeout_s, replicas or self.s.replicas)
+        if (not 1 <= size or count < 0 or ahead < 0 or n > MAX_PER_CALL
+                or align_up(size) * n > MAX_BYTES_PER_CALL):
+            raise E.InvalidRequest(f"reserve: {count} + {ahead} extents of {size} bytes; accepted: size >= 1, at "
+                                   f"most {MAX_PER_CALL} extents and {MAX_BYTES_PER_CALL} bytes per call")
+        if not 0 <= replicas <= 16:
+            raise E.InvalidRequest(f"replicas must be between 1 and 16 (0 = cluster default), got {replicas}")
+        wanted = replicas or self.s.replicas
+        live = self._placeable(now)
+        out: list[Reservation] = []
+        until = now + self.s.put_timeout_s
+        error = None
+        if wanted == 1 and ahead > 1:  # one range for those ahead, cut into extents (same placement)
+            for refs in self._ahead_in_ranges(size, host_id, now, live, ahead):
+                rid = next(self._res_ids)
+                self.reserved[rid] = held = Held(size, refs, wanted, until)
+                self._count_held(held, 1)
+                out.append(Reservation(rid, refs))
+            n = count + ahead - len(out)
+        for i in range(n):
+            if i >= count:  # ahead of need: within each node's share for reservations
+                live = [nd for nd in live if nd.reserved + size <= AHEAD_SHARE * nd.alloc.capacity]
+                if not live:
+                    break
+            try:
+                refs = self._place("", size, host_id, wanted, now, live, evict=i < count)
+            except E.KVPoolError as e:
+                error = e.to_wire()
+                break
+            rid = next(self._res_ids)
+            self.reserved[rid] = held = Held(size, refs, wanted, until)
+            self._count_held(held, 1)
+            out.append(Reservation(rid, refs))
+        self.counters["reserved"] += len(out)
+        return Reserved(out, self.s.put_timeout_s, wanted, None if out else error)
+
+    def _ahead_in_ranges(self, size: int, host_id: str, now: float, live: list, k: int) -> list[list[ExtentRef]]:
+        """Up to ``k`` single-replica extents of ``size`` bytes, cut from one free range on
+        each of the nodes placement ranks best (the writer's host's nodes, else all),
+        shared out evenly and interleaved node by node, so that consecutive puts still
+        spread over those nodes (the allocator keeps nothing per extent, so each is freed on
+        its own later). A node that cannot take its share in one range within its share for
+        reservations and under the high watermark gives none. Grants as :meth:`_place`'s,
+        for a fraction of the cost per extent."""
+        need = align_up(size)
+        fits = [nd for nd in live if nd.alloc.capacity >= need]
+        if not fits:
+            return []
+        rank = lambda nd: nd.desc.host_id != host_id  # noqa: E731 - the same rank _place uses
+        order = self._spread(fits, rank) if len(fits) > 1 else fits
+        best = [nd for nd in order if rank(nd) == rank(order[0])]
+        per = -(-k // len(best))
+        runs: list[list[list[ExtentRef]]] = []
+        for node in best:
+            take = min(per, k - sum(len(r) for r in runs))
+            if take <= 0:
+                break
+            if (node.reserved + need * take > AHEAD_SHARE * node.alloc.capacity
+                    or node.alloc.used + need * take > self.s.high_watermark * node.alloc.capacity):
+                continue
+            self._release_quarantine(node, now)
+            base = node.alloc.alloc(need * take)
+            if base is not None:
+                runs.append([[_grant(node, base + i * need, size, "")] for i in range(take)])
+        return [refs for group in itertools.zip_longest(*runs) for refs in group if refs is not None]
+
+    def put_reserved(self, items: list[ReservedPut], now: float) -> tuple[list, list[list[bytes]]]:
+        """Commit objects written into reservations. Per item: None (committed; its keyed
+        replica tokens in the second list), ``"exists"`` or ``"in_flight"`` (the key is stored
+        or being written: nothing indexed, the reservation stays the writer's), or an
+        ErrorInfo: PutRevoked for a reservation this leader does not hold (expired, given
+        back, its node died, or granted by an earlier leader), InvalidRequest for a size
+        other than the reservation's, NoSpace past ``max_objects``."""
+        results: list = []
+        tokens: list[list[bytes]] = []
+        for it in items:
+            toks: list[bytes] = []
+            try:
+                results.append(self._put_reserved_one(it, now, toks))
+            except E.KVPoolError as e:
+                results.append(e.to_wire())
+            tokens.append(toks)
+        self.enforce_watermarks(now)
+        return results, tokens
+
+    def _put_reserved_one(self, it: ReservedPut, now: float, toks: list[bytes]) -> str | None:
+        key = validate_key(it.key)
+        held = self.reserved.get(it.res_id)
+        if held is None and (obj := self.objects.get(key)) is not None and obj.put_id == it.res_id:
+            for r in obj.replicas:  # a repeat (the reply was lost): the same answer
+                if (node := self.nodes.get(r.node_id)) is not None:
+                    d = node.desc
+                    toks.append(grant_token(d.grant_key, d.incarnation, r.offset, r.size, r.gen, key))
+            return None
+        if held is None or held.until <= now:
+            raise E.PutRevoked(f"reservation {it.res_id} for {key!r} is not held by this master (it expired after "
+                               "put_timeout, was given back, lost its store node, or an earlier leader granted it); "
+                               "put the object again", key=key)
+        if it.size != held.size:
+            raise E.InvalidRequest(f"object {key!r} has {it.size} bytes but reservation {it.res_id} is for "
+                                   f"{held.size}", key=key)
+        self.counters["puts"] += 1
+        if key in self.objects:
+            return "exists"
+        if key in self.pending:
+            p = self.pending[key]
+            if p.writer_deadline > now:
+                return "in_flight"
+            self._revoke_pending(p, now, quarantine=True)
+        cap = self.s.max_objects
+        if cap and len(self.objects) + len(self.pending) >= cap:
+            self._evict_count(len(self.objects) + len(self.pending) - cap + 1, now)
+            if len(self.objects) + len(self.pending) >= cap:
+                raise E.NoSpace(f"no room for {key!r}: the master holds {len(self.objects)} objects, its bound "
+                                f"master.max_objects = {cap}, and none can be evicted; remove or unpin objects, "
+                                "or raise master.max_objects", key=key, max_objects=cap)
+        del self.reserved[it.res_id]
+        self._count_held(held, -1)
+        obj = Obj.new(key, held.size, it.checksum, self._intern(it.layout), held.refs, COMMITTED, it.res_id, now, now,
+                      replicas_wanted=held.wanted)
+        self.objects[key] = obj
+        for r in held.refs:
+            node = self.nodes[r.node_id]
+            d = node.desc
+            toks.append(grant_token(d.grant_key, d.incarnation, r.offset, r.size, r.gen, key))
+            self.outbox[r.node_id].append(NodeCommit([commit_row(obj, r)]))
+        self._lru_add(obj)
+        self.counters["puts_reserved"] += 1
+        if key in self.waiting_pins or key in self.waiting_holds:
+            self._settle_waiting(obj, now)
+        if len(obj.replicas) < obj.replicas_wanted:
+            self._maybe_repair(obj)
+        return None
+
+    def release_reservations(self, res_ids: list[int], now: float) -> None:
+        """Give reservations back (unknown ids are ignored): their extents are freed once the
+        quarantine has passed, since their writer may still be copying."""
+        for rid in res_ids:
+            held = self.reserved.pop(rid, None)
+            if held is not None:
+                self._free_reserved(held, now)
+
+    def _count_held(self, held: Held, sign: int) -> None:
+        for r in held.refs:
+            node = self.nodes.get(r.node_id)
+            if node is not None:
+                node.reserved += sign * r.size
+
+    def _free_reserved(self, held: Held, now: float) -> None:
+        self._count_held(held, -1)
+        for r in held.refs:
+            node = self.nodes.get(r.node_id)
+            if node is None:
+                continue
+            self.outbox[r.node_id].append(NodeFree([(r.offset, r.gen)]))
+            node.quarantine.append((now + self.s.quarantine_s, r.offset, r.size))
+
+    def expire_reservations(self, now: float) -> None:
+        """Free the reservations whose time has passed (called from the state's tick)."""
+        for rid in [rid for rid, h in self.reserved.items() if h.until <= now]:
+            self.counters["reservations_expired"] += 1
+            self._free_reserved(self.reserved.pop(rid), now)
+
+    def drop_reservations_on(self, node_id: str, now: float) -> None:
+        """``node_id`` left: its reservations go (the other replicas' extents are freed)."""
+        for rid in [rid for rid, h in self.reserved.items() if any(r.node_id == node_id for r in h.refs)]:
+            self._free_reserved(self.reserved.pop(rid), now)
+
+    def reserved_bytes(self) -> int:
+        return sum(n.reserved for n in self.nodes.values())

@@ -1,0 +1,138 @@
+"""Puts through extents reserved ahead of need (connector/reserved_puts.py), over real
+etcd, master and store-node processes: what lands, what is given back, failover with
+reservations outstanding, and refused input."""
+import os
+import signal
+import threading
+
+import pytest
+
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol import messages as M
+from kvpool.protocol import transport
+from kvpool.protocol.dataplane import DataRequest, frame
+from kvpool.protocol.errors import InvalidRequest
+from tests.conftest import wait_for
+
+KiB = 1 << 10
+
+
+@pytest.mark.parametrize("path", ["auto", "tcp"])
+def test_puts_land_through_reservations_and_read_back(make_cluster, path):
+    lc = make_cluster(nodes=2, memory="64MiB", replicas=2)
+    data = {f"r/{i}": os.urandom(64 * KiB) for i in range(120)}
+    with lc.client(transport=path) as c:
+        keys = list(data)
+        assert all(c.put(k, data[k]) for k in keys[:20])  # one by one
+        assert c.put_batch(keys[20:], [data[k] for k in keys[20:]]) == [None] * 100
+        st = c.stats()
+        assert st.counters["puts_reserved"] == 120 and st.counters.get("puts", 0) == 120
+        assert c.reservations_held() > 0 and st.reserved_bytes > 0
+        assert c.put(keys[0], data[keys[0]]) is False  # stored already: the reservation stays the writer's
+        held = c.reservations_held()
+        assert c.put_batch_results(["r/odd"], [b"x" * 1000])[0].replicas == 2  # another size, 2 replicas
+        for k, v in data.items():
+            assert c.get(k) == v
+        assert c.reservations_held() >= held
+    with lc.client() as fresh:  # closing gave every reservation back
+        wait_for(lambda: fresh.stats().reserved_bytes == 0, 10, what="reservations given back")
+        info = fresh.lookup(["r/5"])[0]
+        assert len(info.replicas) == 2
+
+
+def test_unused_reservations_are_given_back_before_the_master_frees_them(make_cluster):
+    lc = make_cluster(nodes=1, memory="32MiB", put_timeout="1s", quarantine="500ms")
+    with lc.client() as c:
+        for i in range(3):
+            assert c.put(f"e/{i}", bytes([i]) * (64 * KiB))
+        assert c.reservations_held() > 0
+        wait_for(lambda: c.reservations_held() == 0, 10, what="the client's reaper to give them back")
+        wait_for(lambda: c.stats().reserved_bytes == 0, 10, what="the master to free them")
+        wait_for(lambda: c.stats().nodes[0].used == 3 * 64 * KiB, 10, what="quarantine over")
+        assert c.put("e/late", b"z" * (64 * KiB)) and c.get("e/late") == b"z" * (64 * KiB)
+        assert [c.get(f"e/{i}") for i in range(3)] == [bytes([i]) * (64 * KiB) for i in range(3)]
+
+
+def test_failover_with_reservations_outstanding_loses_no_acknowledged_put(make_cluster):
+    """Puts run in a loop while the leader is SIGKILLed; the new leader knows none of the
+    old term's reservations. Every put that returned is readable afterwards with its bytes,
+    and puts go on through reservations of the new term."""
+    lc = make_cluster(nodes=1, memory="64MiB", node_ttl="1s")
+    standby = lc.start_master(wait_leader=False)
+    acked: dict[str, bytes] = {}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    c = KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20, security=lc.security)
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            k, v = f"f/{i}", os.urandom(32 * KiB)
+            try:
+                if c.put(k, v):
+                    acked[k] = v
+            except Exception as e:  # noqa: BLE001 - a put may fail during the election; never lie
+                errors.append(e)
+            i += 1
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    wait_for(lambda: len(acked) >= 50, 30, what="puts before the failover")
+    assert c.reservations_held() > 0
+    lc.masters[0].kill(signal.SIGKILL)
+    standby.wait_line("KVPOOL_LEADER", 20)
+    before = len(acked)
+    wait_for(lambda: len(acked) >= before + 50, 60, what="puts after the failover")
+    stop.set()
+    t.join(30)
+    st = c.stats()
+    assert st.counters.get("puts_reserved", 0) > 0  # the new term's reservations are used
+    c.close()
+    with KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20,
+                      security=lc.security) as r:
+        assert [k for k, v in acked.items() if r.get(k) != v] == []
+    assert all(not isinstance(e, AssertionError) for e in errors), errors
+
+
+def test_refused_reservation_input(make_cluster):
+    lc = make_cluster(nodes=1, memory="16MiB")
+    with lc.client() as c:
+        with pytest.raises(InvalidRequest):
+            c.rpc.call(M.Reserve(64 * KiB, 5000, c.host_id))
+        with pytest.raises(InvalidRequest):
+            c.rpc.call(M.Reserve(-1, 1, c.host_id))
+        got = c.rpc.call(M.Reserve(64 * KiB, 2, c.host_id))
+        rid = got.reservations[0].res_id
+        rep = c.rpc.call(M.PutReserved([M.ReservedPut("bad/unknown", 987654321, 64 * KiB, 1),
+                                        M.ReservedPut("bad/size", rid, 1000, 1)]))
+        assert [e.code for e in rep.results] == ["put_revoked", "invalid_request"]
+        assert not c.exists("bad/unknown") and not c.exists("bad/size")
+        # a reservation's keyless grant commits nothing on the node: a commit frame naming no
+        # key, or naming a key with the keyless token, is dropped
+        ref = got.reservations[1].replicas[0]
+        s = transport.connect(ref.shm_path, 5.0, lc.security)
+        try:
+            s.sendall(frame(DataRequest("commit", ref.incarnation, ref.offset, ref.size, ref.gen, "", 1, None,
+                                        ref.token)) +
+                      frame(DataRequest("commit", ref.incarnation, ref.offset, ref.size, ref.gen, "bad/forged", 1,
+                                        None, ref.token)) +
+                      frame(DataRequest("ping", ref.incarnation)))
+            s.settimeout(5.0)
+            assert s.recv(4096)  # the node answered the ping: it is serving
+        finally:
+            s.close()
+        c.rpc.call(M.Reserve(0, 0, c.host_id, 0, [r.res_id for r in got.reservations]))
+        wait_for(lambda: c.stats().reserved_bytes == 0, 10, what="reservations given back")
+        assert c.put("ok", b"fine") and c.get("ok") == b"fine"
+        assert not c.exists("bad/forged")
+        late = c.rpc.call(M.PutReserved([M.ReservedPut("bad/again", rid, 64 * KiB, 1)])).results
+        assert late[0].code == "put_revoked"  # given back: this master holds it no more
+
+
+def test_reservations_off_uses_put_start(make_cluster):
+    lc = make_cluster(nodes=1, memory="16MiB")
+    with lc.client(reserve_bytes=0) as c:
+        assert c.put_batch([f"o/{i}" for i in range(5)], [b"v" * 4096] * 5) == [None] * 5
+        assert c.reservations_held() == 0
+        st = c.stats()
+        assert st.counters.get("puts_reserved", 0) == 0 and st.reserved_bytes == 0
