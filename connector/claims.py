@@ -78,8 +78,12 @@ class _SharedClaims:
                                           node=r0.node_id)
                 s.sock.settimeout(self.io_timeout_s)
             except (OSError, KVPoolError) as e:
-                with contextlib.suppress(OSError, KVPoolError, UnboundLocalError):
-                    s.sock.settimeout(_RELEASE_S)  # claims the node took late end with this stream's end
+                s = self._claim_streams.get(r0.shm_path)
+                if s is not None:  # claims the node grants late end here: a node owns claims per connection
+                    with contextlib.suppress(OSError, KVPoolError):
+                        s.sock.settimeout(_RELEASE_S)
+                        sendv(s.sock, batch_frames("written_all", r0.incarnation,
+                                                   [HeldExtent(r.offset, r.size, r.gen, r.token) for r in refs]))
                 self._drop_claim_stream(r0.shm_path)
                 err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
                     f"store node {r0.node_id} did not answer a claim within {timeout_s:g}s: {e}", node=r0.node_id)

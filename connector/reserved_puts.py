@@ -66,13 +66,18 @@ class ReservedPuts:
                 by_size[it.size].append(j)
         slot_of: dict[int, Slot] = {}
         now = time.monotonic()
-        for size, js in by_size.items():
-            slots = self._res_pool.take(size, rep, len(js), now, self.rpc.term)
-            if len(slots) < len(js):
-                slots += self._reserve(size, rep, len(js) - len(slots))
-            for j, s in zip(js, slots):
-                slot_of[j] = s
-            fallback += js[len(slots):]
+        try:
+            for size, js in by_size.items():
+                slots = self._res_pool.take(size, rep, len(js), now, self.rpc.term)
+                slot_of.update(zip(js, slots))
+                if len(slots) < len(js):
+                    more = self._reserve(size, rep, len(js) - len(slots))
+                    slot_of.update(zip(js[len(slots):], more))
+                    slots += more
+                fallback += js[len(slots):]
+        except BaseException:  # the master did not answer: what this call took goes back to the pool
+            self._res_pool.give_back(list(slot_of.values()))
+            raise
         if not slot_of:
             self._give_back_dead()
             return fallback
@@ -163,8 +168,9 @@ class ReservedPuts:
         """Nodes a write could not reach: the master stops placing there for a while."""
         dead = {op.ref.node_id: op.ref.incarnation for op in ops if isinstance(op.error, NodeUnavailable)}
         for nid, inc in dead.items():
-            self.rpc.call(M.ReportDead(nid, inc))
             self.data.forget_node(nid)
+            with contextlib.suppress(KVPoolError):  # advice only: the put goes on without it
+                self.rpc.call(M.ReportDead(nid, inc))
 
     def _write_held(self, ops: list[WriteOp]) -> None:
         self.data.write(ops, self._write_deadline, held=True)

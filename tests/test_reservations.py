@@ -178,3 +178,17 @@ def test_reservations_ahead_spread_over_the_writers_nodes_in_turn():
         st.release_reservations([r.res_id], 0.0)
     st.tick(100.0)
     assert all(n.alloc.used == 0 and n.reserved == 0 for n in st.nodes.values())
+
+
+def test_batched_data_frames_split_under_the_header_limit():
+    import msgspec
+
+    from kvpool.protocol.dataplane import MAX_HEADER, DataRequest, HeldExtent, batch_frames
+
+    items = [HeldExtent(i * 4096, 4096, i + 1, bytes(16), f"k/{i:0200d}", i, b"\x01" * 100, 1) for i in range(1500)]
+    frames = batch_frames("commits", "inc", items)
+    assert len(frames) > 1 and all(len(f) - 4 <= MAX_HEADER for f in frames)
+    back = [it for f in frames for it in msgspec.msgpack.decode(f[4:], type=DataRequest).items]
+    assert back == items
+    with pytest.raises(E.InvalidRequest):
+        batch_frames("commits", "inc", [HeldExtent(0, 1, 1, b"", "k" * (MAX_HEADER + 1))])
