@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool.connector.datastream import _Stream
 from kvpool.protocol import transport
@@ -53,10 +53,13 @@ class _SharedClaims:
             with contextlib.suppress(OSError):
                 s.sock.close()
 
-    def claim_held(self, refs: Sequence[ExtentRef], timeout_s: float) -> list[KVPoolError | None]:
+    def claim_held(self, refs: Sequence[ExtentRef], timeout_s: float,
+                   meanwhile: Callable[[], None] | None = None) -> list[KVPoolError | None]:
         """Claim ``refs`` (keyless reservation grants, all on one same-host node) on the
         shared stream; per ref None (claimed) or the node's refusal (PutRevoked, ExtentBusy,
-        StaleTerm) or NodeUnavailable when it did not answer within ``timeout_s``."""
+        StaleTerm) or NodeUnavailable when it did not answer within ``timeout_s``.
+        ``meanwhile()`` runs once the claims are sent, before their verdicts are read (a put
+        hashes its buffers there)."""
         r0 = refs[0]
         out: list[KVPoolError | None] = [None] * len(refs)
         with self._claim_lock:
@@ -66,6 +69,9 @@ class _SharedClaims:
                 frames = batch_frames("claims", r0.incarnation, [HeldExtent(r.offset, r.size, r.gen, r.token)
                                                                  for r in refs])
                 sendv(s.sock, [b"".join(frames)])
+                if meanwhile is not None:
+                    meanwhile()
+                    meanwhile = None
                 i = 0
                 for _ in frames:
                     rep = s.reply()
@@ -88,6 +94,8 @@ class _SharedClaims:
                 err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
                     f"store node {r0.node_id} did not answer a claim within {timeout_s:g}s: {e}", node=r0.node_id)
                 out = [o or err for o in out]
+        if meanwhile is not None:  # the claims never went out: the work is still the caller's
+            meanwhile()
         return out
 
     def end_held(self, done: Sequence[ExtentRef], commits: Sequence[tuple[ExtentRef, str, int, bytes | None, int]]

@@ -227,13 +227,14 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                 s.sock.settimeout(deadline.timeout_s)
             bufs: list = []
             hashing: list = []  # (op, future of its xxh3_64 on the helper thread)
+            after: list = []  # small ops hashed after the send
             for op in ops:
                 r = op.ref
                 if not notice and len(op.data) != r.size:
                     raise InvalidRequest(f"buffer for {op.key!r} has {len(op.data)} bytes; the grant is {r.size}")
                 if not notice and op.checksum is None and r.size <= _CHUNK:
-                    op.checksum = xxhash.xxh3_64_intdigest(op.data)  # one piece: hash it up front
-                stream_hash = not notice and op.checksum is None
+                    after.append(op)  # one piece: hashed once sent, while the node takes it in
+                stream_hash = not notice and op.checksum is None and r.size > _CHUNK
                 aside = self._hash_aside(op.data) if stream_hash and r.size >= _NET_ASIDE_MIN else None
                 bufs.append(frame(DataRequest("claim" if notice else "write", r.incarnation, r.offset, r.size,
                                               r.gen, op.key, op.checksum or 0, op.layout, r.token)))
@@ -247,6 +248,8 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                 elif not notice and r.size:
                     bufs.append(op.data)
             sendv(s.sock, bufs)
+            for op in after:  # (the node learns the checksum from the commit)
+                op.checksum = xxhash.xxh3_64_intdigest(op.data)
             for op, fut in hashing:
                 op.checksum = fut.result()
             return addr, s, ops

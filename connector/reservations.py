@@ -1,5 +1,12 @@
 """The writer's side of reserved extents: which reservations it holds, per object size.
 
+Slots are claimed at the node a little ahead of use, not when they are granted: a put
+claims, in one round trip, the slots it takes that are not claimed yet plus the next
+:data:`CLAIM_AHEAD` of that size, so a writer that stalls holds claims on at most its
+batch and that many extents per size (a claim outlives the writer's silence, and the
+master places in memory it has freed again), while the claim costs one node round trip
+per that many puts, or per batch.
+
 Pure bookkeeping, thread-safe, no I/O (the client moves the bytes and talks to the master
 and the nodes; the protocol is in :mod:`master.reservations`). Reservations are kept per
 ``(size, replicas)``, each with the leader term that granted it and the monotonic time it
@@ -27,6 +34,7 @@ from kvpool.protocol.messages import Reservation
 MIN_DEPTH = 64  # reservations held per size at least (once the size was put twice)
 MAX_DEPTH = 1024  # reservations held per size at most (the master's cap per call)
 MAX_SIZES = 16  # distinct (size, replicas) pools kept
+CLAIM_AHEAD = 32  # slots claimed ahead of use per size, beyond the put's own
 
 
 @dataclass(slots=True)
@@ -42,6 +50,8 @@ class Slot:
     term: int
     use_by: float
     local: list = field(default_factory=list)  # replicas claimed on the shared claim stream (same host)
+    claimed: bool = False  # its same-host extents are claimed (or it has none): bytes may be copied in
+    pending: bool = False  # a claim of it is on its way (another thread's): not handed out meanwhile
 
 
 @dataclass(slots=True)
@@ -76,17 +86,49 @@ class ReservationPool:
             st.batch = max(st.batch, n)
             st.uses += 1
             out: list[Slot] = []
+            skipped: list[Slot] = []
             while st.slots and len(out) < n:
                 s = st.slots.popleft()
                 if s.use_by <= now or s.term < term:
                     self._dead.append(s)
+                elif s.pending:
+                    skipped.append(s)
                 else:
+                    out.append(s)
+            st.slots.extendleft(reversed(skipped))
+            return out
+
+    def claim_ahead(self, size: int, replicas: int, k: int) -> list[Slot]:
+        """Up to ``k`` held, unclaimed slots of this size from the front (the next to be
+        used), marked pending: the caller claims them and then calls :meth:`claimed`."""
+        with self._lock:
+            st = self._sizes.get((size, replicas))
+            out: list[Slot] = []
+            for s in st.slots if st is not None else ():
+                if len(out) >= k:
+                    break
+                if not s.claimed and not s.pending:
+                    s.pending = True
                     out.append(s)
             return out
 
+    def claimed(self, good: list[Slot], bad: list[Slot]) -> None:
+        """The claims of pending slots were answered: ``good`` may be written into now,
+        ``bad`` (refused) leave the pool for :meth:`take_dead`."""
+        with self._lock:
+            for s in good:
+                s.claimed, s.pending = True, False
+            gone = {id(s) for s in bad}
+            for s in bad:
+                s.pending = False
+            if gone:
+                for st in self._sizes.values():
+                    if any(id(s) in gone for s in st.slots):
+                        st.slots = deque(s for s in st.slots if id(s) not in gone)
+
     def give_back(self, slots: list[Slot]) -> None:
         """Return slots that were taken but not consumed (their key was stored already):
-        they are used first next time."""
+        they are used first next time (they were the oldest, so the use-by order holds)."""
         self._put(slots, front=True)
 
     def add(self, slots: list[Slot]) -> None:
@@ -95,7 +137,7 @@ class ReservationPool:
 
     def _put(self, slots: list[Slot], front: bool) -> None:
         with self._lock:
-            for s in slots:
+            for s in sorted(slots, key=lambda s: s.use_by, reverse=front):  # keep the use-by order
                 st = self._sizes.get((s.size, s.replicas))
                 if st is None:
                     self._dead.append(s)
@@ -103,6 +145,17 @@ class ReservationPool:
                     st.slots.appendleft(s)
                 else:
                     st.slots.append(s)
+
+    def drop_nodes(self, nodes: set[tuple[str, str]]) -> None:
+        """Set aside (for :meth:`take_dead`) every held slot with a replica on one of
+        ``nodes`` (node id, incarnation): a write there failed."""
+        with self._lock:
+            for st in self._sizes.values():
+                bad = [s for s in st.slots if any((r.node_id, r.incarnation) in nodes for r in s.res.replicas)]
+                if bad:
+                    gone = {id(s) for s in bad}
+                    st.slots = deque(s for s in st.slots if id(s) not in gone)
+                    self._dead.extend(bad)
 
     def target(self, size: int, replicas: int) -> int:
         """How many reservations of this size to hold (see the module docstring); none for
@@ -128,14 +181,10 @@ class ReservationPool:
         """Slots to give back: those taken out unused, plus (given ``now``) every held slot
         past its use-by time."""
         with self._lock:
-            if now is not None:
+            if now is not None:  # a size's slots are in use-by order: new ones join at the back
                 for st in self._sizes.values():
                     while st.slots and st.slots[0].use_by <= now:
                         self._dead.append(st.slots.popleft())
-                    if any(s.use_by <= now for s in st.slots):
-                        keep = [s for s in st.slots if s.use_by > now]
-                        self._dead.extend(s for s in st.slots if s.use_by <= now)
-                        st.slots = deque(keep)
             out, self._dead = self._dead, []
             return out
 

@@ -19,17 +19,20 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import msgspec
+import xxhash
 
 from kvpool.connector.dataclient import WriteOp
-from kvpool.connector.reservations import ReservationPool, Slot
+from kvpool.connector.reservations import CLAIM_AHEAD, ReservationPool, Slot
 from kvpool.protocol import messages as M
-from kvpool.protocol.errors import KVPoolError, NodeUnavailable, PutRevoked, from_wire
+from kvpool.protocol.errors import KVPoolError, PutRevoked, from_wire
 
 _REAP_S = 1.0  # the reaper looks for expired reservations at least this often (seconds)
 _FLUSH_S = 0.005  # queued claim ends and commit copies wait at most this long (seconds)
 _FLUSH_ITEMS = 256  # ... or until this many are queued
+_PREHASH_MAX = 4 << 20  # buffers up to this size are hashed while claims are answered
 
 
 class ReservedPuts:
@@ -81,11 +84,25 @@ class ReservedPuts:
         if not slot_of:
             self._give_back_dead()
             return fallback
+        need = [s for s in slot_of.values() if not s.claimed]
+        sums: dict[int, int] = {}  # position -> xxh3_64 of its buffer, hashed while claims are answered
+        if need:  # one claim round trip for them and the next few of each size
+            ahead = [a for size in {s.size for s in need} for a in self._res_pool.claim_ahead(size, rep, CLAIM_AHEAD)]
+            refused = {id(s) for s in self._claim(need + ahead, _hash_into(sums, bufs, slot_of))}
+            self._res_pool.claimed([a for a in ahead if id(a) not in refused], [a for a in ahead if id(a) in refused])
+            if refused:
+                self.rpc.send_nowait(M.Reserve(0, 0, self.host_id, 0, [s.res.res_id for s in need + ahead
+                                                                       if id(s) in refused]))
+                for j in [j for j, s in slot_of.items() if id(s) in refused]:
+                    del slot_of[j]
+                    fallback.append(j)
+                if not slot_of:
+                    return sorted(fallback)
         by_node: dict[str, list[WriteOp]] = defaultdict(list)
         ops_of: dict[int, list[WriteOp]] = {}
         for j, s in slot_of.items():
             lay = items[j].layout
-            ops = [WriteOp(r, bufs[j], "", None if k == 0 else 0, lay.encode() if lay else None, s.wanted)
+            ops = [WriteOp(r, bufs[j], "", sums.get(j) if k == 0 else 0, lay.encode() if lay else None, s.wanted)
                    for k, r in enumerate(s.res.replicas)]
             ops_of[j] = ops
             for op in ops:
@@ -105,8 +122,10 @@ class ReservedPuts:
             else:
                 commit_j.append(j)
         fallback += failed_j
-        if failed_j:
-            self._report_dead([op for j in failed_j for op in ops_of[j]])
+        if failed_j:  # the node may have restarted (a new incarnation, at the same address): its other
+            # reservations are dropped too, and the long way finds out (and reports) whether it is dead
+            self._res_pool.drop_nodes({(op.ref.node_id, op.ref.incarnation) for j in failed_j for op in ops_of[j]
+                                       if op.error is not None})
         commits: dict[str, list] = defaultdict(list)  # same-host node -> commit copies
         net_commits: dict[str, list[WriteOp]] = defaultdict(list)
         if not commit_j:
@@ -164,14 +183,6 @@ class ReservedPuts:
             self._await_in_flight(items, idx, in_flight, results)
         return sorted(fallback)
 
-    def _report_dead(self, ops: list[WriteOp]) -> None:
-        """Nodes a write could not reach: the master stops placing there for a while."""
-        dead = {op.ref.node_id: op.ref.incarnation for op in ops if isinstance(op.error, NodeUnavailable)}
-        for nid, inc in dead.items():
-            self.data.forget_node(nid)
-            with contextlib.suppress(KVPoolError):  # advice only: the put goes on without it
-                self.rpc.call(M.ReportDead(nid, inc))
-
     def _write_held(self, ops: list[WriteOp]) -> None:
         self.data.write(ops, self._write_deadline, held=True)
 
@@ -192,31 +203,41 @@ class ReservedPuts:
         return slots
 
     def _take_reserved(self, got: M.Reserved, replicas: int, size: int, t_sent: float, keep: int = 0) -> list[Slot]:
-        """Claim the same-host extents of reservations ``got``; the first ``keep`` usable
-        ones are returned, the others go to the pool."""
+        """Slots for reservations ``got``: the first ``keep`` are returned (for the put at
+        hand), the others go to the pool. None is claimed yet (see :meth:`_claim`)."""
         term = self.rpc.term
         use_by = t_sent + got.ttl_s * 0.5
-        slots = [Slot(r, size, replicas, got.replicas_wanted, term, use_by) for r in got.reservations]
+        slots = [Slot(r, size, replicas, got.replicas_wanted, term, use_by,
+                      claimed=not any(self.data.uses_shm(x) for x in r.replicas)) for r in got.reservations]
+        self._res_pool.add(slots[keep:])
+        self._start_reaper()
+        return slots[:keep]
+
+    def _claim(self, slots: list[Slot], meanwhile: Callable[[], None] | None = None) -> list[Slot]:
+        """Claim the same-host extents of ``slots`` (one frame batch per node); returns those
+        refused (or unanswered), whose other claims are ended. Sets ``claimed`` on the rest.
+        ``meanwhile()``: work done once, while the first node answers."""
         local: dict[str, list[tuple[int, M.ExtentRef]]] = defaultdict(list)
         for i, s in enumerate(slots):
             for r in s.res.replicas:
                 if self.data.uses_shm(r):
                     local[r.node_id].append((i, r))
-        bad: set[int] = set()
-        if local and self._ends_n:
-            self._flush_ends()  # our own ended claims first: a range may come back to us
         timeout = self._write_deadline.timeout_s if self._write_deadline is not None else self.data.io_timeout_s
+        bad: set[int] = set()
         for pairs in local.values():
-            for (i, r), err in zip(pairs, self.data.claim_held([r for _, r in pairs], timeout)):
+            errs = self.data.claim_held([r for _, r in pairs], timeout, meanwhile)
+            meanwhile = None
+            for (i, r), err in zip(pairs, errs):
                 slots[i].local.append(r)  # refused too: a late verdict of an unanswered claim ends with written
                 if err is not None:
                     bad.add(i)
-        if bad:  # refused claims: give those reservations back (their other claims end too)
-            self._release([slots[i] for i in sorted(bad)])
-        good = [s for i, s in enumerate(slots) if i not in bad]
-        self._res_pool.add(good[keep:])
-        self._start_reaper()
-        return good[:keep]
+        for i, s in enumerate(slots):
+            s.claimed = i not in bad
+        if meanwhile is not None:
+            meanwhile()
+        refused = [slots[i] for i in sorted(bad)]
+        self._end_claims(refused)  # the claims of their other replicas (or granted late) end
+        return refused
 
     def _release(self, slots: list[Slot], give_back: bool = True) -> None:
         """End the claims of ``slots`` and, with ``give_back``, tell the master (one-way)."""
@@ -315,3 +336,16 @@ class ReservedPuts:
 def _per_call(size: int, count: int) -> int:
     """``count`` within what one Reserve may ask for (:mod:`master.reservations`)."""
     return max(0, min(count, 1024, (1 << 30) // max((size + 4095) & ~4095, 4096)))
+
+
+def _hash_into(sums: dict[int, int], bufs, slot_of: dict[int, Slot]) -> Callable[[], None]:
+    """Work for the wait on claims: the xxh3_64 of each host buffer of at most
+    :data:`_PREHASH_MAX` bytes put through ``slot_of`` into ``sums``, so that its copy into
+    the segment is one GIL-free memcpy without a hash (bigger ones are hashed beside
+    their copy)."""
+    def work() -> None:
+        for j in slot_of:
+            b = bufs[j]
+            if type(b) is memoryview and len(b) <= _PREHASH_MAX:
+                sums[j] = xxhash.xxh3_64_intdigest(b)
+    return work

@@ -181,14 +181,22 @@ class _StoreNodes:
 
 
 def _coalesce(msgs: list) -> list:
-    """Merge runs of consecutive commit (or free) notices into one message, keeping order."""
+    """Merge runs of consecutive commit (or free) notices into one message, keeping order
+    (linear in the rows: each run is copied once, then extended)."""
+    merged = 0  # len(out) when out[-1] became a copy of our own
     out: list = []
     for m in msgs:
         prev = out[-1] if out else None
         if isinstance(m, M.NodeCommit) and isinstance(prev, M.NodeCommit):
-            out[-1] = M.NodeCommit(prev.rows + m.rows)
+            if len(out) > merged:  # the first merge into prev: copy it (the state's message stays as it was)
+                out[-1] = prev = M.NodeCommit(list(prev.rows))
+                merged = len(out)
+            prev.rows.extend(m.rows)
         elif isinstance(m, M.NodeFree) and isinstance(prev, M.NodeFree):
-            out[-1] = M.NodeFree(prev.extents + m.extents)
+            if len(out) > merged:
+                out[-1] = prev = M.NodeFree(list(prev.extents))
+                merged = len(out)
+            prev.extents.extend(m.extents)
         else:
             out.append(m)
     return out

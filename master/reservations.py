@@ -29,6 +29,7 @@ ahead never pushes data out and never takes more than a small share of the cache
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 from kvpool.master.allocator import align_up
@@ -57,7 +58,7 @@ class Held:
 
 class ReservationMixin:
     """Reserve, commit into and give back reserved extents (see the module docstring).
-    Needs the state's ``reserved`` dict, ``_res_ids`` counter and placement methods."""
+    Needs the state's ``reserved`` dict and placement methods."""
 
     def reserve(self, size: int, count: int, host_id: str, replicas: int, now: float,
                 release: list[int] | None = None, ahead: int = 0) -> Reserved:
@@ -86,7 +87,7 @@ class ReservationMixin:
         error = None
         if wanted == 1 and ahead > 1:  # one range for those ahead, cut into extents (same placement)
             for refs in self._ahead_in_ranges(size, host_id, now, live, ahead):
-                rid = next(self._res_ids)
+                rid = self._res_id()
                 self.reserved[rid] = held = Held(size, refs, wanted, until)
                 self._count_held(held, 1)
                 out.append(Reservation(rid, refs))
@@ -101,12 +102,20 @@ class ReservationMixin:
             except E.KVPoolError as e:
                 error = e.to_wire()
                 break
-            rid = next(self._res_ids)
+            rid = self._res_id()
             self.reserved[rid] = held = Held(size, refs, wanted, until)
             self._count_held(held, 1)
             out.append(Reservation(rid, refs))
         self.counters["reserved"] += len(out)
         return Reserved(out, self.s.put_timeout_s, wanted, None if out else error)
+
+    def _res_id(self) -> int:
+        """A fresh reservation id: 63 random bits, so that a client cannot commit into a
+        reservation it was not given (ids are the only proof of ownership)."""
+        while True:
+            rid = int.from_bytes(os.urandom(8), "little") >> 1
+            if rid and rid not in self.reserved:
+                return rid
 
     def _ahead_in_ranges(self, size: int, host_id: str, now: float, live: list, k: int) -> list[list[ExtentRef]]:
         """Up to ``k`` single-replica extents of ``size`` bytes, cut from one free range on

@@ -107,7 +107,6 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
         self.reserved: dict[int, Held] = {}  # reservation id -> extents reserved ahead (master/reservations.py)
-        self._res_ids = itertools.count((int.from_bytes(os.urandom(5), "little") << 20) + 1)
         self.handoffs: dict[str, Handoff] = {}
         # pins and hand-off holds of objects that are away with a store node (it left, or was
         # not indexed at a rebuild): applied when the key is committed again or the node

@@ -17,7 +17,8 @@ gen; refused for a freed or reused extent: :class:`~protocol.errors.StaleExtent`
 ``put_end`` was acknowledged, so an acknowledged put reaches the node's committed table
 even if the master dies before its own notice leaves; same grant token as the write).
 Batched forms, one frame for many extents (``items``; the reserved-extent path,
-:mod:`connector.claims`): ``claims`` (one reply, ``errors`` per item), ``written_all`` and
+:mod:`connector.claims`): ``claims`` (one reply, ``errors`` per item), ``written_all``
+(one-way: the connection's claims of those extents end; nothing is recorded) and
 ``commits`` (one-way). A frame of any op stays under :data:`MAX_HEADER` bytes:
 :func:`batch_frames` splits a long batch.
 """
@@ -240,12 +241,20 @@ class FrameReader:
             n -= got
 
 
+BATCH_ITEMS = 256  # extents per batched frame at most: the reply of a ``claims`` frame (an
+# ErrorInfo of ~120 bytes per refused item) must stay under MAX_HEADER too
+
+
 def batch_frames(op: str, incarnation: str, items: list[HeldExtent]) -> list[bytes]:
-    """Frames of the batched ``op`` over ``items``, each under :data:`MAX_HEADER` bytes (a
-    batch is halved until its frame fits). Raises InvalidRequest for one item that alone
-    does not fit (a key and layout of more than ~64 KiB)."""
+    """Frames of the batched ``op`` over ``items``: at most :data:`BATCH_ITEMS` items each,
+    each under :data:`MAX_HEADER` bytes (a batch is halved until its frame fits). Raises
+    InvalidRequest for one item that alone does not fit (a key and layout of more than
+    ~64 KiB)."""
     if not items:
         return []
+    if len(items) > BATCH_ITEMS:
+        return [f for a in range(0, len(items), BATCH_ITEMS)
+                for f in batch_frames(op, incarnation, items[a:a + BATCH_ITEMS])]
     f = frame(DataRequest(op, incarnation, items=items))
     if len(f) - 4 <= MAX_HEADER:
         return [f]

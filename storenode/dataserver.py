@@ -239,24 +239,23 @@ class DataServer:
         """A batched ``claims`` (one reply, an error or None per item), ``written_all`` or
         ``commits`` (one-way): each item checked as its single op is."""
         seg, table, op = self.segment, self.table, req.op
-        if op == "claims":
-            if not unix or seg.fd is None:
-                raise InvalidRequest("claims are only served on the Unix socket of a shared-memory segment")
-            w.identify()
+        if op == "claims" and (not unix or seg.fd is None):
+            raise InvalidRequest("claims are only served on the Unix socket of a shared-memory segment")
+        if unix and op != "commits" and w.identify():
+            self.writers.adopt(w)  # claims this process left on a closed connection are ended here
+        if op == "written_all":  # claim ends only: they name the connection's own claims, so need no grant
+            for it in req.items:  # (the reservation's commit, from the master and the writer, records the row)
+                table.release(it.offset, it.gen, w)
+            return 0
         errors: list = []
         for it in req.items:
             try:
-                if op == "written_all":
-                    table.release(it.offset, it.gen, w)
                 table.check_bounds(it.offset, it.size)
                 if not check_token(seg.grant_key, seg.incarnation, it.offset, it.size, it.gen, it.key, it.token):
                     raise InvalidRequest(f"[{it.offset}, +{it.size}) gen {it.gen} carries no valid grant from the "
                                          "master; writes need a grant")
                 if op == "claims":
                     table.claim(it.offset, it.size, it.gen, w)
-                elif op == "written_all":
-                    table.check_write(it.offset, it.gen)
-                    table.record_write(it.key, it.offset, it.size, it.gen, it.checksum, it.layout)
                 else:
                     if not it.key:
                         raise InvalidRequest("commit names no object key")
@@ -314,7 +313,8 @@ class DataServer:
             elif req.op == "claim":  # a same-host writer asks before copying into the mapping
                 if not unix or seg.fd is None:
                     raise InvalidRequest("claim is only served on the Unix socket of a shared-memory segment")
-                w.identify()
+                if w.identify():
+                    self.writers.adopt(w)
                 self.table.claim(req.offset, req.size, req.gen, w)
             elif req.op == "commit":  # one-way: no reply, whatever happens
                 if not req.key:  # a reservation's keyless grant writes bytes but commits no object

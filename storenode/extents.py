@@ -145,6 +145,15 @@ class ExtentTable:
             i -= 1
         return out
 
+    def reown(self, old: object, new: object) -> int:
+        """Every claim of ``old`` passes to ``new`` (another connection of the same writer
+        process); returns how many."""
+        with self._lock:
+            mine = [k for k, (_, o) in self._claims.items() if o is old]
+            for k in mine:
+                self._claims[k] = (self._claims[k][0], new)
+            return len(mine)
+
     def release_owner(self, owner: object) -> int:
         """End every claim of ``owner`` (its process is gone); returns how many ended."""
         with self._lock:

@@ -9,7 +9,8 @@ reuse race): the pidfd becomes readable when the process has exited.
 
 When a writer's connection closes with claims outstanding (the process was killed, or a
 thread of it closed the stream while another copied), :class:`WriterWatch` keeps those
-claims until the pidfd says the process is gone, then ends them; a process killed by a
+claims until the pidfd says the process is gone, then ends them, or until the same process
+connects again, which then owns them (:meth:`WriterWatch.adopt`); a process killed by a
 signal loses its memory mappings before its sockets close, so by then nothing of it can
 write. A peer whose process cannot be named (another pid namespace, a kernel without
 pidfds) has its claims ended when its connection closes.
@@ -40,17 +41,19 @@ class Writer:
         self.pidfd: int | None = None
         self._conn = conn  # a Unix socket, identified on the first claim
 
-    def identify(self) -> None:
-        """Learn the peer's process (once); on any failure it stays unknown."""
+    def identify(self) -> bool:
+        """Learn the peer's process (once); on any failure it stays unknown. True when this
+        call is the one that tried."""
         conn, self._conn = self._conn, None
         if conn is None:
-            return
+            return False
         try:
             self.pid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
             if self.pid > 0:
                 self.pidfd = os.pidfd_open(self.pid)
         except (OSError, AttributeError, struct.error):
             self.pidfd = None  # exited already (ESRCH), or no pidfds: the connection's end is the signal
+        return True
 
     def gone(self) -> bool:
         """The process has exited (True also when it cannot be named)."""
@@ -90,6 +93,27 @@ class WriterWatch:
             return
         self.reclaimed += self.table.release_owner(w)
         w.close()
+
+    def adopt(self, w: Writer) -> int:
+        """``w`` (just identified) is a new connection of a process whose earlier connection
+        closed with claims outstanding: those claims pass to ``w``, so the process can end
+        them there (``written``) instead of keeping them until it exits. The same pid with
+        the earlier process still alive is the same process (a pid is not reused while its
+        process lives). Returns how many claims passed."""
+        if w.pidfd is None or w.pid <= 0:
+            return 0
+        with self._lock:
+            mine = [o for o in self._orphans if o.pid == w.pid]
+            for o in mine:
+                self._orphans.remove(o)
+        moved = 0
+        for o in mine:
+            if o.gone():  # exited meanwhile: its claims end (w is another process with its pid)
+                self.reclaimed += self.table.release_owner(o)
+            else:
+                moved += self.table.reown(o, w)
+            o.close()
+        return moved
 
     def orphans(self) -> int:
         """Writers whose claims wait for their process to exit."""

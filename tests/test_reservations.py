@@ -192,3 +192,16 @@ def test_batched_data_frames_split_under_the_header_limit():
     assert back == items
     with pytest.raises(E.InvalidRequest):
         batch_frames("commits", "inc", [HeldExtent(0, 1, 1, b"", "k" * (MAX_HEADER + 1))])
+
+
+def test_slots_are_claimed_a_little_ahead_and_pending_ones_are_not_handed_out():
+    pool = ReservationPool(64 * MiB)
+    pool.take(MiB, 0, 1, 0.0, 1)
+    pool.add(_slots(5))
+    ahead = pool.claim_ahead(MiB, 0, 3)
+    assert len(ahead) == 3 and all(s.pending for s in ahead)
+    got = pool.take(MiB, 0, 5, 0.0, 1)  # another thread: the pending ones are skipped, not lost
+    assert [s.res.res_id for s in got] == [3, 4]
+    pool.claimed(ahead[:2], ahead[2:])  # the third was refused: it leaves the pool
+    again = pool.take(MiB, 0, 5, 0.0, 1)
+    assert [s.res.res_id for s in again] == [0, 1] and all(s.claimed and not s.pending for s in again)

@@ -136,3 +136,59 @@ def test_reservations_off_uses_put_start(make_cluster):
         assert c.reservations_held() == 0
         st = c.stats()
         assert st.counters.get("puts_reserved", 0) == 0 and st.reserved_bytes == 0
+
+
+_CLAIMER = r"""
+import sys
+import msgspec
+from kvpool.protocol import transport
+from kvpool.protocol.auth import Security
+from kvpool.protocol.config import load_config
+from kvpool.protocol.dataplane import DataReply, HeldExtent, batch_frames
+cfg, path, inc, off, size, gen, token = sys.argv[1:8]
+s = transport.connect(path, 5.0, Security.from_config(load_config(cfg, environ={}).security))
+s.settimeout(5.0)
+s.sendall(b"".join(batch_frames("claims", inc, [HeldExtent(int(off), int(size), int(gen), bytes.fromhex(token))])))
+n = int.from_bytes(s.recv(4), "little")
+body = b""
+while len(body) < n:
+    body += s.recv(65536)
+e = msgspec.msgpack.decode(body, type=DataReply).errors[0]
+print(e.code if e is not None else "claimed")
+"""
+
+
+def _other_process_claims(lc, ref) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CLAIMER, lc.write_config(), ref.shm_path, ref.incarnation,
+                          str(ref.offset), str(ref.size), str(ref.gen), ref.token.hex()],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_writer_that_reconnects_owns_the_claims_its_closed_connection_left(make_cluster):
+    """A node owns claims per connection; when a live writer's connection closes with claims
+    outstanding, they stay (it may still be copying), and its next connection takes them
+    over, so it can end them there instead of the range staying busy until it exits."""
+    from kvpool.protocol.dataplane import HeldExtent, batch_frames
+
+    lc = make_cluster(nodes=1, memory="16MiB")
+    with lc.client(reserve_bytes=0) as c:
+        ref = c.rpc.call(M.Reserve(64 * KiB, 1, c.host_id)).reservations[0].replicas[0]
+        held = [HeldExtent(ref.offset, ref.size, ref.gen, ref.token)]
+        first = transport.connect(ref.shm_path, 5.0, lc.security)
+        first.settimeout(5.0)
+        first.sendall(b"".join(batch_frames("claims", ref.incarnation, held)))
+        assert first.recv(4)  # the node answered the claim
+        first.close()
+        assert _other_process_claims(lc, ref) == "extent_busy"  # left behind, not ended
+        again = transport.connect(ref.shm_path, 5.0, lc.security)
+        try:
+            again.sendall(b"".join(batch_frames("written_all", ref.incarnation, held)))  # ended from a new connection
+            assert wait_for(lambda: _other_process_claims(lc, ref) == "claimed", 10, interval_s=0.2,
+                            what="the range claimable by another process")
+        finally:
+            again.close()

@@ -231,19 +231,18 @@ def test_group_blocks_and_layout_mismatch(client):
 @pytest.mark.parametrize("reserve", [0, 64 << 20], ids=["put_start", "reserved"])
 @pytest.mark.parametrize("size", [1 << 20, 4 << 20, (6 << 20) + 123])
 def test_checksums_hashed_beside_the_copy_match_the_bytes_and_catch_corruption(make_cluster, size, reserve):
-    """Same host, through put_start: objects up to 4 MiB are hashed while put_start is in
-    flight and copied without a hash; bigger ones are hashed on the helper thread beside
-    their copy. Through a reservation (no wait to hash in): from 4 MiB on beside the copy,
-    smaller ones as they are copied. Either way the master's checksum is the xxh3_64 of the
-    bytes, the bytes come back whole, and a byte flipped in the segment afterwards is caught
-    (ChecksumMismatch; the replica is dropped, so the key then misses)."""
+    """Same host: objects up to 4 MiB are hashed while put_start is in flight, or through a
+    reservation while the node answers its claim (as for this first put; a put into an
+    extent claimed ahead hashes as it copies), and copied without a hash; bigger ones are
+    hashed on the helper thread beside their copy. Either way the master's checksum is the
+    xxh3_64 of the bytes, the bytes come back whole, and a byte flipped in the segment
+    afterwards is caught (ChecksumMismatch; the replica is dropped, so the key then misses)."""
     lc = make_cluster(nodes=1)
     with lc.client(lease_retries=0, reserve_bytes=reserve) as c:
         data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
         key = f"aside/{size}"
         assert c.put(key, data) is True
-        aside = size >= 4 << 20 if reserve else size > 4 << 20
-        assert (c.data._hasher is not None) == aside  # the helper hashed the put
+        assert (c.data._hasher is not None) == (size > 4 << 20)  # the helper hashed the put
         info = c.lookup([key])[0]
         assert info.checksum == xxhash.xxh3_64_intdigest(data)
         out = np.zeros(size, dtype=np.uint8)

@@ -181,3 +181,45 @@ def test_join_settings_are_config_keys():
     assert m.join_settings() == (1.0, 0.25, 8.0)
     with pytest.raises(E.ConfigError, match="join_backoff_max"):
         load_config(None, {"master": {"join_timeout": "10s", "join_backoff_max": "5s"}}, environ={})
+
+
+_HOARDER = r"""
+import os, signal, sys
+from kvpool.connector.client import KVPoolClient
+from kvpool.protocol.config import load_config
+cfg, master = sys.argv[1:3]
+c = KVPoolClient.from_config(load_config(cfg, environ={}), master=master)
+for r in range(2):
+    assert c.put_batch([f"A/{r}/{i}" for i in range(300)], [os.urandom(4096) for _ in range(300)]) == [None] * 300
+print("HELD", c.reservations_held(), flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+c.close()
+"""
+
+
+def test_a_stopped_client_holding_reservations_does_not_fail_other_writers(make_cluster):
+    """Client A holds hundreds of reservations and is frozen past put_timeout + quarantine,
+    so the master frees them and places there again. A claims extents only a little ahead
+    of use, so B's puts meet few of A's claims, and those that do are placed again: every
+    put of B lands and reads back."""
+    lc = make_cluster(nodes=1, memory="64MiB", put_timeout="1s", quarantine="1s")
+    a = subprocess.Popen([sys.executable, "-c", _HOARDER, lc.write_config(), lc.master_addr],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready, _, _ = select.select([a.stdout], [], [], 120)
+        line = a.stdout.readline() if ready else ""
+        assert line.startswith("HELD ") and int(line.split()[1]) > 100, line
+        wait_for(lambda: _state(a.pid) == "T", 10, what="client A stopped")
+        with lc.client() as b:
+            wait_for(lambda: b.stats().reserved_bytes == 0, 20, what="A's reservations freed by the master")
+            wait_for(lambda: b.stats().nodes[0].used == 600 * 4096, 20, what="and out of quarantine")
+            data = [os.urandom(4096) for _ in range(50)]
+            assert b.put_batch([f"B/{i}" for i in range(50)], data) == [None] * 50
+            assert b.put("B/single", b"s" * 4096)
+            assert [b.get(f"B/{i}") for i in range(50)] == data
+        out = _finish(a)
+        assert "Error" not in out, out
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(10)
