@@ -303,6 +303,8 @@ class KVPoolClient(ReservedPuts):
             todo = self._put_reserved(items, bufs, idx, replicas, results, stored)
             items, bufs, idx = [items[j] for j in todo], [bufs[j] for j in todo], [idx[j] for j in todo]
         if items:
+            if self._ends_n:  # claims this client ended lately first: put_start may grant those ranges again
+                self._flush_ends()
             retry = self._put_round(items, bufs, idx, replicas, results, stored)
             if retry:  # writes that hit a dead node are placed once more, elsewhere
                 for j in retry:

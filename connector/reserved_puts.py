@@ -222,6 +222,8 @@ class ReservedPuts:
             for r in s.res.replicas:
                 if self.data.uses_shm(r):
                     local[r.node_id].append((i, r))
+        if self._ends_n:
+            self._flush_ends()  # our own ended claims first: a range freed since may come back to us
         timeout = self._write_deadline.timeout_s if self._write_deadline is not None else self.data.io_timeout_s
         bad: set[int] = set()
         for pairs in local.values():
