@@ -5,8 +5,9 @@ The client holds reservations per object size (:mod:`connector.reservations`; pr
 copies each object into its extents (same host: straight into the claimed shared mapping;
 network: a ``write`` to the node, which claims while the bytes land), then commits the
 batch with one ``PutReserved`` whose reply carries the next reservations when the pool runs
-low. After the reply, each same-host node gets one one-way send: the ``written`` frames
-that end the claims and the writer's ``commit`` copies of what was acknowledged.
+low. The ``written_all`` frames that end the claims and the writer's ``commit`` copies of
+what was acknowledged are queued and go to each same-host node in one send, at most 5 ms
+later (see :meth:`ReservedPuts._end_claims`).
 
 Anything this path cannot finish (a refused claim, a failed write, a reservation the master
 no longer holds, a new leader) falls back to ``put_start``/``put_end`` for that object, so
