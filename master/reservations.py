@@ -28,7 +28,6 @@ ahead never pushes data out and never takes more than a small share of the cache
 """
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
 
@@ -119,33 +118,42 @@ class ReservationMixin:
 
     def _ahead_in_ranges(self, size: int, host_id: str, now: float, live: list, k: int) -> list[list[ExtentRef]]:
         """Up to ``k`` single-replica extents of ``size`` bytes, cut from one free range on
-        each of the nodes placement ranks best (the writer's host's nodes, else all),
-        shared out evenly and interleaved node by node, so that consecutive puts still
-        spread over those nodes (the allocator keeps nothing per extent, so each is freed on
-        its own later). A node that cannot take its share in one range within its share for
-        reservations and under the high watermark gives none. Grants as :meth:`_place`'s,
-        for a fraction of the cost per extent."""
+        each of the nodes placement ranks best (the writer's host's nodes, else all). The
+        ``k`` are shared out in proportion to each node's room below the high watermark
+        (largest remainders), as :func:`master.placement.spread` weights a put's node, and
+        interleaved by stride (extent i of a node's n sits at (i + 1/2) / n), so that
+        consecutive puts spread over those nodes in the same proportions. The allocator
+        keeps nothing per extent, so each is freed on its own later. A node takes no more
+        than fits within its share for reservations and under the high watermark; one
+        whose range cannot be cut gives none (the caller places the rest one by one).
+        Grants as :meth:`_place`'s, for a fraction of the cost per extent."""
         need = align_up(size)
+        hw = self.s.high_watermark
         fits = [nd for nd in live if nd.alloc.capacity >= need]
         if not fits:
             return []
         rank = lambda nd: nd.desc.host_id != host_id  # noqa: E731 - the same rank _place uses
-        order = self._spread(fits, rank) if len(fits) > 1 else fits
-        best = [nd for nd in order if rank(nd) == rank(order[0])]
-        per = -(-k // len(best))
+        best = [nd for nd in fits if not rank(nd)] or fits
+        rooms = [max(0.0, hw * nd.alloc.capacity - nd.alloc.used) for nd in best]
+        total = sum(rooms)
+        if total <= 0:
+            return []
+        quota = [k * r / total for r in rooms]
+        takes = [int(q) for q in quota]
+        for i in sorted(range(len(best)), key=lambda i: takes[i] - quota[i])[:k - sum(takes)]:
+            takes[i] += 1
         runs: list[list[list[ExtentRef]]] = []
-        for node in best:
-            take = min(per, k - sum(len(r) for r in runs))
+        for node, take in zip(best, takes):
+            take = min(take, int((AHEAD_SHARE * node.alloc.capacity - node.reserved) // need),
+                       int((hw * node.alloc.capacity - node.alloc.used) // need))
             if take <= 0:
-                break
-            if (node.reserved + need * take > AHEAD_SHARE * node.alloc.capacity
-                    or node.alloc.used + need * take > self.s.high_watermark * node.alloc.capacity):
                 continue
             self._release_quarantine(node, now)
             base = node.alloc.alloc(need * take)
             if base is not None:
                 runs.append([[_grant(node, base + i * need, size, "")] for i in range(take)])
-        return [refs for group in itertools.zip_longest(*runs) for refs in group if refs is not None]
+        slots = [((i + 0.5) / len(run), j, refs) for j, run in enumerate(runs) for i, refs in enumerate(run)]
+        return [refs for _, _, refs in sorted(slots, key=lambda t: (t[0], t[1]))]
 
     def put_reserved(self, items: list[ReservedPut], now: float) -> tuple[list, list[list[bytes]]]:
         """Commit objects written into reservations. Per item: None (committed; its keyed

@@ -1,6 +1,8 @@
 """Extents reserved ahead of need: the master's bookkeeping and the writer's pool, without
 sockets (time is a parameter). The puts through them, over real processes, are in
 tests/test_reserved_puts.py."""
+import itertools
+
 import pytest
 
 from kvpool.connector.reservations import MIN_DEPTH, ReservationPool, Slot
@@ -178,6 +180,23 @@ def test_reservations_ahead_spread_over_the_writers_nodes_in_turn():
         st.release_reservations([r.res_id], 0.0)
     st.tick(100.0)
     assert all(n.alloc.used == 0 and n.reserved == 0 for n in st.nodes.values())
+
+
+def test_reservations_ahead_follow_each_nodes_room_not_an_even_split():
+    """An empty node beside two half-full ones takes the largest share of the extents
+    reserved ahead, but not all, as a put's placement would (master/placement.py)."""
+    st = MasterState(MasterSettings(high_watermark=0.9))
+    for i in range(3):
+        st.node_up(NodeDesc(f"n{i}", f"inc{i}", f"tcp://127.0.0.1:{1000 + i}", "", "", "h0", 64 * MiB,
+                            grant_key=KEYS[f"n{i}"]), 0.0)
+    for i in (0, 1):
+        assert st.nodes[f"n{i}"].alloc.alloc(32 * MiB) is not None  # half full
+    got = st.reserve(64 << 10, 0, "h0", 0, 0.0, ahead=60)
+    per = [r.replicas[0].node_id for r in got.reservations]
+    share = {n: per.count(n) for n in ("n0", "n1", "n2")}
+    assert len(per) == 60 and share["n0"] + share["n1"] + share["n2"] == 60
+    assert share["n2"] == 32 and share["n0"] == share["n1"] == 14, share  # rooms 25.6 : 25.6 : 57.6 MiB
+    assert max(len(list(g)) for _, g in itertools.groupby(per)) <= 3  # interleaved, not one run per node
 
 
 def test_batched_data_frames_split_under_the_header_limit():
