@@ -9,15 +9,20 @@ prompt block is loaded from kvpool. Reported, all from this run:
 * ``loader_gbps``: bytes B loaded / the time its loader thread was busy (each batch of
   load jobs: fetch + checksum + scatter into the KV cache), timed around
   ``KVPoolWorker._load_batch`` in this process;
+* ``first_loader_gbps``: the same for B's first ``--warmup`` prompts, loaded before the
+  measured ones and not counted in the rest (the engine's first reads fault in its
+  mapping of the store node's segment);
 * ``load_p50_ms``: the median of the per-request load latencies
   (``vllm:kvpool_load_seconds``, from the start of the request's batch to its scatter);
+* ``layer_wait_s``: the time B's forward passes spent waiting in ``wait_for_layer_load``
+  (layer-wise loads only);
 * ``e2e_s``: B's wall time for the whole ``generate`` (loads, prefill of each prompt's
   last tokens, ``--max-tokens`` decode steps);
 * ``get_gbps``: the same objects read by a plain KVPoolClient ``get_into_batch`` in this
   process (the same-host path ``kvpool bench`` measures), and ``memcpy_gbps``;
 * ``ratio``: loader_gbps / get_gbps (the target is at least 0.5).
 
-    python benchmarks/vllm_load.py [--prompts 16] [--tokens 960] [--json]
+    python benchmarks/vllm_load.py [--prompts 16] [--tokens 960] [--block-size 32] [--load-mode auto] [--json]
 """
 from __future__ import annotations
 
@@ -61,6 +66,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=960)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4, help="prompts B loads first, not counted (0: none)")
+    ap.add_argument("--block-size", type=int, default=32, help="tokens per block (vLLM's block_size)")
+    ap.add_argument("--load-mode", default="auto", choices=("auto", "layerwise", "async"),
+                    help="engine B's kv_connector_extra_config.load_mode")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -70,36 +79,39 @@ def main() -> None:
     from kvpool.cli.cluster import LocalCluster
     from harness import Engine, kv_config
     from kvpool.protocol.config import load_config
-    from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
+    from tiny_model import build_tiny_llama, prompt_ids
 
     import kvpool.connector.vllm_worker as worker_mod
 
     busy = [0.0]
-    load_batch = worker_mod.KVPoolWorker._load_batch
 
-    def timed(self, jobs):
-        t0 = time.perf_counter()
-        try:
-            return load_batch(self, jobs)
-        finally:
-            busy[0] += time.perf_counter() - t0
+    def timed(run):
+        def wrapper(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return run(self, *args)
+            finally:
+                busy[0] += time.perf_counter() - t0
+        return wrapper
 
-    worker_mod.KVPoolWorker._load_batch = timed
+    worker_mod.KVPoolWorker._load_batch = timed(worker_mod.KVPoolWorker._load_batch)
+    worker_mod.KVPoolWorker._load_layers = timed(worker_mod.KVPoolWorker._load_layers)
     tmp = tempfile.mkdtemp(prefix="kvpool-vllm-load-")
     model = build_tiny_llama(os.path.join(tmp, "model"))
     cfg = load_config(None, {"storenodes": [{"name": "node-0", "memory": "1GiB"}]}, environ={})
     prompts = [prompt_ids(1000 + i, a.tokens) for i in range(a.prompts)]
+    first = [prompt_ids(5000 + i, a.tokens) for i in range(a.warmup)]  # B's first loads: a cold client
     ns, mid = "bench", "tiny-llama"
     with LocalCluster(cfg) as lc:
-        kw = {"max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20}
+        kw = {"max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20, "block_size": a.block_size}
         saver = Engine("saver", model, tmp, kv_transfer_config=kv_config("kv_both", lc.master_addr, ns),
                        engine_kwargs=kw)
         try:
-            saver.generate(prompts, max_tokens=1, timeout_s=600)
+            saver.generate(first + prompts, max_tokens=1, timeout_s=600)
         finally:
             saver.close()
         with lc.client() as c:
-            want = a.prompts * (a.tokens - 1) // BLOCK_SIZE
+            want = (a.warmup + a.prompts) * (a.tokens - 1) // a.block_size
             deadline = time.monotonic() + 60
             while len(c.ls(f"{ns}/{mid}/")) < want and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -107,24 +119,41 @@ def main() -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
-                  max_num_seqs=16, disable_log_stats=False, kv_transfer_config=kv_config("kv_both", lc.master_addr, ns),
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0,
+                  max_num_seqs=16, disable_log_stats=False,
+                  kv_transfer_config=kv_config("kv_both", lc.master_addr, ns, load_mode=a.load_mode),
                   **kw)
         sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+
+        def counted() -> tuple[float, float]:
+            got = {m.name: m for m in llm.get_metrics() if "kvpool" in m.name}
+            return got["vllm:kvpool_bytes_loaded"].value, got["vllm:kvpool_layer_wait_seconds"].sum
+
+        cold = None
+        if first:
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in first], sp, use_tqdm=False)
+            nb, _ = counted()
+            cold = round(nb / busy[0] / 1e9, 3) if busy[0] else 0.0
+        base_bytes, base_wait = counted()
+        busy[0] = 0.0
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         e2e = time.perf_counter() - t0
         cached = sum(o.num_cached_tokens for o in outs)
+        if not cached:
+            raise SystemExit("engine B loaded nothing from kvpool (see its log above)")
         got = {m.name: m for m in llm.get_metrics() if "kvpool" in m.name}
-        loaded = got["vllm:kvpool_bytes_loaded"].value
-        hist = got["vllm:kvpool_load_seconds"]
-        p50 = _median_from_buckets(hist)
+        p50 = _median_from_buckets(got["vllm:kvpool_load_seconds"])
+        loaded, waited = counted()
+        loaded, waited = loaded - base_bytes, waited - base_wait
         with lc.client() as c:
             get = _get_gbps(c, [m.key for m in metas], metas[0].size)
         mem = memcpy_gbps()
         del llm
-    rep = {"prompts": a.prompts, "tokens": a.tokens, "cached_tokens": cached, "bytes_loaded": loaded,
+    rep = {"load_mode": a.load_mode, "block_size": a.block_size, "prompts": a.prompts, "tokens": a.tokens, "cached_tokens": cached,
+           "bytes_loaded": loaded, "layer_wait_s": round(waited, 4),
            "loader_busy_s": round(busy[0], 4), "loader_gbps": round(loaded / busy[0] / 1e9, 3) if busy[0] else 0.0,
+           "first_loader_gbps": cold,
            "load_p50_ms": round(1000 * p50, 2),
            "e2e_s": round(e2e, 3), "get_gbps": round(get, 3), "memcpy_gbps": round(mem, 3)}
     rep["ratio"] = round(rep["loader_gbps"] / rep["get_gbps"], 3) if rep["get_gbps"] else 0.0

@@ -113,14 +113,17 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.clear()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Submit this step's loads to the background loader (loads are asynchronous:
-        the requests wait in WAITING_FOR_REMOTE_KVS until ``get_finished`` reports them)."""
+        """Submit this step's loads to the background loader: layer-wise ones (before the
+        forward pass, which waits per layer) and asynchronous ones (their requests wait in
+        WAITING_FOR_REMOTE_KVS until ``get_finished`` reports them)."""
         if self.worker is not None:
             self.worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: a request runs only after its whole load finished."""
-        return
+        """Block until this step's layer-wise loads have written ``layer_name``'s pages
+        (bounded by the step's load deadline; nothing to wait for with async loads)."""
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:

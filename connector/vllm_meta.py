@@ -35,10 +35,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 POLICIES = ("fail", "recompute")
+LOAD_MODES = ("auto", "layerwise", "async")
 PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
 _EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
                "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves",
-               "lookup_timeout_s"}
+               "lookup_timeout_s", "load_mode"}
 
 
 # ---- settings -------------------------------------------------------------------------
@@ -54,7 +55,12 @@ class ConnectorSettings:
     ``handoff_ttl_s`` bounds how long a producer's blocks stay held for the consumer;
     ``max_inflight_saves`` bounds the background save queue (saves beyond it wait);
     ``lookup_timeout_s`` bounds how long a request waits for its prefix lookup before it
-    proceeds as a miss (the scheduler step itself never waits on the network).
+    proceeds as a miss (the scheduler step itself never waits on the network);
+    ``load_mode`` (``auto`` | ``layerwise`` | ``async``): ``layerwise`` runs a hit in the
+    step that loads it, each attention layer waiting for its own pages; ``async`` holds
+    the request until its whole load has landed; ``auto`` is ``layerwise`` for models with
+    one KV cache group and ``async`` otherwise (vLLM takes the load errors of a request
+    that already ran only as block ids, which are ambiguous across groups).
     """
 
     master: str | None
@@ -71,6 +77,7 @@ class ConnectorSettings:
     max_inflight_saves: int
     engine_id: str
     lookup_timeout_s: float = 2.0
+    load_mode: str = "auto"
 
     @staticmethod
     def from_vllm(vllm_config: "VllmConfig") -> "ConnectorSettings":
@@ -102,6 +109,10 @@ class ConnectorSettings:
                 raise ConfigError(f"kv_connector_extra_config.{key}: must be >= {lo}, got {v}", key=key)
             return v
 
+        load_mode = str(extra.get("load_mode", "auto"))
+        if load_mode not in LOAD_MODES:
+            raise ConfigError(f"kv_connector_extra_config.load_mode: {load_mode!r}; accepted: "
+                              f"{', '.join(LOAD_MODES)}", key="load_mode")
         transport = str(extra.get("transport", "auto"))
         if transport not in ("auto", "tcp", "shm", "unix", "ucx"):
             raise ConfigError(f"kv_connector_extra_config.transport: {transport!r}; accepted: auto, tcp, "
@@ -113,7 +124,7 @@ class ConnectorSettings:
             transport=transport, rpc_timeout_s=num("rpc_timeout_s", 10.0, 0.001),
             io_timeout_s=num("io_timeout_s", 30.0, 0.001),
             max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
-            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001))
+            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode)
 
     @property
     def loads(self) -> bool:
@@ -134,6 +145,16 @@ class ConnectorSettings:
 
         return KVPoolClient(self.master, etcd=self.etcd, cluster=self.cluster, transport=self.transport,
                             rpc_timeout_s=self.rpc_timeout_s, io_timeout_s=self.io_timeout_s)
+
+
+def layerwise_loads(s: ConnectorSettings, n_groups: int) -> bool:
+    """Whether hits load layer-wise (see ``ConnectorSettings.load_mode``) for a model with
+    ``n_groups`` KV cache groups. Raises ConfigError for ``layerwise`` with several groups."""
+    if s.load_mode == "layerwise" and n_groups > 1:
+        raise ConfigError(f"kv_connector_extra_config.load_mode: 'layerwise' needs a model with one KV cache "
+                          f"group, this one has {n_groups} (vLLM cannot take the load errors of a request that "
+                          "already ran for several groups); use 'auto' or 'async'", key="load_mode")
+    return s.load_mode == "layerwise" or (s.load_mode == "auto" and n_groups == 1)
 
 
 # ---- layouts ---------------------------------------------------------------------------
@@ -383,7 +404,10 @@ class LoadJob:
     (in :func:`group_layouts` order); ``hashes[j]`` is the chained hash of block
     ``first + j``; ``tokens`` the external tokens the hit covers. ``error`` set: nothing
     can be loaded (e.g. a hand-off that could not be claimed under policy ``fail``); the
-    worker reports the load as failed."""
+    worker reports the load as failed. ``layerwise``: vLLM runs the request in the step
+    that loads it, each attention layer waiting for its own pages
+    (:mod:`connector.layer_loads`); otherwise the request waits until the whole load is
+    reported finished."""
 
     req_id: str
     first: int
@@ -392,6 +416,7 @@ class LoadJob:
     tokens: int = 0
     handoff_id: str | None = None
     error: str | None = None
+    layerwise: bool = False
 
 
 @dataclass
@@ -469,6 +494,7 @@ _GROUP_COUNTERS = {
 GROUP_PREFIX = "group/"  # stats keys "group/<gid>/<counter>"
 MAX_LATENCIES = 1024  # latencies of each kind kept per collection interval
 LATENCIES = {"load_s": "Latency of one request's load from kvpool (seconds)",
+             "layer_wait_s": "Time one step's forward pass waited for its layer-wise loads (seconds)",
              "save_s": "Latency of one save job's puts into kvpool, from staging to commit (seconds)"}
 
 

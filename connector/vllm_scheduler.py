@@ -9,7 +9,9 @@ load came from and how far its prompt has been saved. One step:
   (consumer) the lookup claims the record (a read) and compares the record's keys with
   its own; otherwise it asks the master which keys exist (``exists_batch``: no lease, no
   LRU touch). The hit is the common boundary of every stored group
-  (:mod:`connector.vllm_plan`); loads are asynchronous.
+  (:mod:`connector.vllm_plan`). The hit loads layer-wise (vLLM runs the request in the
+  step that loads it) or asynchronously (the request waits for the whole load), as
+  ``ConnectorSettings.load_mode`` says.
 * ``update_state_after_alloc``: turns a positive match into a :class:`LoadJob`.
 * ``build_connector_meta``: hands pending loads to the workers and adds a
   :class:`SaveJob` for every prompt block that becomes complete in this step, and for
@@ -41,6 +43,7 @@ from kvpool.connector.vllm_meta import (
     SaveJob,
     group_layouts,
     handoff_group_names,
+    layerwise_loads,
     keys_for,
     no_load_reason,
     monotonic,
@@ -105,6 +108,7 @@ class KVPoolScheduler:
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, 0)
         self.rules = [g.rule for g in self.groups]
         self.has_state = any(g.is_state for g in self.groups)
+        self.layerwise = layerwise_loads(settings, len(kv_cache_config.kv_cache_groups))
         self.no_loads = no_load_reason(vllm_config) if settings.loads else None
         if self.no_loads:
             log.warning("kvpool: %s", self.no_loads)
@@ -265,7 +269,7 @@ class KVPoolScheduler:
             self.matches[rid] = m  # a memo for update_state_after_alloc
         if m.n <= 0:
             return 0, False
-        return m.n * bs, True
+        return m.n * bs, not self.layerwise
 
     def _match(self, request: "Request", hashes: list[bytes], start: int, top: int, params: dict | None) -> _Match:
         """The lookup itself (background thread): claim the hand-off named by ``params``
@@ -336,7 +340,7 @@ class KVPoolScheduler:
             groups.append(GroupBlocks(pos, bids))
         hashes = st.hashes.upto(request.all_token_ids, boundary, bs)[m.start:]
         self.pending_loads[request.request_id] = LoadJob(request.request_id, m.start, hashes, groups,
-                                                         num_external_tokens, m.handoff_id, error)
+                                                         num_external_tokens, m.handoff_id, error, self.layerwise)
         if m.handoff_id and m.error is None:
             st.handoff_id = m.handoff_id
         if not self.s.producer:
@@ -429,7 +433,10 @@ class KVPoolScheduler:
                 if self.emit_events and n_failed == 0:
                     self._stored_event(req_id, first, n_ok)
         failed = wm.loads if isinstance(wm, KVPoolWorkerMetadata) else {}
-        for req_id in connector_output.finished_recving or ():
+        done = set(connector_output.finished_recving or ())
+        if self.layerwise:  # a layer-wise load ends in the step that ran it, on every rank: no finished_recving
+            done.update(failed)
+        for req_id in done:
             st = self.reqs.get(req_id)
             if st is None or not st.handoff_id or st.handoff_done:
                 continue

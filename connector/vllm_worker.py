@@ -3,12 +3,8 @@
 * ``register_kv_caches``: records each layer's cache tensor as a ``[blocks, H, N, C]``
   view (kernel sub-blocks folded back into manager blocks) and checks it against the
   group's :class:`LayoutSpec`.
-* loads run on a background thread: ``start_load_kv`` submits the step's load jobs
-  (``get_into_batch`` into staging memory, verified by checksum and layout, then
-  scattered into the request's blocks); ``get_finished`` reports the requests whose
-  loads completed and ``get_block_ids_with_load_errors`` the blocks that did not load
-  (for multi-group models, where block ids are ambiguous, the request is reported in
-  ``failed_recving`` instead).
+* loads run on a background thread, layer-wise or asynchronous
+  (:mod:`connector.vllm_loads`).
 * saves: ``save_kv_layer`` copies the layer's pages of every block saved this step
   into the job's staging buffer (one contiguous object per block) right after the
   layer ran; ``wait_for_save`` completes any layer vLLM did not pass and then puts the
@@ -30,32 +26,28 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.connector.vllm_loads import WorkerLoads
 from kvpool.connector.vllm_meta import (
     ConnectorSettings,
     GroupLayout,
     KVPoolConnectorMetadata,
     KVPoolConnectorStats,
     KVPoolWorkerMetadata,
-    LoadJob,
     SaveJob,
     group_layouts,
     keys_for,
     monotonic,
 )
+from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, copy_pages, host_bytes
 from kvpool.protocol.errors import ConfigError, KVPoolError
 from kvpool.protocol.layout import DTYPE_BYTES
 
 log = logging.getLogger("kvpool.vllm")
-
-IDLE_WAIT_S = 0.01  # longest wait for a load in a step with nothing else to do (seconds)
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                 "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
-                 "int32": torch.int32, "int64": torch.int64}
 
 
 @dataclass
@@ -68,20 +60,10 @@ class _Staged:
     gathers: list[Future] = field(default_factory=list)  # host copies still running on the gather thread
 
 
-@dataclass
-class _LoadResult:
-    req_id: str
-    failed_blocks: set[int]
-    n_failed: int
-    n_ok: int
-    nbytes: int
-    seconds: float
-    loaded_tokens: int = 0
-    recomputed_tokens: int = 0
-    group_bytes: dict[int, int] = field(default_factory=dict)
+class KVPoolWorker(WorkerLoads):
+    """The worker-side connector of one vLLM worker (one TP rank): registration, the
+    step's metadata, saves here and loads in :class:`~connector.vllm_loads.WorkerLoads`."""
 
-
-class KVPoolWorker:
     def __init__(self, settings: ConnectorSettings, vllm_config, kv_cache_config, client=None) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -103,9 +85,8 @@ class KVPoolWorker:
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
         self.gatherer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-gather")
         self.gathers: list[Future] = []  # this step's host copies: awaited before the next forward
-        self.loads: dict[str, Future] = {}
+        self._init_loads(self.num_blocks * sum(g.layout.nbytes for g in self.groups))
         self.saves: list[Future] = []
-        self.invalid: set[int] = set()
         self.failed_reqs: set[str] = set()
         self.report = KVPoolWorkerMetadata()
         self.stats = KVPoolConnectorStats()
@@ -129,6 +110,7 @@ class KVPoolWorker:
                 self.layer_pos[name] = (gi, off)
                 off += g.layer_nbytes
                 self.pin = self.pin or any(v.device.type == "cuda" for v, _, _ in parts)
+        self._alloc_arena()
         log.info("kvpool: registered %d layers in %d group(s) (%s); %d bytes per block; rank %d",
                  len(self.caches), len(self.groups), ", ".join(g.layout.kind for g in self.groups),
                  sum(g.layout.nbytes for g in self.groups), self.rank)
@@ -150,7 +132,7 @@ class KVPoolWorker:
             raise ConfigError(f"kvpool: state layer {name} has {len(t)} cache tensors, its spec declares "
                               f"{len(g.parts)}", key="kv_caches")
         for v, (shape, dtype) in zip(t, g.parts):
-            if v.dtype != _TORCH_DTYPES[dtype] or tuple(v.shape[1:]) != tuple(shape) or v.shape[0] < self.num_blocks:
+            if v.dtype != TORCH_DTYPES[dtype] or tuple(v.shape[1:]) != tuple(shape) or v.shape[0] < self.num_blocks:
                 raise ConfigError(f"kvpool: state layer {name} cache is {tuple(v.shape)} {v.dtype}, the spec says "
                                   f"[{self.num_blocks}, {', '.join(map(str, shape))}] {dtype}", key="kv_caches")
         return [(v, shape, dtype) for v, (shape, dtype) in zip(t, g.parts)]
@@ -159,7 +141,7 @@ class KVPoolWorker:
         if isinstance(t, (list, tuple)):
             raise ConfigError(f"kvpool: layer {name} has a multi-tensor cache; not supported", key="kv_caches")
         h, n, c = g.page_shape
-        want = _TORCH_DTYPES[g.dtype]
+        want = TORCH_DTYPES[g.dtype]
         if t.dtype != want:
             if want == torch.uint8:
                 t = t.view(torch.uint8)
@@ -176,7 +158,7 @@ class KVPoolWorker:
                                   "blocks", key="kv_caches")
             r = nb // self.num_blocks
             t = t.unflatten(0, (self.num_blocks, r)).permute(0, 2, 1, 3, 4)
-            t = _Merged(t)  # [B, H, r, Nk, C] seen as [B, H, r*Nk, C]
+            t = MergedPages(t)  # [B, H, r, Nk, C] seen as [B, H, r*Nk, C]
             shape = (t.shape[1], t.shape[2], t.shape[3])
         else:
             shape = tuple(t.shape[1:])
@@ -193,6 +175,8 @@ class KVPoolWorker:
 
     def bind(self, meta) -> None:
         self._drain_gathers()  # before this step's forward can write a block the last step saved
+        if self.layered is not None:  # the last step ended without its output (an error in its forward)
+            self._end_layered()
         self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
         self.staged = []
         self.barrier = False
@@ -218,112 +202,6 @@ class KVPoolWorker:
         self.meta = None
         self.staged = []
 
-    # ---- loads ------------------------------------------------------------------------------
-
-    def start_load_kv(self) -> None:
-        """Submit this step's load jobs as one batch to the loader thread: one
-        ``get_into_batch`` per group for all of them (one master round trip, fewer GIL
-        hand-offs beside the engine's own steps), then each request's scatter."""
-        if self.meta is None:
-            return
-        jobs = [job for job in self.meta.loads if job.req_id not in self.loads]
-        if not jobs:
-            return
-        fut = self.loader.submit(self._load_batch, jobs)
-        for job in jobs:
-            self.loads[job.req_id] = fut
-
-    def _load_batch(self, jobs: list[LoadJob]) -> dict[str, _LoadResult]:
-        """Fetch every job's blocks into staging (per group, one batch call for all jobs)
-        and finish each job with :meth:`_load`; returns the results by request id."""
-        t0 = monotonic()
-        todo = [job for job in jobs if not job.error and any(gb.positions for gb in job.groups)]
-        fetched: dict[str, list] = {job.req_id: [] for job in todo}
-        for gi, g in enumerate(self.groups):
-            keys, outs, spans = [], [], []
-            for job in todo:
-                gb = job.groups[gi]
-                buf = self._staging(len(gb.positions), g)
-                spans.append((job, buf, len(keys)))
-                keys += self._keys(g, job.first, job.hashes, gb.positions)
-                outs += [buf[i] for i in range(len(gb.positions))]
-            res: list = []
-            if keys:
-                try:
-                    res = self.client.get_into_batch(keys, outs, g.layout)
-                except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
-                    res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * len(keys)
-            for job, buf, lo in spans:
-                fetched[job.req_id].append((buf, res[lo:lo + len(job.groups[gi].positions)]))
-        fetch_s = monotonic() - t0
-        return {job.req_id: self._load(job, fetched.get(job.req_id), fetch_s) for job in jobs}
-
-    def _load(self, job: LoadJob, fetched: list | None, fetch_s: float) -> _LoadResult:
-        """Finish one job from its fetched ``(staging buffer, per-block results)`` per
-        group: scatter what loaded. A paged group loads a prefix: from its first
-        unloadable block on, nothing of the request counts as loaded (with one group vLLM
-        recomputes from there; with several, the whole request is reported failed)."""
-        t0 = monotonic()
-        n = max((len(gb.positions) for gb in job.groups), default=0)
-        reason = job.error or ("" if n else "no blocks")
-        ok_upto = 0 if reason else n  # loaded blocks of the single-group case, in load order
-        failed_groups: dict[int, int] = {}
-        staged = [buf for buf, _ in fetched or ()]
-        if not reason:
-            for (g, gb), (_, res) in zip(zip(self.groups, job.groups), fetched):
-                m = len(gb.positions)
-                for i, r in enumerate(res):
-                    if not isinstance(r, int):
-                        failed_groups[g.group_id] = m - i
-                        ok_upto = min(ok_upto, i)
-                        reason = reason or ("missing" if r is None else f"{type(r).__name__}: {r}")
-                        break
-        nbytes, per_group = 0, {}
-        if not reason or (not self.multi_group and ok_upto):
-            for (g, gb), buf in zip(zip(self.groups, job.groups), staged):
-                k = len(gb.positions) if not reason else ok_upto
-                self._scatter(g, buf[:k], gb.block_ids[:k])
-                nbytes += k * g.layout.nbytes
-                per_group[g.group_id] = k * g.layout.nbytes
-        failed: set[int] = set()
-        n_failed = 0
-        if reason:
-            if not self.multi_group:
-                failed.update(job.groups[0].block_ids[ok_upto:])
-                n_failed = n - ok_upto
-            else:
-                n_failed = n
-                ok_upto = 0
-            level = logging.ERROR if self.s.policy == "fail" else logging.WARNING
-            log.log(level, "kvpool: request %s: %d of %d blocks could not be loaded (first failure: %s%s)%s; "
-                    "policy=%s", job.req_id, n_failed, n, reason,
-                    f" in cache group {min(failed_groups)}" if failed_groups else "",
-                    f" from hand-off {job.handoff_id}" if job.handoff_id else "", self.s.policy)
-        bs = self.groups[0].layout.tokens_per_block
-        recomputed = job.tokens if (reason and self.multi_group) else n_failed * bs
-        return _LoadResult(job.req_id, failed, n_failed, n - n_failed, nbytes, fetch_s + monotonic() - t0,
-                           job.tokens - recomputed, recomputed, per_group)
-
-    def _scatter(self, g: GroupLayout, buf: torch.Tensor, block_ids: list[int]) -> None:
-        """Copy staged blocks into the engine's cache blocks ``block_ids``. Host caches are
-        written block by block through numpy (plain memcpy, no OpenMP team: a torch op on
-        the loader thread would start its own team beside the engine's pinned, spinning
-        one); device caches and kernel-block views go through ``index_copy_``."""
-        if not block_ids:
-            return
-        for name in g.layer_names:
-            for view, lo, hi, shape, dtype in self._parts(g, name):
-                src = buf[:, lo:hi].view(_TORCH_DTYPES[dtype]).view(len(block_ids), *shape)
-                dev = view.device
-                dst = _host_bytes(view)
-                if dst is not None:
-                    raw = src.view(torch.uint8).numpy()
-                    for i, b in enumerate(block_ids):
-                        dst[b] = raw[i]
-                    continue
-                idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
-                view.index_copy_(0, idx, src.to(dev, non_blocking=False))
-
     def _parts(self, g: GroupLayout, name: str):
         """``(cache view, byte offset, end, shape, dtype)`` of each sub-tensor of layer
         ``name`` inside one stored block of ``g``."""
@@ -332,46 +210,6 @@ class KVPoolWorker:
             nb = math.prod(shape) * DTYPE_BYTES[dtype]
             yield view, off, off + nb, shape, dtype
             off += nb
-
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """(finished loads, failed loads) completed since the last call. In a step that
-        schedules no tokens it first waits up to IDLE_WAIT_S seconds for a load to end: the
-        engine would otherwise spin through empty steps, holding the GIL the loader needs."""
-        if self.loads and self.meta is not None and self.meta.idle:
-            wait(list(self.loads.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
-        done, failed = set(), set()
-        for req_id, fut in list(self.loads.items()):
-            if not fut.done():
-                continue
-            del self.loads[req_id]
-            try:
-                r = fut.result()[req_id]
-            except Exception as e:  # noqa: BLE001 - a bug in the load must not hang the request
-                log.exception("kvpool: load of request %s crashed: %s", req_id, e)
-                r = _LoadResult(req_id, set(), 1, 0, 0, 0.0)
-                failed.add(req_id)
-            done.add(req_id)
-            if r.n_failed:
-                if self.multi_group or not r.failed_blocks:
-                    failed.add(req_id)
-                else:
-                    self.invalid |= r.failed_blocks
-            with self.lock:
-                self.report.loads[req_id] = r.n_failed
-                self.stats.add("loads")
-                self.stats.observe("load_s", r.seconds)
-                self.stats.add("blocks_loaded", r.n_ok)
-                self.stats.add("blocks_load_failed", r.n_failed)
-                self.stats.add("bytes_loaded", r.nbytes)
-                self.stats.add("loaded_tokens", r.loaded_tokens)
-                self.stats.add("recomputed_tokens", r.recomputed_tokens)
-                for gid, nb in r.group_bytes.items():
-                    self.stats.add_group(gid, "bytes_loaded", nb)
-        return done, failed
-
-    def take_invalid(self) -> set[int]:
-        out, self.invalid = self.invalid, set()
-        return out
 
     # ---- saves ------------------------------------------------------------------------------
 
@@ -390,15 +228,15 @@ class KVPoolWorker:
         if not ids or not self._mine(g):
             return
         for view, lo, hi, shape, dtype in self._parts(g, layer_name):
-            src = None if g.is_state else _host_bytes(view)
+            src = None if g.is_state else host_bytes(view)
             if src is not None:
-                fut = self.gatherer.submit(_copy_pages, src, st.bufs[gi][:, lo:hi].numpy(), ids)
+                fut = self.gatherer.submit(copy_pages, src, st.bufs[gi][:, lo:hi].numpy(), ids)
                 st.gathers.append(fut)
                 self.gathers.append(fut)
                 continue
             idx = torch.tensor(ids, dtype=torch.long, device=view.device)
             pages = view.index_select(0, idx)
-            dst = st.bufs[gi][:, lo:hi].view(_TORCH_DTYPES[dtype]).view(len(ids), *shape)
+            dst = st.bufs[gi][:, lo:hi].view(TORCH_DTYPES[dtype]).view(len(ids), *shape)
             dst.copy_(pages)  # synchronous for CPU caches (and device->host copies)
 
     def _drain_gathers(self) -> None:
@@ -519,42 +357,3 @@ class KVPoolWorker:
         self.saver.shutdown(wait=True)
         self.gatherer.shutdown(wait=True)
         self.client.close()
-
-
-def _copy_pages(src, dst, block_ids: list[int]) -> None:
-    """Gather thread: ``dst[i] = src[block_ids[i]]`` as bytes. ``src``: a layer's host cache
-    ``[blocks, ...]`` uint8 (last axis in bytes); ``dst``: ``[len(block_ids), page bytes]``
-    uint8, a column range of the staging buffer. numpy copies without the GIL and without
-    an OpenMP team beside the engine's."""
-    for i, b in enumerate(block_ids):
-        dst[i] = src[b].reshape(-1)
-
-
-def _host_bytes(view):
-    """A host cache view as a numpy uint8 array (the last axis in bytes), or None where
-    that is not possible (device memory, kernel-block views, a strided last axis)."""
-    if not isinstance(view, torch.Tensor) or view.device.type != "cpu":
-        return None
-    try:
-        return view.view(torch.uint8).numpy()
-    except (RuntimeError, TypeError):
-        return None
-
-
-class _Merged:
-    """A ``[B, H, r, Nk, C]`` cache (kernel blocks) used as ``[B, H, r*Nk, C]`` pages."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-        b, h, r, nk, c = t.shape
-        self.shape = (b, h, r * nk, c)
-        self.device = t.device
-        self.dtype = t.dtype
-
-    def index_select(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
-        sel = self.t.index_select(dim, idx)
-        return sel.reshape(len(idx), *self.shape[1:])
-
-    def index_copy_(self, dim: int, idx: torch.Tensor, src: torch.Tensor) -> None:
-        b, h, r, nk, c = self.t.shape
-        self.t.index_copy_(dim, idx, src.reshape(len(idx), h, r, nk, c))

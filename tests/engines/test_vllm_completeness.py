@@ -80,9 +80,24 @@ def test_settings():
                                                   "recompute"}, role="kv_producer"))
     assert (s.policy, s.loads, s.saves, s.producer) == ("recompute", False, True, True)
     for bad in ({}, {"master": "x", "colour": 1}, {"master": "x", "load_failure_policy": "retry"},
-                {"master": "x", "handoff_ttl_s": "soon"}, {"master": "x", "transport": "ib"}):
+                {"master": "x", "handoff_ttl_s": "soon"}, {"master": "x", "transport": "ib"},
+                {"master": "x", "load_mode": "eager"}):
         with pytest.raises(ConfigError):
             ConnectorSettings.from_vllm(_vllm_config(bad))
+
+
+def test_load_mode_is_layerwise_only_where_vllm_can_take_its_errors():
+    from kvpool.connector.vllm_meta import ConnectorSettings, layerwise_loads
+    from kvpool.protocol.errors import ConfigError
+
+    def mode(m):
+        return ConnectorSettings.from_vllm(_vllm_config({"master": "tcp://127.0.0.1:1", "load_mode": m}))
+
+    assert ConnectorSettings.from_vllm(_vllm_config({"master": "tcp://127.0.0.1:1"})).load_mode == "auto"
+    assert layerwise_loads(mode("auto"), 1) and not layerwise_loads(mode("auto"), 2)
+    assert not layerwise_loads(mode("async"), 1) and layerwise_loads(mode("layerwise"), 1)
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        layerwise_loads(mode("layerwise"), 3)  # hybrids: a request that already ran cannot report per group
 
 
 def _cache_config(*specs):

@@ -35,7 +35,10 @@ def engines(cluster, tmp_path_factory):
         # corruption test below fails if the override does not reach vLLM's scheduler
         "b": dict(kv_transfer_config=kv_config("kv_both", m, NS_SHARED, load_failure_policy="recompute"),
                   log_stats=True),
-        "mp": dict(kv_transfer_config=kv_config("kv_both", m, NS_SHARED, "recompute"), multiprocess=True),
+        # loads that hold the request until they landed (the others load layer-wise, the
+        # default for one-group models)
+        "mp": dict(kv_transfer_config=kv_config("kv_both", m, NS_SHARED, "recompute", load_mode="async"),
+                   multiprocess=True),
         "prod": dict(kv_transfer_config=kv_config("kv_producer", m, NS_PD, handoff_ttl_s=120)),
         "cons": dict(kv_transfer_config=kv_config("kv_consumer", m, NS_PD, "recompute")),
         "cons_fail": dict(kv_transfer_config=kv_config("kv_consumer", m, NS_PD, "fail")),
@@ -76,7 +79,10 @@ def tokens(outs: list[dict]) -> list[list[int]]:
 
 def test_shared_prefix_across_engines(engines, kv):
     """Engine A saves; engine B (own process, empty local cache) loads: cached tokens come
-    from kvpool and the greedy outputs equal a run without any connector."""
+    from kvpool and the greedy outputs equal a run without any connector. B loads
+    layer-wise: each request runs in the step that loads it, every attention layer
+    waiting for its own pages, so equal outputs mean each layer's pages were in place
+    before that layer read them."""
     prefix = prompt_ids(1, 6 * BS + 10)
     first = [prefix + prompt_ids(10 + i, 40) for i in range(3)]   # 242 tokens: 7 full blocks
     new = [prefix + prompt_ids(20 + i, 45) for i in range(2)]     # shares 6 blocks with `first`
@@ -91,11 +97,13 @@ def test_shared_prefix_across_engines(engines, kv):
     met = engines["b"].metrics()
     assert met["vllm:kvpool_hit_tokens"] >= 7 * BS and met["vllm:kvpool_blocks_loaded"] >= 7, met
     assert met["vllm:kvpool_blocks_load_failed"] == 0 and met["vllm:kvpool_load_seconds"] >= 1, met
+    assert met["vllm:kvpool_layer_wait_seconds"] >= 1, met  # steps whose forward waited on layer-wise loads
 
 
 def test_multiprocess_engine(engines, kv):
     """vLLM's default multiprocess mode (engine core in its own process) loads what an
-    in-process engine saved, and saves what another engine then loads."""
+    in-process engine saved, and saves what another engine then loads; its loads are
+    asynchronous (``load_mode: async``): each request waits until its whole load landed."""
     prefix = prompt_ids(1, 6 * BS + 10)                            # saved by A in the test above
     more = [prefix + prompt_ids(30 + i, 50) for i in range(2)]
     ref = tokens(engines["ref"].generate(more))

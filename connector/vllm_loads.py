@@ -1,0 +1,327 @@
+"""Loads of the kvpool vLLM connector's worker: fetch a step's hits into staging
+memory (``get_into_batch``: checksum and layout checked before any byte reaches the
+cache), then scatter them into the request's KV cache blocks.
+
+* asynchronous jobs run as one batch per step on the loader thread; ``get_finished``
+  reports the requests whose loads completed and ``take_invalid`` the blocks that did
+  not load (for multi-group models, where block ids are ambiguous, the request is
+  reported failed instead);
+* layer-wise jobs (``LoadJob.layerwise``) feed the step's own forward pass: they scatter
+  one layer at a time and ``wait_for_layer_load`` waits for its layer only
+  (:mod:`connector.layer_loads`); the step's output reports the blocks that did not load.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.connector.layer_loads import LayerLoads
+from kvpool.connector.vllm_meta import GroupLayout, LoadJob, monotonic
+from kvpool.connector.vllm_pages import TORCH_DTYPES, host_bytes
+from kvpool.protocol.errors import KVPoolError
+
+log = logging.getLogger("kvpool.vllm")
+
+LOAD_ARENA_BYTES = 64 << 20  # load staging kept per worker (at most the KV cache's size); larger steps allocate
+IDLE_WAIT_S = 0.01  # longest wait for a load in a step with nothing else to do (seconds)
+
+
+@dataclass
+class _LoadResult:
+    req_id: str
+    failed_blocks: set[int]
+    n_failed: int
+    n_ok: int
+    nbytes: int
+    seconds: float
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    group_bytes: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    """What of one load job's fetched blocks goes into the cache: ``spans[g]`` is the
+    staging buffer of group ``g`` and how many of its blocks to scatter (a prefix);
+    ``reason`` the first failure ("" when every block loaded), ``ok_upto`` the loaded
+    blocks of the single-group case, ``failed_groups`` the blocks lost per group."""
+
+    n: int
+    reason: str
+    ok_upto: int
+    failed_groups: dict[int, int]
+    spans: list[tuple[torch.Tensor | None, int]]
+
+
+class WorkerLoads:
+    """The load half of :class:`~connector.vllm_worker.KVPoolWorker` (a mixin: it needs
+    the worker's settings ``s``, ``client``, ``groups``, ``meta``, ``loader`` thread,
+    ``lock``, ``report``, ``stats``, and ``_staging``, ``_keys``, ``_parts``)."""
+
+    def _init_loads(self, kv_bytes: int) -> None:
+        """Load state; ``kv_bytes``: the KV cache's bytes (bounds the staging arena)."""
+        self.loads: dict[str, Future] = {}
+        self.layered: tuple[LayerLoads, Future, list[LoadJob]] | None = None  # this step's layer-wise loads
+        self.invalid: set[int] = set()
+        self.load_arena = torch.empty(0, dtype=torch.uint8)  # staging kept for loads (see _arena)
+        self.arena_ready: Future | None = None
+        self.arena_bytes = min(LOAD_ARENA_BYTES, kv_bytes)
+
+    def _alloc_arena(self) -> None:
+        """Allocate the load staging arena once the caches are registered (pinned when
+        they live on a GPU) and fault its pages in on the gather thread."""
+        if self.s.loads and self.arena_bytes:
+            self.load_arena = torch.empty(self.arena_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            if not self.pin:  # pinned memory is resident already; fault host pages in off the loads' path
+                self.arena_ready = self.gatherer.submit(self.load_arena.numpy().fill, 0)
+
+    def _arena(self) -> torch.Tensor:
+        """The load staging arena (flat uint8), once its prefault is done. Loads use it on
+        the one loader thread only, from fetch to scatter, and every read into it has
+        ended when ``get_into_batch`` returns, so each step reuses it from the start."""
+        if self.arena_ready is not None:
+            self.arena_ready.result()
+            self.arena_ready = None
+        return self.load_arena
+
+    def start_load_kv(self) -> None:
+        """Submit this step's load jobs to the loader thread. Asynchronous jobs go as one
+        batch: one ``get_into_batch`` per group for all of them (one master round trip,
+        fewer GIL hand-offs beside the engine's own steps), then each request's scatter.
+        Layer-wise jobs (``LoadJob.layerwise``: vLLM runs them in this step, after this
+        call) go the same way but scatter layer by layer (:mod:`connector.layer_loads`)."""
+        if self.meta is None:
+            return
+        jobs = [job for job in self.meta.loads if job.req_id not in self.loads]
+        now = [job for job in jobs if job.layerwise]
+        later = [job for job in jobs if not job.layerwise]
+        if now:
+            ll = LayerLoads((n for g in self.groups for n in g.layer_names),
+                            monotonic() + self.s.rpc_timeout_s + self.s.io_timeout_s)
+            self.layered = (ll, self.loader.submit(self._load_layers, now, ll), now)
+        if later:
+            fut = self.loader.submit(self._load_batch, later)
+            for job in later:
+                self.loads[job.req_id] = fut
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this step's layer-wise loads have written ``layer_name``'s pages
+        (at most until the step's deadline: then the step's loads are cancelled and
+        reported failed)."""
+        ll = self.layered[0] if self.layered is not None else None
+        if ll is not None and not ll.cancelled and not ll.wait(layer_name):
+            log.error("kvpool: layer-wise load of %d request(s) did not reach layer %s within %.3gs; "
+                      "their blocks are reported failed", len(self.layered[2]), layer_name,
+                      self.s.rpc_timeout_s + self.s.io_timeout_s)
+
+    def _fetch(self, jobs: list[LoadJob]) -> tuple[dict[str, list], float]:
+        """Every job's blocks into staging, per group one batch call for all jobs:
+        ``(staging buffer, per-block results)`` per group by request id, and the seconds
+        it took."""
+        t0 = monotonic()
+        todo = [job for job in jobs if not job.error and any(gb.positions for gb in job.groups)]
+        fetched: dict[str, list] = {job.req_id: [] for job in todo}
+        free = self._arena()
+        for gi, g in enumerate(self.groups):
+            keys, outs, spans = [], [], []
+            n, nb = sum(len(job.groups[gi].positions) for job in todo), g.layout.nbytes
+            if n * nb <= free.numel():  # the kept, prefaulted arena; a step past it gets fresh memory
+                room, free = free[:n * nb].view(n, nb), free[n * nb:]
+            else:
+                room = self._staging(n, g)
+            for job in todo:
+                pos = job.groups[gi].positions
+                buf, room = room[:len(pos)], room[len(pos):]
+                spans.append((job, buf, len(keys)))
+                keys += self._keys(g, job.first, job.hashes, pos)
+                outs += [buf[i] for i in range(len(pos))]
+            res: list = []
+            if keys:
+                try:
+                    res = self.client.get_into_batch(keys, outs, g.layout)
+                except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
+                    res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * len(keys)
+            for job, buf, lo in spans:
+                fetched[job.req_id].append((buf, res[lo:lo + len(job.groups[gi].positions)]))
+        return fetched, monotonic() - t0
+
+    def _load_batch(self, jobs: list[LoadJob]) -> dict[str, _LoadResult]:
+        """Fetch every job's blocks and scatter what loaded; returns the results by
+        request id."""
+        fetched, fetch_s = self._fetch(jobs)
+        out = {}
+        for job in jobs:
+            t0 = monotonic()
+            plan = self._plan(job, fetched.get(job.req_id))
+            for (g, gb), (buf, k) in zip(zip(self.groups, job.groups), plan.spans):
+                if k:
+                    for name in g.layer_names:
+                        self._scatter(g, name, buf[:k], gb.block_ids[:k])
+            out[job.req_id] = self._result(job, plan, fetch_s + monotonic() - t0)
+        return out
+
+    def _load_layers(self, jobs: list[LoadJob], ll: LayerLoads) -> dict[str, _LoadResult]:
+        """Layer-wise loads of one step: fetch every job's blocks, then scatter them one
+        layer at a time (every job's blocks of that layer), marking each layer ready. A
+        cancelled step scatters nothing more and fails every block."""
+        try:
+            fetched, fetch_s = self._fetch(jobs)
+            t0 = monotonic()
+            plans = [(job, self._plan(job, fetched.get(job.req_id))) for job in jobs]
+            for gi, g in enumerate(self.groups):
+                for name in g.layer_names:
+                    ll.scatter(name, lambda gi=gi, name=name: self._scatter_layer(plans, gi, name))
+        except BaseException:
+            ll.cancel()
+            raise
+        finally:
+            ll.finish()
+        took = fetch_s + monotonic() - t0
+        if ll.cancelled:
+            for _, p in plans:
+                p.reason, p.ok_upto = p.reason or "the step's load deadline lapsed", 0
+                p.spans = [(buf, 0) for buf, _ in p.spans]
+        return {job.req_id: self._result(job, p, took) for job, p in plans}
+
+    def _scatter_layer(self, plans: list[tuple[LoadJob, _Plan]], gi: int, name: str) -> None:
+        """Layer ``name`` (of group ``gi``) of every planned job into the cache."""
+        g = self.groups[gi]
+        for job, p in plans:
+            buf, k = p.spans[gi]
+            if k:
+                self._scatter(g, name, buf[:k], job.groups[gi].block_ids[:k])
+
+    def _plan(self, job: LoadJob, fetched: list | None) -> _Plan:
+        """What of one job's fetched ``(staging buffer, per-block results)`` per group to
+        scatter. A paged group loads a prefix: from its first unloadable block on, nothing
+        of the request counts as loaded (with one group vLLM recomputes from there; with
+        several, the whole request is reported failed)."""
+        n = max((len(gb.positions) for gb in job.groups), default=0)
+        reason = job.error or ("" if n else "no blocks")
+        ok_upto = 0 if reason else n  # loaded blocks of the single-group case, in load order
+        failed_groups: dict[int, int] = {}
+        if not reason:
+            for (g, gb), (_, res) in zip(zip(self.groups, job.groups), fetched):
+                m = len(gb.positions)
+                for i, r in enumerate(res):
+                    if not isinstance(r, int):
+                        failed_groups[g.group_id] = m - i
+                        ok_upto = min(ok_upto, i)
+                        reason = reason or ("missing" if r is None else f"{type(r).__name__}: {r}")
+                        break
+        take = not reason or (not self.multi_group and ok_upto)
+        spans = [(buf, (len(gb.positions) if not reason else ok_upto) if take else 0)
+                 for gb, (buf, _) in zip(job.groups, fetched or [(None, ())] * len(job.groups))]
+        return _Plan(n, reason, ok_upto, failed_groups, spans)
+
+    def _result(self, job: LoadJob, plan: _Plan, seconds: float) -> _LoadResult:
+        """The outcome of one job whose plan was carried out (logged when blocks failed)."""
+        n, reason, ok_upto = plan.n, plan.reason, plan.ok_upto
+        per_group = {g.group_id: k * g.layout.nbytes for g, (_, k) in zip(self.groups, plan.spans) if k}
+        failed: set[int] = set()
+        n_failed = 0
+        if reason:
+            if not self.multi_group:
+                failed.update(job.groups[0].block_ids[ok_upto:])
+                n_failed = n - ok_upto
+            else:
+                n_failed = n
+                ok_upto = 0
+            level = logging.ERROR if self.s.policy == "fail" else logging.WARNING
+            fg = plan.failed_groups
+            log.log(level, "kvpool: request %s: %d of %d blocks could not be loaded (first failure: %s%s)%s; "
+                    "policy=%s", job.req_id, n_failed, n, reason, f" in cache group {min(fg)}" if fg else "",
+                    f" from hand-off {job.handoff_id}" if job.handoff_id else "", self.s.policy)
+        bs = self.groups[0].layout.tokens_per_block
+        recomputed = job.tokens if (reason and self.multi_group) else n_failed * bs
+        return _LoadResult(job.req_id, failed, n_failed, n - n_failed, sum(per_group.values()), seconds,
+                           job.tokens - recomputed, recomputed, per_group)
+
+    def _scatter(self, g: GroupLayout, name: str, buf: torch.Tensor, block_ids: list[int]) -> None:
+        """Copy layer ``name``'s pages of staged blocks into the engine's cache blocks
+        ``block_ids``. Host caches are written with one numpy indexed assignment per
+        sub-tensor (plain copies, no OpenMP team: a torch op on the loader thread would
+        start its own team beside the engine's pinned, spinning one); device caches and
+        kernel-block views go through ``index_copy_``."""
+        if not block_ids:
+            return
+        for view, lo, hi, shape, dtype in self._parts(g, name):
+            src = buf[:, lo:hi].view(TORCH_DTYPES[dtype]).view(len(block_ids), *shape)
+            dst = host_bytes(view)
+            if dst is not None:
+                dst[block_ids] = src.view(torch.uint8).numpy().reshape(len(block_ids), *dst.shape[1:])
+                continue
+            dev = view.device
+            idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+            view.index_copy_(0, idx, src.to(dev, non_blocking=False))
+            if dev.type == "cuda":  # landed before the layer (or request) is reported loaded
+                torch.cuda.current_stream(dev).synchronize()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished loads, failed loads) completed since the last call. In a step that
+        schedules no tokens it first waits up to IDLE_WAIT_S seconds for a load to end: the
+        engine would otherwise spin through empty steps, holding the GIL the loader needs."""
+        if self.layered is not None:
+            self._end_layered()
+        if self.loads and self.meta is not None and self.meta.idle:
+            wait(list(self.loads.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        done, failed = set(), set()
+        for req_id, fut in list(self.loads.items()):
+            if not fut.done():
+                continue
+            del self.loads[req_id]
+            try:
+                r = fut.result()[req_id]
+            except Exception as e:  # noqa: BLE001 - a bug in the load must not hang the request
+                log.exception("kvpool: load of request %s crashed: %s", req_id, e)
+                r = _LoadResult(req_id, set(), 1, 0, 0, 0.0)
+                failed.add(req_id)
+            done.add(req_id)
+            if r.n_failed:
+                if self.multi_group or not r.failed_blocks:
+                    failed.add(req_id)
+                else:
+                    self.invalid |= r.failed_blocks
+            self._count(r)
+        return done, failed
+
+    def _end_layered(self) -> None:
+        """End this step's layer-wise loads before vLLM reads the step's output: wait for
+        the loader (until the step's deadline; past it the step is cancelled) and report
+        the blocks that did not load as load errors (vLLM recomputes them). Layer-wise
+        loads are only planned for single-group models, whose block ids are unambiguous."""
+        ll, fut, jobs = self.layered
+        self.layered = None
+        try:
+            results = fut.result(timeout=max(0.0, ll.deadline - monotonic()))
+        except Exception as e:  # noqa: BLE001 - deadline or a bug: the blocks are failed, never half-used
+            ll.cancel()
+            log.error("kvpool: layer-wise load of %d request(s) did not finish (%s: %s); their blocks are "
+                      "reported failed", len(jobs), type(e).__name__, e)
+            results = {job.req_id: self._result(job, _Plan(len(job.groups[0].positions), "not finished", 0, {},
+                                                            [(None, 0)] * len(job.groups)), 0.0) for job in jobs}
+        with self.lock:
+            self.stats.observe("layer_wait_s", ll.waited_s)
+        for r in results.values():
+            self.invalid |= r.failed_blocks
+            self._count(r)
+
+    def _count(self, r: _LoadResult) -> None:
+        with self.lock:
+            self.report.loads[r.req_id] = r.n_failed
+            self.stats.add("loads")
+            self.stats.observe("load_s", r.seconds)
+            self.stats.add("blocks_loaded", r.n_ok)
+            self.stats.add("blocks_load_failed", r.n_failed)
+            self.stats.add("bytes_loaded", r.nbytes)
+            self.stats.add("loaded_tokens", r.loaded_tokens)
+            self.stats.add("recomputed_tokens", r.recomputed_tokens)
+            for gid, nb in r.group_bytes.items():
+                self.stats.add_group(gid, "bytes_loaded", nb)
+
+    def take_invalid(self) -> set[int]:
+        out, self.invalid = self.invalid, set()
+        return out
