@@ -23,9 +23,9 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import msgspec
-import xxhash
 
 from kvpool.connector.dataclient import WriteOp
+from kvpool.connector.prehash import prehash
 from kvpool.connector.reservations import CLAIM_AHEAD, ReservationPool, Slot
 from kvpool.protocol import messages as M
 from kvpool.protocol.errors import KVPoolError, PutRevoked, from_wire
@@ -33,7 +33,6 @@ from kvpool.protocol.errors import KVPoolError, PutRevoked, from_wire
 _REAP_S = 1.0  # the reaper looks for expired reservations at least this often (seconds)
 _FLUSH_S = 0.005  # queued claim ends and commit copies wait at most this long (seconds)
 _FLUSH_ITEMS = 256  # ... or until this many are queued
-_PREHASH_MAX = 4 << 20  # buffers up to this size are hashed while claims are answered
 
 
 class ReservedPuts:
@@ -89,7 +88,7 @@ class ReservedPuts:
         sums: dict[int, int] = {}  # position -> xxh3_64 of its buffer, hashed while claims are answered
         if need:  # one claim round trip for them and the next few of each size
             ahead = [a for size in {s.size for s in need} for a in self._res_pool.claim_ahead(size, rep, CLAIM_AHEAD)]
-            refused = {id(s) for s in self._claim(need + ahead, _hash_into(sums, bufs, slot_of))}
+            refused = {id(s) for s in self._claim(need + ahead, lambda: prehash(bufs, sums, slot_of))}
             self._res_pool.claimed([a for a in ahead if id(a) not in refused], [a for a in ahead if id(a) in refused])
             if refused:
                 self.rpc.send_nowait(M.Reserve(0, 0, self.host_id, 0, [s.res.res_id for s in need + ahead
@@ -339,16 +338,3 @@ class ReservedPuts:
 def _per_call(size: int, count: int) -> int:
     """``count`` within what one Reserve may ask for (:mod:`master.reservations`)."""
     return max(0, min(count, 1024, (1 << 30) // max((size + 4095) & ~4095, 4096)))
-
-
-def _hash_into(sums: dict[int, int], bufs, slot_of: dict[int, Slot]) -> Callable[[], None]:
-    """Work for the wait on claims: the xxh3_64 of each host buffer of at most
-    :data:`_PREHASH_MAX` bytes put through ``slot_of`` into ``sums``, so that its copy into
-    the segment is one GIL-free memcpy without a hash (bigger ones are hashed beside
-    their copy)."""
-    def work() -> None:
-        for j in slot_of:
-            b = bufs[j]
-            if type(b) is memoryview and len(b) <= _PREHASH_MAX:
-                sums[j] = xxhash.xxh3_64_intdigest(b)
-    return work

@@ -259,20 +259,23 @@ def test_prehash_stops_when_the_answer_is_in():
     """The put_start wait hashes host buffers of at most 4 MiB in order and stops at the
     first look at the socket that finds the answer (it looks every 256 KiB hashed);
     bigger buffers and device buffers are left to the write."""
-    from kvpool.connector.client import _PREHASH_POLL, _prehash
+    from kvpool.connector.prehash import PREHASH_POLL, prehash
 
     small = [memoryview(bytes([i]) * (100 << 10)) for i in range(5)]  # 3 fit before the first look
     big = memoryview(bytes(5 << 20))
     bufs = [small[0], big, object(), *small[1:]]
     sums = [None] * len(bufs)
     looks = []
-    _prehash(bufs, sums)(lambda: looks.append(1) or True)
+    prehash(bufs, sums, range(len(bufs)), lambda: looks.append(1) or True)
     hashed = [j for j, s in enumerate(sums) if s is not None]
-    assert hashed == [0, 3, 4] and len(looks) == 1 and 3 * (100 << 10) >= _PREHASH_POLL
+    assert hashed == [0, 3, 4] and len(looks) == 1 and 3 * (100 << 10) >= PREHASH_POLL
     assert sums[3] == xxhash.xxh3_64_intdigest(small[1])
     sums = [None] * len(bufs)
-    _prehash(bufs, sums)(lambda: False)
+    prehash(bufs, sums, range(len(bufs)), lambda: False)
     assert [j for j, s in enumerate(sums) if s is not None] == [0, 3, 4, 5, 6]
+    sums = {}
+    prehash(bufs, sums, [6, 0, 1])  # the reserved put's form: chosen positions, no answer to look for
+    assert list(sums) == [6, 0]
 
 
 def test_work_beside_a_master_call_runs_once_and_keeps_its_own_errors(client):
