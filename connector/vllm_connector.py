@@ -117,7 +117,16 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         forward pass, which waits per layer) and asynchronous ones (their requests wait in
         WAITING_FOR_REMOTE_KVS until ``get_finished`` reports them)."""
         if self.worker is not None:
-            self.worker.start_load_kv()
+            # a full CUDA graph replays without Python: no wait_for_layer_load, so wait here
+            mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+            self.worker.start_load_kv(whole=getattr(mode, "name", "") == "FULL")
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True with ``load_mode: layerwise``: attention must run outside CUDA graphs for
+        its ``wait_for_layer_load`` to run. (With ``auto`` a full graph's step waits for
+        its whole load in ``start_load_kv`` instead.)"""
+        return (extra_config or {}).get("load_mode") == "layerwise"
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this step's layer-wise loads have written ``layer_name``'s pages

@@ -12,6 +12,7 @@ cache), then scatter them into the request's KV cache blocks.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 from kvpool.connector.layer_loads import LayerLoads
 from kvpool.connector.vllm_meta import GroupLayout, LoadJob, monotonic
 from kvpool.connector.vllm_pages import TORCH_DTYPES, host_bytes
+from kvpool.connector.vllm_plan import NULL_BLOCK
 from kvpool.protocol.errors import KVPoolError
 
 log = logging.getLogger("kvpool.vllm")
@@ -64,6 +66,8 @@ class WorkerLoads:
     def _init_loads(self, kv_bytes: int) -> None:
         """Load state; ``kv_bytes``: the KV cache's bytes (bounds the staging arena)."""
         self.loads: dict[str, Future] = {}
+        self.last_load: Future | None = None  # the loader's newest job
+        self.load_stream = None  # device caches: the loader's CUDA stream
         self.layered: tuple[LayerLoads, Future, list[LoadJob]] | None = None  # this step's layer-wise loads
         self.invalid: set[int] = set()
         self.load_arena = torch.empty(0, dtype=torch.uint8)  # staging kept for loads (see _arena)
@@ -87,12 +91,18 @@ class WorkerLoads:
             self.arena_ready = None
         return self.load_arena
 
-    def start_load_kv(self) -> None:
+    def start_load_kv(self, whole: bool = False) -> None:
         """Submit this step's load jobs to the loader thread. Asynchronous jobs go as one
         batch: one ``get_into_batch`` per group for all of them (one master round trip,
         fewer GIL hand-offs beside the engine's own steps), then each request's scatter.
         Layer-wise jobs (``LoadJob.layerwise``: vLLM runs them in this step, after this
-        call) go the same way but scatter layer by layer (:mod:`connector.layer_loads`)."""
+        call) go the same way but scatter layer by layer (:mod:`connector.layer_loads`).
+        ``whole``: the forward pass will not call ``wait_for_layer_load`` (a full CUDA
+        graph replays without Python), so the layer-wise loads are waited for here.
+
+        Layer-wise jobs fail at once, and are recomputed, while the loader still holds an
+        earlier fetch (one a lapsed deadline gave up on): queued behind it they would stall
+        this step's forward pass as well."""
         if self.meta is None:
             return
         jobs = [job for job in self.meta.loads if job.req_id not in self.loads]
@@ -101,11 +111,32 @@ class WorkerLoads:
         if now:
             ll = LayerLoads((n for g in self.groups for n in g.layer_names),
                             monotonic() + self.s.rpc_timeout_s + self.s.io_timeout_s)
-            self.layered = (ll, self.loader.submit(self._load_layers, now, ll), now)
+            if self.last_load is not None and not self.last_load.done():
+                ll.cancel()
+                ll.finish()
+                fut: Future = Future()
+                fut.set_result({job.req_id: self._failed(job, "the loader is still in an earlier step's fetch")
+                                for job in now})
+            else:
+                after = None
+                if self.pin:  # device caches: the copies go after what the forward's stream holds (block zeroing)
+                    after = torch.cuda.Event()
+                    after.record()
+                fut = self.last_load = self.loader.submit(self._load_layers, now, ll, after)
+            self.layered = (ll, fut, now)
+            if whole:
+                for name in ll.ready:
+                    if not ll.wait(name):
+                        break
         if later:
-            fut = self.loader.submit(self._load_batch, later)
+            fut = self.last_load = self.loader.submit(self._load_batch, later)
             for job in later:
                 self.loads[job.req_id] = fut
+
+    def _failed(self, job: LoadJob, reason: str) -> _LoadResult:
+        """The result of a job none of whose blocks loaded."""
+        return self._result(job, _Plan(max((len(gb.positions) for gb in job.groups), default=0), reason, 0, {},
+                                       [(None, 0)] * len(job.groups)), 0.0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this step's layer-wise loads have written ``layer_name``'s pages
@@ -163,17 +194,25 @@ class WorkerLoads:
             out[job.req_id] = self._result(job, plan, fetch_s + monotonic() - t0)
         return out
 
-    def _load_layers(self, jobs: list[LoadJob], ll: LayerLoads) -> dict[str, _LoadResult]:
+    def _load_layers(self, jobs: list[LoadJob], ll: LayerLoads, after=None) -> dict[str, _LoadResult]:
         """Layer-wise loads of one step: fetch every job's blocks, then scatter them one
         layer at a time (every job's blocks of that layer), marking each layer ready. A
-        cancelled step scatters nothing more and fails every block."""
+        cancelled step scatters nothing more and fails every block. ``after``: a CUDA
+        event on the forward's stream; device copies run on the loader's own stream,
+        after it."""
         try:
             fetched, fetch_s = self._fetch(jobs)
             t0 = monotonic()
             plans = [(job, self._plan(job, fetched.get(job.req_id))) for job in jobs]
-            for gi, g in enumerate(self.groups):
-                for name in g.layer_names:
-                    ll.scatter(name, lambda gi=gi, name=name: self._scatter_layer(plans, gi, name))
+            with contextlib.ExitStack() as on_stream:
+                if after is not None:
+                    if self.load_stream is None:
+                        self.load_stream = torch.cuda.Stream()
+                    on_stream.enter_context(torch.cuda.stream(self.load_stream))
+                    self.load_stream.wait_event(after)
+                for gi, g in enumerate(self.groups):
+                    for name in g.layer_names:
+                        ll.scatter(name, lambda gi=gi, name=name: self._scatter_layer(plans, gi, name))
         except BaseException:
             ll.cancel()
             raise
@@ -224,8 +263,8 @@ class WorkerLoads:
         failed: set[int] = set()
         n_failed = 0
         if reason:
-            if not self.multi_group:
-                failed.update(job.groups[0].block_ids[ok_upto:])
+            if not self.multi_group:  # the shared null block is no request's: never reported
+                failed.update(b for b in job.groups[0].block_ids[ok_upto:] if b != NULL_BLOCK)
                 n_failed = n - ok_upto
             else:
                 n_failed = n
@@ -258,7 +297,7 @@ class WorkerLoads:
             idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
             view.index_copy_(0, idx, src.to(dev, non_blocking=False))
             if dev.type == "cuda":  # landed before the layer (or request) is reported loaded
-                torch.cuda.current_stream(dev).synchronize()
+                torch.cuda.current_stream(dev).synchronize()  # the loader's stream, for layer-wise loads
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished loads, failed loads) completed since the last call. In a step that
@@ -288,11 +327,13 @@ class WorkerLoads:
             self._count(r)
         return done, failed
 
-    def _end_layered(self) -> None:
+    def _end_layered(self, report: bool = True) -> None:
         """End this step's layer-wise loads before vLLM reads the step's output: wait for
-        the loader (until the step's deadline; past it the step is cancelled) and report
-        the blocks that did not load as load errors (vLLM recomputes them). Layer-wise
-        loads are only planned for single-group models, whose block ids are unambiguous."""
+        the loader (until the step's deadline; past it the step is cancelled) and, with
+        ``report``, report the blocks that did not load as load errors (vLLM recomputes
+        them). Layer-wise loads are only planned for single-group models, whose block ids
+        are unambiguous. Without ``report`` (a step that ended without its output), the
+        ids are dropped: by the next step they may name other requests' blocks."""
         ll, fut, jobs = self.layered
         self.layered = None
         try:
@@ -301,12 +342,12 @@ class WorkerLoads:
             ll.cancel()
             log.error("kvpool: layer-wise load of %d request(s) did not finish (%s: %s); their blocks are "
                       "reported failed", len(jobs), type(e).__name__, e)
-            results = {job.req_id: self._result(job, _Plan(len(job.groups[0].positions), "not finished", 0, {},
-                                                            [(None, 0)] * len(job.groups)), 0.0) for job in jobs}
+            results = {job.req_id: self._failed(job, "not finished") for job in jobs}
         with self.lock:
             self.stats.observe("layer_wait_s", ll.waited_s)
         for r in results.values():
-            self.invalid |= r.failed_blocks
+            if report:
+                self.invalid |= r.failed_blocks
             self._count(r)
 
     def _count(self, r: _LoadResult) -> None:

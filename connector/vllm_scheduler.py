@@ -69,6 +69,7 @@ class _Req:
     states: set[int] = field(default_factory=set)  # boundaries (blocks) with a state save job
     handoff_id: str | None = None  # consumer: claimed record to ack
     handoff_done: bool = False
+    loading: bool = False         # a layer-wise load went out and its report is not back
     planned: bool = False
     synced: bool = False          # producer: the sync save of the prompt's last step is planned
     cacheable: bool = True        # False for prompt-embedding inputs (no token ids to hash)
@@ -117,6 +118,7 @@ class KVPoolScheduler:
         self.reqs: dict[str, _Req] = {}
         self.matches: dict[str, _Match] = {}
         self.pending_loads: dict[str, LoadJob] = {}
+        self.closing: dict[str, _Req] = {}  # finished while their layer-wise load was out: closed on its report
         self.stats = KVPoolConnectorStats()
         self.counted: set[str] = set()  # requests whose lookup was counted (vLLM may ask again)
         self.lookups: dict[str, _Pending] = {}  # background lookups not yet taken
@@ -349,6 +351,10 @@ class KVPoolScheduler:
     def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
         meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()),
                                        idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+        for job in meta.loads:
+            st = self.reqs.get(job.req_id)
+            if st is not None and job.layerwise:
+                st.loading = True
         self.pending_loads.clear()
         if not self.s.saves:
             return meta
@@ -437,10 +443,16 @@ class KVPoolScheduler:
         if self.layerwise:  # a layer-wise load ends in the step that ran it, on every rank: no finished_recving
             done.update(failed)
         for req_id in done:
-            st = self.reqs.get(req_id)
-            if st is None or not st.handoff_id or st.handoff_done:
+            st = self.reqs.get(req_id) or self.closing.pop(req_id, None)
+            if st is None:
                 continue
-            self._finish_handoff(st, ok=not failed.get(req_id))
+            st.loading = False
+            if st.handoff_id and not st.handoff_done:
+                self._finish_handoff(st, ok=not failed.get(req_id))
+        for st in self.closing.values():  # finished, and no report of their load came: let the hand-off go
+            if st.handoff_id and not st.handoff_done:
+                self._finish_handoff(st, ok=False)
+        self.closing.clear()
 
     def _finish_handoff(self, st: _Req, ok: bool) -> None:
         st.handoff_done = True
@@ -465,11 +477,16 @@ class KVPoolScheduler:
             pend.future.cancel()
         st = self.reqs.pop(request.request_id, None)
         if st is not None and st.handoff_id and not st.handoff_done:
-            # this request claimed the hand-off and matched it, but ends without having acked it
-            # (aborted before its load finished): release the producer's blocks now. A request
-            # whose claim failed leaves the hand-off to its consumer (or its deadline): naming
-            # another request's hand-off must not end it.
-            self._finish_handoff(st, ok=False)
+            if st.loading:
+                # it ends in the step that loaded it (vLLM frees a finished request before it
+                # reads the step's connector output): ack or release on the load's report
+                self.closing[request.request_id] = st
+            else:
+                # this request claimed the hand-off and matched it, but ends without having acked
+                # it (aborted before its load finished): release the producer's blocks now. A
+                # request whose claim failed leaves the hand-off to its consumer (or its
+                # deadline): naming another request's hand-off must not end it.
+                self._finish_handoff(st, ok=False)
         if not self.s.producer or st is None:
             return False, None
         return False, self._publish(request, st)

@@ -176,7 +176,7 @@ class KVPoolWorker(WorkerLoads):
     def bind(self, meta) -> None:
         self._drain_gathers()  # before this step's forward can write a block the last step saved
         if self.layered is not None:  # the last step ended without its output (an error in its forward)
-            self._end_layered()
+            self._end_layered(report=False)
         self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
         self.staged = []
         self.barrier = False

@@ -172,6 +172,21 @@ def test_pd_handoff(engines, kv):
         kv.handoff_claim(params["kvpool"]["handoff_id"])  # acked: closed
 
 
+def test_a_consumer_request_ending_in_its_load_step_acks_the_handoff(engines, kv):
+    """A layer-wise load runs in the step that also ends a one-token request: vLLM frees the
+    request before it reads that step's connector output, and the hand-off is still acked
+    from the load's report (not released as unused)."""
+    x = prompt_ids(63, 6 * BS + 3)
+    ref = tokens(engines["ref"].generate([x], max_tokens=1))
+    params = engines["prod"].generate([x], max_tokens=1)[0]["kv_transfer_params"]
+    before = dict(kv.stats().counters)
+    out = engines["cons"].generate([x], max_tokens=1, params=[params])
+    assert tokens(out) == ref and out[0]["num_cached_tokens"] == 6 * BS
+    wait_for(lambda: kv.stats().counters.get("handoffs_acked", 0) == before.get("handoffs_acked", 0) + 1, 10,
+             what="hand-off acked")
+    assert kv.stats().counters.get("handoffs_released", 0) == before.get("handoffs_released", 0)
+
+
 def test_a_request_naming_another_prompts_handoff_cannot_end_it(engines, kv):
     """Hostile or misrouted params: a request of prompt B carrying prompt A's hand-off is
     refused (fail: an error; recompute: computed locally), and A's hand-off stays open, so
