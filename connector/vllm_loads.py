@@ -60,8 +60,9 @@ class _Plan:
 
 class WorkerLoads:
     """The load half of :class:`~connector.vllm_worker.KVPoolWorker` (a mixin: it needs
-    the worker's settings ``s``, ``client``, ``groups``, ``meta``, ``loader`` thread,
-    ``lock``, ``report``, ``stats``, and ``_staging``, ``_keys``, ``_parts``)."""
+    the worker's settings ``s``, ``client``, ``groups``, ``multi_group``, ``meta``,
+    ``pin``, its ``loader`` and ``gatherer`` threads, ``lock``, ``report``, ``stats``, and
+    ``_staging``, ``_keys``, ``_parts``)."""
 
     def _init_loads(self, kv_bytes: int) -> None:
         """Load state; ``kv_bytes``: the KV cache's bytes (bounds the staging arena)."""
