@@ -188,10 +188,9 @@ class WorkerLoads:
         for job in jobs:
             t0 = monotonic()
             plan = self._plan(job, fetched.get(job.req_id))
-            for (g, gb), (buf, k) in zip(zip(self.groups, job.groups), plan.spans):
-                if k:
-                    for name in g.layer_names:
-                        self._scatter(g, name, buf[:k], gb.block_ids[:k])
+            for gi, g in enumerate(self.groups):
+                for name in g.layer_names:
+                    self._scatter_layer([(job, plan)], gi, name)
             out[job.req_id] = self._result(job, plan, fetch_s + monotonic() - t0)
         return out
 

@@ -9,6 +9,12 @@ if TYPE_CHECKING:
     from kvpool.master.state import Node
 
 
+def room(node: Node, high_watermark: float) -> float:
+    """The bytes ``node`` has below ``high_watermark`` (a fraction of its capacity); at or
+    below 0 once it is at or past the mark. The weight new objects are placed by."""
+    return high_watermark * node.alloc.capacity - node.alloc.used
+
+
 def spread(nodes: Sequence[Node], rank: Callable[[Node], object], high_watermark: float,
            rng: random.Random) -> list[Node]:
     """``nodes`` in the order to place on: by ``rank(node)`` first (False before True, e.g.
@@ -25,7 +31,7 @@ def spread(nodes: Sequence[Node], rank: Callable[[Node], object], high_watermark
     draw = rng.expovariate
 
     def key(n: Node) -> tuple:
-        room = high_watermark * n.alloc.capacity - n.alloc.used
-        return (rank(n), room <= 0, draw(room) if room > 0 else n.alloc.used - n.alloc.capacity)
+        r = room(n, high_watermark)
+        return (rank(n), r <= 0, draw(r) if r > 0 else n.alloc.used - n.alloc.capacity)
 
     return sorted(nodes, key=key)

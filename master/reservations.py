@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kvpool.master.allocator import align_up
 from kvpool.master.objects import COMMITTED, Obj
+from kvpool.master.placement import room
 from kvpool.master.repair import commit_row, grant as _grant
 from kvpool.protocol import errors as E
 from kvpool.protocol.grants import grant_token
@@ -134,7 +135,7 @@ class ReservationMixin:
             return []
         rank = lambda nd: nd.desc.host_id != host_id  # noqa: E731 - the same rank _place uses
         best = [nd for nd in fits if not rank(nd)] or fits
-        rooms = [max(0.0, hw * nd.alloc.capacity - nd.alloc.used) for nd in best]
+        rooms = [max(0.0, room(nd, hw)) for nd in best]
         total = sum(rooms)
         if total <= 0:
             return []
