@@ -47,6 +47,7 @@ from kvpool.protocol.transport import default_host_id
 
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
 _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
+PIPELINE_KEYS = 64  # a batch get of more keys looks up each slice of this many while reading the one before
 _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
 
 
@@ -500,17 +501,46 @@ class KVPoolClient(ReservedPuts):
 
     def _get_rounds(self, keys, lays, results, todo: list[int], views: list, alloc: list | None = None) -> None:
         """Leased lookup + read, retried with a fresh lease up to ``lease_retries`` times.
-        With ``alloc``, buffers are made to each object's size after the lookup."""
-        for attempt in range(self.lease_retries + 1):
+        With ``alloc``, buffers are made to each object's size after the lookup.
+
+        A first round of more than ``2 * PIPELINE_KEYS`` keys is pipelined: it goes in
+        slices of that many keys, and each slice's reads run while the master answers the
+        next slice's lookup (the ``meanwhile`` of :meth:`MasterRPC.call`), so only the first
+        slice's lookup is waited for. Each slice holds its own leases."""
+        last = self.lease_retries == 0
+        if len(todo) > 2 * PIPELINE_KEYS:
+            slices = [todo[a:a + PIPELINE_KEYS] for a in range(0, len(todo), PIPELINE_KEYS)]
+            retry: list[int] = []
+            prev = None  # the slice looked up last: (indices, t_sent, infos)
+
+            def read_prev(_answered=None) -> None:
+                retry.extend(self._read(keys, views, lays, results, prev[0], prev[2], prev[1], last))
+
+            for part in slices:
+                t_sent = time.monotonic()
+                infos = self.rpc.call(M.Lookup([keys[i] for i in part], lease=True),
+                                      meanwhile=read_prev if prev is not None else None)
+                self._sized(alloc, views, part, infos)
+                prev = (part, t_sent, infos)
+            read_prev()
+            todo, first = retry, 1
+        else:
+            first = 0
+        for attempt in range(first, self.lease_retries + 1):
             if not todo:
                 return
             t_sent, infos = self._leased_lookup(keys, todo)
-            if alloc is not None:
-                for i, info in zip(todo, infos):
-                    if isinstance(info, M.ObjectInfo):
-                        alloc[i] = bytearray(info.size)
-                        views[i] = memoryview(alloc[i])
+            self._sized(alloc, views, todo, infos)
             todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
+
+    @staticmethod
+    def _sized(alloc: list | None, views: list, todo: list[int], infos: list) -> None:
+        """With ``alloc`` (``get_batch``), make each found object's buffer to its size."""
+        if alloc is not None:
+            for i, info in zip(todo, infos):
+                if isinstance(info, M.ObjectInfo):
+                    alloc[i] = bytearray(info.size)
+                    views[i] = memoryview(alloc[i])
 
     def _leased_lookup(self, keys, todo: list[int]) -> tuple[float, list]:
         t_sent = time.monotonic()
@@ -525,7 +555,7 @@ class KVPoolClient(ReservedPuts):
                 results[i] = None if isinstance(err, NotFound) else err
                 continue
             try:
-                if lays[i] is not None:
+                if lays[i] is not None and lays[i] != info.layout:  # equal layouts need no field walk
                     check_layout(lays[i], info.layout, info.key)
                 if len(views[i]) < info.size:
                     raise InvalidRequest(f"buffer for {info.key!r} holds {len(views[i])} bytes; the object "

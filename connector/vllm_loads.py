@@ -164,12 +164,13 @@ class WorkerLoads:
                 room, free = free[:n * nb].view(n, nb), free[n * nb:]
             else:
                 room = self._staging(n, g)
+            flat = memoryview(room.numpy()).cast("B") if n else None  # byte slices: no tensor per block
             for job in todo:
                 pos = job.groups[gi].positions
-                buf, room = room[:len(pos)], room[len(pos):]
-                spans.append((job, buf, len(keys)))
+                lo = len(keys)
+                spans.append((job, room[lo:lo + len(pos)], lo))
                 keys += self._keys(g, job.first, job.hashes, pos)
-                outs += [buf[i] for i in range(len(pos))]
+                outs += [flat[i * nb:(i + 1) * nb] for i in range(lo, lo + len(pos))]
             res: list = []
             if keys:
                 try:
@@ -226,12 +227,25 @@ class WorkerLoads:
         return {job.req_id: self._result(job, p, took) for job, p in plans}
 
     def _scatter_layer(self, plans: list[tuple[LoadJob, _Plan]], gi: int, name: str) -> None:
-        """Layer ``name`` (of group ``gi``) of every planned job into the cache."""
+        """Layer ``name`` (of group ``gi``) of every planned job into the cache: jobs whose
+        blocks lie back to back in staging (all of them, when every block loaded) go as one
+        copy per sub-tensor."""
         g = self.groups[gi]
+        run: torch.Tensor | None = None  # the staged rows gathered so far, and their blocks
+        ids: list[int] = []
         for job, p in plans:
             buf, k = p.spans[gi]
-            if k:
-                self._scatter(g, name, buf[:k], job.groups[gi].block_ids[:k])
+            if not k:
+                continue
+            if run is not None and buf.data_ptr() == run.data_ptr() + run.shape[0] * run.stride(0):
+                run = run.as_strided((run.shape[0] + k, run.shape[1]), run.stride())  # widened over buf[:k]
+                ids += job.groups[gi].block_ids[:k]
+                continue
+            if run is not None:
+                self._scatter(g, name, run, ids)
+            run, ids = buf[:k], list(job.groups[gi].block_ids[:k])
+        if run is not None:
+            self._scatter(g, name, run, ids)
 
     def _plan(self, job: LoadJob, fetched: list | None) -> _Plan:
         """What of one job's fetched ``(staging buffer, per-block results)`` per group to

@@ -196,6 +196,10 @@ class KVPoolWorker(WorkerLoads):
         return torch.empty((n, g.layout.nbytes), dtype=torch.uint8, pin_memory=self.pin)
 
     def _keys(self, g: GroupLayout, first: int, hashes: list[bytes], positions: list[int]) -> list[str]:
+        """Keys of group ``g``'s blocks at ``positions`` (``hashes[p - first]`` is block
+        ``p``'s hash)."""
+        if not g.is_state:  # a block's key does not depend on its position
+            return keys_for(self.s, g, [hashes[p - first] for p in positions], self.rank)
         return [keys_for(self.s, g, [hashes[p - first]], self.rank, p)[0] for p in positions]
 
     def clear(self) -> None:

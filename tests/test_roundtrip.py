@@ -181,6 +181,38 @@ def test_batch_forms_report_per_key(client):
     assert got == [b"aa", None, b"bbb"]
 
 
+def test_a_batch_get_of_many_keys_reads_slice_by_slice_with_every_answer_per_key(client):
+    """A batch past two lookup slices (PIPELINE_KEYS) reads each slice while the next is
+    looked up: every key still gets its own answer (bytes, a miss, a layout error) and
+    every lease taken is released."""
+    import time
+
+    import msgspec
+
+    from kvpool.connector.client import PIPELINE_KEYS
+
+    lay = LayoutSpec(kind="full_attention", tokens_per_block=16,
+                     tensors=(TensorSpec("kv", (2, 16, 2, 32), "float32"),), num_kv_heads=2, head_size=32)
+    other = msgspec.structs.replace(lay, sliding_window=64)
+    n = 3 * PIPELINE_KEYS + 5
+    keys = [f"slices/{i}" for i in range(n)]
+    blocks = [torch.full((2, 16, 2, 32), float(i)) for i in range(n)]
+    assert client.put_batch(keys, blocks, lay) == [None] * n
+    assert client.put("slices/other", torch.zeros(2, 16, 2, 32), other)
+    ask = keys[:70] + ["slices/missing"] + keys[70:140] + ["slices/other"] + keys[140:]
+    outs = [torch.empty(2, 16, 2, 32) for _ in ask]
+    res = client.get_into_batch(ask, outs, lay)
+    assert res[70] is None and isinstance(res[141], E.LayoutMismatch)
+    got = [o for i, o in enumerate(outs) if i not in (70, 141)]
+    assert all(r == lay.nbytes for i, r in enumerate(res) if i not in (70, 141))
+    assert all(torch.equal(o, b) for o, b in zip(got, blocks))
+    assert [len(b) if b is not None else None for b in client.get_batch(ask)][69:72] == [lay.nbytes, None, lay.nbytes]
+    deadline = time.monotonic() + 30
+    while any(m.leased for m in client.ls("slices/")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(m.leased for m in client.ls("slices/"))
+
+
 def test_tensor_put_and_get_into(client):
     t = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
     client.put("tensor/a", t)
