@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.connector.affinity import format_cpus, io_cpus, omp_cpus, online_cpus, pin_thread
 from kvpool.connector.vllm_loads import WorkerLoads
 from kvpool.connector.vllm_meta import (
     ConnectorSettings,
@@ -81,9 +83,14 @@ class KVPoolWorker(WorkerLoads):
         self.meta: KVPoolConnectorMetadata | None = None
         self.staged: list[_Staged] = []
         self.barrier = False  # a producer's prompt ended this step: commit queued saves in wait_for_save
-        self.loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
-        self.saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
-        self.gatherer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-gather")
+        cpus = io_cpus(os.environ, online_cpus())  # beside a bound OpenMP team: see connector.affinity
+        pinned = {"initializer": pin_thread, "initargs": (cpus,)} if cpus is not None else {}
+        if cpus is not None:
+            log.info("kvpool: connector threads run on CPUs %s (the OpenMP team is bound to %s)",
+                     format_cpus(cpus), format_cpus(omp_cpus(os.environ) or set()))
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", **pinned)
+        self.saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save", **pinned)
+        self.gatherer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-gather", **pinned)
         self.gathers: list[Future] = []  # this step's host copies: awaited before the next forward
         self._init_loads(self.num_blocks * sum(g.layout.nbytes for g in self.groups))
         self.saves: list[Future] = []
