@@ -44,7 +44,7 @@ Measured on the client, per path and length (min / median / p90 (nearest rank) /
   prefill and decode-first-byte means is what the proxy's own hops cost;
 * ``rounds_detail``: each round's medians and ratios (how much the machine moved during the run).
 
-    python benchmarks/serving.py [--prompts 6] [--rounds 3] [--gap 1.2] [--lengths 256,960] [--split] [--json]
+    python benchmarks/serving.py [--prompts 6] [--rounds 3] [--gap 1.2] [--lengths 256,960,2048] [--split] [--json]
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
 
 NS = "bench-serving"
+LONGEST = 8192  # tokens: the longest --lengths prompt (the tiny model is built to take it)
 # (report name, histogram) per server whose /metrics is scraped
 _VLLM = [("ttft_ms", "vllm:time_to_first_token_seconds"), ("e2e_ms", "vllm:e2e_request_latency_seconds"),
          ("queue_ms", "vllm:request_queue_time_seconds"), ("prefill_ms", "vllm:request_prefill_time_seconds")]
@@ -251,7 +252,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6, help="measured prompts per length and round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--lengths", default="256,960", help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--lengths", default="256,960,2048", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured prompts per path and length")
     ap.add_argument("--gap", type=float, default=1.2, help="seconds idle before each request")
@@ -272,14 +273,16 @@ def main() -> None:
         write_chat_template
     from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, build_tiny_llama
 
-    if a.prompts < 1 or a.rounds < 1 or a.gap < 0 or any(not 0 < n <= MAX_MODEL_LEN - a.max_tokens for n in lengths):
-        ap.error(f"--prompts and --rounds must be >= 1, --gap >= 0, each length in 1..{MAX_MODEL_LEN - a.max_tokens}")
+    if a.prompts < 1 or a.rounds < 1 or a.gap < 0 or any(not 0 < n <= LONGEST for n in lengths):
+        ap.error(f"--prompts and --rounds must be >= 1, --gap >= 0, each length in 1..{LONGEST}")
+    # the tiny model and the servers take the longest prompt and its answer
+    max_len = max(MAX_MODEL_LEN, -(-(max(lengths) + a.max_tokens) // BLOCK_SIZE) * BLOCK_SIZE)
 
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-serving-"))
     logs = tmp / "logs"
     logs.mkdir()
-    model = build_tiny_llama(tmp / "model")
+    model = build_tiny_llama(tmp / "model", max_len=max_len)
     master_metrics = free_port()
     cfg = load_config(None, {"storenodes": [{"name": "node-0", "memory": "512MiB"}],
                              "master": {"metrics_port": master_metrics}}, environ={})
@@ -291,13 +294,15 @@ def main() -> None:
             try:
                 template = write_chat_template(tmp)
                 m = lc.master_addr
-                single = start_vllm_server("single", model, logs, template)
+                single = start_vllm_server("single", model, logs, template, max_model_len=max_len)
                 procs.append(single)
                 prefill = start_vllm_server("prefill", model, logs, template,
-                                            kv_config("kv_producer", m, NS, handoff_ttl_s=120))
+                                            kv_config("kv_producer", m, NS, handoff_ttl_s=120),
+                                            max_model_len=max_len)
                 procs.append(prefill)
                 decode = start_vllm_server("decode", model, logs, template,
-                                           kv_config("kv_consumer", m, NS, "recompute"))
+                                           kv_config("kv_consumer", m, NS, "recompute"),
+                                           max_model_len=max_len)
                 procs.append(decode)
                 deadline = time.monotonic() + a.startup_timeout
                 for p in procs:

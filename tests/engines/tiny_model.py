@@ -34,7 +34,7 @@ LOGIT_SCALE = 5.0  # lm_head scale of the transformers-initialised models
 SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
 
 
-def _write_tokenizer(path: Path) -> None:
+def _write_tokenizer(path: Path, max_len: int = MAX_MODEL_LEN) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     special = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -46,7 +46,7 @@ def _write_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-        "model_max_length": MAX_MODEL_LEN, "add_bos_token": False, "add_eos_token": False,
+        "model_max_length": max_len, "add_bos_token": False, "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
     }))
     (path / "special_tokens_map.json").write_text(json.dumps({
@@ -57,7 +57,7 @@ def _write_generation_config(path: Path) -> None:
     (path / "generation_config.json").write_text(json.dumps(SPECIAL_IDS))
 
 
-def _write_model(path: Path, seed: int) -> None:
+def _write_model(path: Path, seed: int, max_len: int = MAX_MODEL_LEN) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -66,7 +66,7 @@ def _write_model(path: Path, seed: int) -> None:
         "hidden_size": HIDDEN, "intermediate_size": 4 * HIDDEN,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-        "vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_MODEL_LEN,
+        "vocab_size": VOCAB_SIZE, "max_position_embeddings": max_len,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
         "tie_word_embeddings": False, "torch_dtype": "float32", "dtype": "float32",
         **SPECIAL_IDS,
@@ -98,20 +98,21 @@ def _write_model(path: Path, seed: int) -> None:
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _build(path: str | os.PathLike, write_model: Callable[[Path], None]) -> str:
+def _build(path: str | os.PathLike, write_model: Callable[[Path], None], max_len: int = MAX_MODEL_LEN) -> str:
     """Write the tokenizer and (via ``write_model``) the model into ``path`` unless
     its ``model.safetensors`` is already there; return the path."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     if not (p / "model.safetensors").exists():
-        _write_tokenizer(p)
+        _write_tokenizer(p, max_len)
         write_model(p)
     return str(p)
 
 
-def build_tiny_llama(path: str | os.PathLike, seed: int = 1234) -> str:
-    """Write config, weights and tokenizer of a tiny Llama into ``path``; return it."""
-    return _build(path, lambda p: _write_model(p, seed))
+def build_tiny_llama(path: str | os.PathLike, seed: int = 1234, max_len: int = MAX_MODEL_LEN) -> str:
+    """Write config, weights and tokenizer of a tiny Llama into ``path``; return it.
+    ``max_len``: its longest sequence in tokens (the weights do not depend on it)."""
+    return _build(path, lambda p: _write_model(p, seed, max_len), max_len)
 
 
 def _write_hf_model(path: Path, seed: int, model_type: str, architecture: str,
