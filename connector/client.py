@@ -507,23 +507,8 @@ class KVPoolClient(ReservedPuts):
         slices of that many keys, and each slice's reads run while the master answers the
         next slice's lookup (the ``meanwhile`` of :meth:`MasterRPC.call`), so only the first
         slice's lookup is waited for. Each slice holds its own leases."""
-        last = self.lease_retries == 0
         if len(todo) > 2 * PIPELINE_KEYS:
-            slices = [todo[a:a + PIPELINE_KEYS] for a in range(0, len(todo), PIPELINE_KEYS)]
-            retry: list[int] = []
-            prev = None  # the slice looked up last: (indices, t_sent, infos)
-
-            def read_prev(_answered=None) -> None:
-                retry.extend(self._read(keys, views, lays, results, prev[0], prev[2], prev[1], last))
-
-            for part in slices:
-                t_sent = time.monotonic()
-                infos = self.rpc.call(M.Lookup([keys[i] for i in part], lease=True),
-                                      meanwhile=read_prev if prev is not None else None)
-                self._sized(alloc, views, part, infos)
-                prev = (part, t_sent, infos)
-            read_prev()
-            todo, first = retry, 1
+            todo, first = self._pipelined_round(keys, lays, results, todo, views, alloc), 1
         else:
             first = 0
         for attempt in range(first, self.lease_retries + 1):
@@ -532,6 +517,45 @@ class KVPoolClient(ReservedPuts):
             t_sent, infos = self._leased_lookup(keys, todo)
             self._sized(alloc, views, todo, infos)
             todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
+
+    def _pipelined_round(self, keys, lays, results, todo: list[int], views: list, alloc: list | None) -> list[int]:
+        """The first round of a big batch (see :meth:`_get_rounds`); returns the indices
+        to retry. Every lease granted is released, also when a call or a read fails: a
+        slice whose lookup answered is read (its reads release it) or released unread."""
+        last = self.lease_retries == 0
+        retry: list[int] = []
+        prev: tuple | None = None  # the slice looked up and not yet read: (indices, t_sent, infos)
+        failed: list[BaseException] = []  # what a read inside the next lookup raised
+
+        def read_prev(_answered=None) -> None:
+            nonlocal prev
+            part, t_sent, infos = prev
+            prev = None
+            try:
+                retry.extend(self._read(keys, views, lays, results, part, infos, t_sent, last))
+            except BaseException as e:  # noqa: BLE001 - raised once the next slice's leases are let go
+                failed.append(e)
+
+        try:
+            for a in range(0, len(todo), PIPELINE_KEYS):
+                part = todo[a:a + PIPELINE_KEYS]
+                t_sent = time.monotonic()
+                infos = self.rpc.call(M.Lookup([keys[i] for i in part], lease=True),
+                                      meanwhile=read_prev if prev is not None else None)
+                prev = (part, t_sent, infos)
+                if failed:
+                    raise failed[0]
+                self._sized(alloc, views, part, infos)
+            if prev is not None:
+                read_prev()
+            if failed:
+                raise failed[0]
+        finally:
+            if prev is not None:  # looked up, never read: its leases go back now
+                leased = [info.key for info in prev[2] if isinstance(info, M.ObjectInfo)]
+                if leased:
+                    self.rpc.send_nowait(M.ReleaseLeases(leased))
+        return retry
 
     @staticmethod
     def _sized(alloc: list | None, views: list, todo: list[int], infos: list) -> None:

@@ -188,7 +188,8 @@ class MasterRPC:
         ``answered()`` is True when the reply can be read without waiting, so the work can
         stop there. A put hashes its buffers here. It may use :meth:`send_nowait` but not
         ``call`` (RuntimeError). An exception from it propagates (the reply left unread is
-        skipped by the next call)."""
+        skipped by the next call). The time it runs does not count against the deadline:
+        the master has had all of it to answer."""
         if getattr(self._local, "busy", False):
             raise RuntimeError("MasterRPC.call from inside another call's meanwhile; only send_nowait may be used there")
         waited = self.timeout_s if timeout_s is None else timeout_s
@@ -206,7 +207,9 @@ class MasterRPC:
                 self._resolve()
                 addr = self._addr
             if addr is not None:
+                self._local.meanwhile_s = 0.0
                 rep = self._round_trip(addr, body, deadline, meanwhile)
+                deadline += self._local.meanwhile_s  # time spent in meanwhile is not the master's
                 if rep is not None and rep.term and rep.term < self._term:
                     # a deposed leader's answer (a newer term was seen): not trusted; find the leader
                     self._reset()
@@ -252,10 +255,14 @@ class MasterRPC:
             return None
         if meanwhile is not None:  # outside the try: its errors are its own, not the connection's
             self._local.busy = True  # a call from inside would take this call's reply for a late one
+            t0 = time.monotonic()
             try:
                 meanwhile(c.frames.ready)
             finally:
                 self._local.busy = False
+                # the master had that long to answer meanwhile: the wait for its reply starts now
+                self._local.meanwhile_s = time.monotonic() - t0
+                deadline += self._local.meanwhile_s
         try:
             if meanwhile is not None:
                 c.sock.settimeout(max(deadline - time.monotonic(), 0.001))

@@ -213,6 +213,33 @@ def test_a_batch_get_of_many_keys_reads_slice_by_slice_with_every_answer_per_key
     assert not any(m.leased for m in client.ls("slices/"))
 
 
+def test_a_read_failing_inside_the_next_lookup_leaves_no_lease_held(make_cluster):
+    """A read of a pipelined batch that raises while the next slice is being looked up
+    propagates, and the leases of both slices are let go: released, not left to lapse
+    (the leases here last far longer than the wait)."""
+    import time
+
+    from kvpool.connector.client import PIPELINE_KEYS
+
+    keys = [f"slicefail/{i}" for i in range(3 * PIPELINE_KEYS)]
+    bad = keys[PIPELINE_KEYS + 3]  # in the second slice: read while the third is looked up
+
+    def hook(key):
+        if key == bad:
+            raise RuntimeError("injected read failure")
+
+    cluster = make_cluster(nodes=1, memory="64MiB", lease_ttl="300s")
+    with cluster.client() as w:
+        assert w.put_batch(keys, [bytes([i % 251]) * 4096 for i in range(len(keys))]) == [None] * len(keys)
+    with cluster.client(read_hook=hook) as c:
+        with pytest.raises(RuntimeError, match="injected"):
+            c.get_into_batch(keys, [bytearray(4096) for _ in keys])
+        deadline = time.monotonic() + 30
+        while any(m.leased for m in c.ls("slicefail/")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(m.leased for m in c.ls("slicefail/"))
+
+
 def test_tensor_put_and_get_into(client):
     t = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
     client.put("tensor/a", t)
