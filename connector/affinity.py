@@ -10,16 +10,20 @@ and a new thread starts with the CPU mask of the thread that creates it: left al
 connector's load, save and gather threads (and the client threads they start) would run
 on the forward pass's CPUs only, with a preloaded OpenMP on its single CPU, while the
 CPUs vLLM reserved stay idle. vLLM's NIXL connector moves its transfer work onto the
-reserved CPUs; :func:`io_cpus` names them for kvpool's threads and :func:`pin_thread`
-moves a thread there.
+reserved CPUs; :func:`io_cpus` names them for kvpool's threads (on the team's NUMA
+nodes, off its cores' hyperthread siblings and other local ranks' teams, inside the
+engine's own CPU mask) and :func:`pin_thread` moves a thread there.
 
-Parsing is pure; only :func:`pin_thread` makes a system call.
+:func:`io_cpus` is pure; :func:`host_topology` reads the host, :func:`pin_thread` makes
+the one system call.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 _ITEM = re.compile(r"^(\d+)(?:-(\d+)|:(\d+)(?::(\d+))?)?$")
 
@@ -50,7 +54,7 @@ def omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
     its CPU workers; None when no binding is set (or it cannot be read)."""
     kmp = environ.get("KMP_AFFINITY", "")
     m = re.search(r"proclist=\[([^\]]*)\]", kmp)
-    if m:
+    if m and "explicit" in kmp:
         return parse_cpus(m.group(1))
     if environ.get("GOMP_CPU_AFFINITY", "").strip():
         return parse_cpus(environ["GOMP_CPU_AFFINITY"])
@@ -60,20 +64,71 @@ def omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
     return None
 
 
-def io_cpus(environ: Mapping[str, str], online: set[int]) -> set[int] | None:
-    """CPUs for the connector's threads: the ``online`` CPUs outside the OpenMP team's
-    list (those vLLM reserved); every online CPU when the team holds them all, so that a
-    thread is not confined to the one CPU its creator was bound to. None when no OpenMP
-    binding is set: threads keep the mask they inherit."""
+def other_ranks_cpus(environ: Mapping[str, str]) -> set[int]:
+    """Every CPU an explicit ``VLLM_CPU_OMP_THREADS_BIND`` gives to any rank's team
+    (``0-3|4-7``: one list per local rank); empty for ``auto``, ``nobind`` or unset."""
+    out: set[int] = set()
+    for part in environ.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|"):
+        out |= parse_cpus(part) or set()
+    return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What :func:`io_cpus` needs to know of the host: ``allowed``, the CPUs the engine
+    process may use (its taskset/numactl/cpuset mask); ``nodes``, the CPUs of each NUMA
+    node; ``siblings``, each CPU's hyperthread siblings (itself included)."""
+
+    allowed: frozenset[int]
+    nodes: tuple[frozenset[int], ...] = ()
+    siblings: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+
+def io_cpus(environ: Mapping[str, str], topo: Topology) -> set[int] | None:
+    """CPUs for the connector's threads: the engine's allowed CPUs on the team's NUMA
+    nodes that neither the team, their hyperthread siblings, nor another local rank's
+    team (an explicit ``VLLM_CPU_OMP_THREADS_BIND``) use: those vLLM reserved. When none
+    are left, the team's own CPUs, so that a thread is not confined to the one CPU its
+    creator was bound to. None when no OpenMP binding is set: threads keep the mask they
+    inherit."""
     omp = omp_cpus(environ)
     if not omp:
         return None
-    return (online - omp) or set(online)
+    near = set().union(*(n for n in topo.nodes if n & omp)) if topo.nodes else set(topo.allowed)
+    busy = omp | other_ranks_cpus(environ)
+    busy |= set().union(*(topo.siblings.get(c, frozenset((c,))) for c in busy))
+    free = (near & topo.allowed) - busy
+    return free or (omp & topo.allowed) or None
 
 
-def online_cpus() -> set[int]:
-    """The machine's CPU ids (a cgroup's cpuset narrows a mask set from them further)."""
-    return set(range(os.cpu_count() or 1))
+def host_topology() -> Topology | None:
+    """The host as :func:`io_cpus` sees it: the parent process's CPU mask (the vLLM
+    engine process that made the worker, before any OpenMP binding of the worker's
+    own), the NUMA nodes and hyperthread siblings from sysfs. None when the mask cannot
+    be read."""
+    try:
+        allowed = frozenset(os.sched_getaffinity(os.getppid()))
+    except (OSError, AttributeError):
+        return None
+    nodes = []
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        cpus = _read_cpus(path)
+        if cpus:
+            nodes.append(frozenset(cpus))
+    siblings = {}
+    for c in allowed:
+        sib = _read_cpus(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        if sib:
+            siblings[c] = frozenset(sib)
+    return Topology(allowed, tuple(nodes), siblings)
+
+
+def _read_cpus(path: str) -> set[int] | None:
+    try:
+        with open(path) as f:
+            return parse_cpus(f.read())
+    except OSError:
+        return None
 
 
 def format_cpus(cpus: set[int]) -> str:
@@ -93,5 +148,5 @@ def pin_thread(cpus: set[int]) -> None:
     leaves the inherited mask."""
     try:
         os.sched_setaffinity(0, cpus)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: a platform without it
         pass

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.connector.affinity import format_cpus, io_cpus, omp_cpus, online_cpus, pin_thread
+from kvpool.connector.affinity import format_cpus, host_topology, io_cpus, omp_cpus, pin_thread
 from kvpool.connector.vllm_loads import WorkerLoads
 from kvpool.connector.vllm_meta import (
     ConnectorSettings,
@@ -83,7 +83,7 @@ class KVPoolWorker(WorkerLoads):
         self.meta: KVPoolConnectorMetadata | None = None
         self.staged: list[_Staged] = []
         self.barrier = False  # a producer's prompt ended this step: commit queued saves in wait_for_save
-        cpus = io_cpus(os.environ, online_cpus())  # beside a bound OpenMP team: see connector.affinity
+        cpus = _io_cpus()  # beside a bound OpenMP team: see connector.affinity
         pinned = {"initializer": pin_thread, "initargs": (cpus,)} if cpus is not None else {}
         if cpus is not None:
             log.info("kvpool: connector threads run on CPUs %s (the OpenMP team is bound to %s)",
@@ -368,3 +368,14 @@ class KVPoolWorker(WorkerLoads):
         self.saver.shutdown(wait=True)
         self.gatherer.shutdown(wait=True)
         self.client.close()
+
+
+def _io_cpus() -> set[int] | None:
+    """CPUs for the worker's threads on a CPU platform whose OpenMP team vLLM bound; None
+    elsewhere (GPU workers, no binding): threads keep the mask they inherit."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or omp_cpus(os.environ) is None:
+        return None
+    topo = host_topology()
+    return io_cpus(os.environ, topo) if topo is not None else None

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from kvpool.connector.affinity import format_cpus, io_cpus, omp_cpus, parse_cpus, pin_thread
+from kvpool.connector.affinity import Topology, format_cpus, host_topology, io_cpus, omp_cpus, parse_cpus, pin_thread
 
 
 @pytest.mark.parametrize("text,cpus", [
@@ -27,16 +27,36 @@ def test_the_team_binding_comes_from_what_vllm_sets_for_each_openmp_runtime():
     assert omp_cpus({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "false"}) is None
     assert omp_cpus({"GOMP_CPU_AFFINITY": "4 5 6"}) == {4, 5, 6}
     assert omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[8,9]"}) == {8, 9}
+    assert omp_cpus({"KMP_AFFINITY": "disabled,proclist=[8,9]"}) is None
     assert omp_cpus({"OMP_NUM_THREADS": "4"}) is None
 
 
 def test_connector_threads_take_the_cpus_outside_the_team():
-    online = set(range(8))
+    flat = Topology(frozenset(range(8)))
     bound = {"OMP_PLACES": "{0,1,2,3,4,5}", "OMP_PROC_BIND": "true"}
-    assert io_cpus(bound, online) == {6, 7}  # the ones vLLM reserved
+    assert io_cpus(bound, flat) == {6, 7}  # the ones vLLM reserved
     every = {"OMP_PLACES": "{0,1,2,3,4,5,6,7}", "OMP_PROC_BIND": "true"}
-    assert io_cpus(every, online) == online  # not confined to the creator's one CPU
-    assert io_cpus({}, online) is None  # no binding: threads keep what they inherit
+    assert io_cpus(every, flat) == set(range(8))  # not confined to the creator's one CPU
+    assert io_cpus({}, flat) is None  # no binding: threads keep what they inherit
+
+
+def test_they_stay_on_the_teams_numa_node_inside_the_engines_mask_off_busy_siblings():
+    # two NUMA nodes of 4 cores, hyperthreads n and n+8; rank 0's team on cores 0-2 of node 0
+    nodes = (frozenset({0, 1, 2, 3, 8, 9, 10, 11}), frozenset({4, 5, 6, 7, 12, 13, 14, 15}))
+    siblings = {c: frozenset({c % 8, c % 8 + 8}) for c in range(16)}
+    topo = Topology(frozenset(range(16)), nodes, siblings)
+    gomp = {"GOMP_CPU_AFFINITY": "0 1 2"}
+    assert io_cpus(gomp, topo) == {3, 11}  # node 0, not the team cores' siblings 8-10
+    ranks = dict(gomp, VLLM_CPU_OMP_THREADS_BIND="0-2|3")  # a second local rank owns core 3
+    assert io_cpus(ranks, topo) == {0, 1, 2}  # nothing free on the node: the team's own CPUs
+    narrow = Topology(frozenset({0, 1, 2, 3}), nodes, siblings)  # the engine runs under taskset 0-3
+    assert io_cpus(gomp, narrow) == {3}
+    assert io_cpus({"GOMP_CPU_AFFINITY": "20"}, narrow) is None  # nothing allowed: leave the mask
+
+
+def test_this_host_reads_as_a_topology():
+    topo = host_topology()
+    assert topo is not None and topo.allowed and all(c in topo.siblings.get(c, {c}) for c in topo.allowed)
 
 
 def test_a_pinned_thread_runs_on_the_cpus_it_was_given():
