@@ -74,13 +74,12 @@ def _bench_get_gbps(client, keys: list[str], nbytes: int, batch: int = 64) -> fl
     bench`` measures a same-host get: page-aligned destinations, written once, rotating
     over a pool of at least 64 MiB, so neither the objects nor the buffers are cache-hot
     (``cli/bench.py``)."""
-    from kvpool.cli.bench import POOL_BYTES, _aligned
+    from kvpool.cli.bench import _aligned, pool_slots, slot_views
 
-    slots = max(1, min(len(keys), -(-POOL_BYTES // nbytes)))
+    slots = pool_slots(nbytes, len(keys))
     pool = _aligned(slots * nbytes)
     pool[:] = 1
-    view = memoryview(pool)
-    dsts = [view[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
+    dsts = slot_views(pool, nbytes, slots)
     t0 = time.perf_counter()
     for i in range(0, len(keys), batch):
         ks = keys[i:i + batch]

@@ -193,16 +193,14 @@ class _Worker:
         are timed)."""
         import numpy as np
 
-        slots = max(1, min(count, -(-POOL_BYTES // max(size, 1))))
+        slots = pool_slots(size, count)
         if self.src is None or len(self.src) < slots * size:
             rng = np.random.default_rng(os.getpid())
             self.src = _aligned(slots * size)
             self.src[:] = rng.integers(0, 256, slots * size, dtype=np.uint8)
             self.dst = _aligned(slots * size)
             self.dst[:] = 1
-        sv, dv = memoryview(self.src), memoryview(self.dst)
-        return ([sv[i * size:(i + 1) * size] for i in range(slots)],
-                [dv[i * size:(i + 1) * size] for i in range(slots)])
+        return slot_views(self.src, size, slots), slot_views(self.dst, size, slots)
 
     def handle(self, msg: dict) -> dict:
         cmd = msg["cmd"]
@@ -348,6 +346,18 @@ def _has_ucx() -> bool:
     except Exception:  # noqa: BLE001 - any failure means the extra is not usable
         return False
     return True
+
+
+def pool_slots(size: int, count: int) -> int:
+    """How many ``size``-byte buffers a rotating pool holds: enough for POOL_BYTES (more
+    than the L3 cache), at most ``count`` (the objects moved)."""
+    return max(1, min(count, -(-POOL_BYTES // max(size, 1))))
+
+
+def slot_views(buf, size: int, slots: int) -> list[memoryview]:
+    """The first ``slots`` consecutive ``size``-byte views of ``buf``."""
+    mv = memoryview(buf)
+    return [mv[i * size:(i + 1) * size] for i in range(slots)]
 
 
 def _aligned(n: int):

@@ -207,9 +207,8 @@ class MasterRPC:
                 self._resolve()
                 addr = self._addr
             if addr is not None:
-                self._local.meanwhile_s = 0.0
-                rep = self._round_trip(addr, body, deadline, meanwhile)
-                deadline += self._local.meanwhile_s  # time spent in meanwhile is not the master's
+                rep, spent = self._round_trip(addr, body, deadline, meanwhile)
+                deadline += spent  # time spent in meanwhile is not the master's
                 if rep is not None and rep.term and rep.term < self._term:
                     # a deposed leader's answer (a newer term was seen): not trusted; find the leader
                     self._reset()
@@ -237,12 +236,15 @@ class MasterRPC:
                 raise Timeout(self._timeout_message(waited), op=type(req).__name__)
             time.sleep(0.05)
 
-    def _round_trip(self, addr: str, body: bytes, deadline: float, meanwhile=None) -> M.Reply | None:
-        """One send (then ``meanwhile``, see :meth:`call`) + the matching reply; None when
-        the connection failed (retry)."""
+    def _round_trip(self, addr: str, body: bytes, deadline: float,
+                    meanwhile=None) -> tuple[M.Reply | None, float]:
+        """One send (then ``meanwhile``, see :meth:`call`) + the matching reply, and the
+        seconds ``meanwhile`` ran (the wait for the reply starts after it); the reply is
+        None when the connection failed (retry)."""
+        spent = 0.0
         left = deadline - time.monotonic()
         if left <= 0:
-            return None
+            return None, spent
         try:
             c = self._conn(addr, left)
             c.sock.settimeout(left)
@@ -252,7 +254,7 @@ class MasterRPC:
             raise  # a master of another kvpool version, or one refusing us: retrying cannot help
         except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
             self._reset()
-            return None
+            return None, spent
         if meanwhile is not None:  # outside the try: its errors are its own, not the connection's
             self._local.busy = True  # a call from inside would take this call's reply for a late one
             t0 = time.monotonic()
@@ -260,22 +262,21 @@ class MasterRPC:
                 meanwhile(c.frames.ready)
             finally:
                 self._local.busy = False
-                # the master had that long to answer meanwhile: the wait for its reply starts now
-                self._local.meanwhile_s = time.monotonic() - t0
-                deadline += self._local.meanwhile_s
+                spent = time.monotonic() - t0
+                deadline += spent
         try:
             if meanwhile is not None:
                 c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
             while True:
                 got, payload = c.frames.read()
                 if got == rid:
-                    return M.decode_result(payload, M.Reply)
+                    return M.decode_result(payload, M.Reply), spent
                 # a late reply to an earlier call that timed out: skip it
         except (ConfigError, AuthFailed, Overloaded):
             raise  # a master of another kvpool version, or one refusing us: retrying cannot help
         except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
             self._reset()
-            return None
+            return None, spent
 
     def _timeout_message(self, waited: float) -> str:
         if self.fixed_master:
