@@ -36,6 +36,8 @@ def test_a_node_restarted_at_the_same_address_is_not_reported_dead(make_cluster,
     with lc.client(transport=transport) as c:
         for i in range(4):
             assert c.put(f"st/old{i}", os.urandom(4 * KiB)) is True
+        for i in range(16):  # one replica, one unit: written from this thread, to either node
+            assert c.put_batch_results([f"st/one{i}"], [os.urandom(4 * KiB)], replicas=1)[0].ok
         _restart(lc, c, "node-1", "32MiB")
         res = c.put_batch_results([f"st/new{i}" for i in range(4)], [os.urandom(4 * KiB) for _ in range(4)])
         for i in range(4, 8):
@@ -44,7 +46,15 @@ def test_a_node_restarted_at_the_same_address_is_not_reported_dead(make_cluster,
         assert all(sorted(o.nodes) == ["node-0", "node-1"] for o in c.ls("st/new"))
         assert c.stats().counters.get("nodes_reported_dead", 0) == 0
         if transport == "unix":  # (same-host shm puts copy into the mapping: no stale stream need be used)
+            # This thread's stream to node-1 is stale unless a put above replaced it (which
+            # thread writes a replica of a two-replica put varies): single-replica puts from
+            # this thread reach node-1 (placement is random, weighted by room) and redial.
+            for i in range(32):
+                if c.data.redials:
+                    break
+                assert c.put_batch_results([f"st/re{i}"], [os.urandom(4 * KiB)], replicas=1)[0].ok
             assert c.data.redials >= 1  # the stale streams were there, and were replaced
+            assert c.stats().counters.get("nodes_reported_dead", 0) == 0
         for i in range(8):
             assert c.get(f"st/new{i}") is not None
 
