@@ -34,6 +34,7 @@ import xxhash
 from kvpool.connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, WriteOp
 from kvpool.connector.hedge import ReplicaReads
 from kvpool.connector.prehash import prehash
+from kvpool.connector.read_leases import ReadLeases, boot_id
 from kvpool.connector.reserved_puts import ReservedPuts
 from kvpool.connector.rpc import MasterRPC
 from kvpool.protocol.auth import Security, resolve
@@ -465,9 +466,16 @@ class KVPoolClient(ReservedPuts):
         return [bytes(o) if isinstance(r, int) else r for r, o in zip(results, outs)]
 
     def get_into_batch(self, keys: Sequence[str], outs: Sequence[Any],
-                       layout: Sequence[LayoutSpec | None] | LayoutSpec | None = None
-                       ) -> list[int | None | KVPoolError]:
-        """Batch get into caller buffers: per key bytes copied, None (miss) or the error."""
+                       layout: Sequence[LayoutSpec | None] | LayoutSpec | None = None,
+                       leases: ReadLeases | None = None) -> list[int | None | KVPoolError]:
+        """Batch get into caller buffers: per key bytes copied, None (miss) or the error.
+
+        ``leases``: answers of an earlier leased lookup (:meth:`lookup_leased`, possibly
+        made by another process on this host): keys it holds are read without a lookup of
+        their own, and their leases released; each answer is taken out of ``leases``
+        (used once). Keys it lacks, and all of them when it is not usable here (another
+        host, or a lease near its end: :meth:`ReadLeases.usable`), are looked up as usual,
+        as is any key whose read under the handed-over lease failed."""
         n = len(keys)
         if len(outs) != n:
             raise InvalidRequest(f"get_into_batch: {n} keys but {len(outs)} buffers")
@@ -481,11 +489,45 @@ class KVPoolClient(ReservedPuts):
                 todo.append(i)
             except KVPoolError as e:
                 results[i] = e
-        self._get_rounds(keys, _per_key(layout, n), results, todo, views)
+        lays = _per_key(layout, n)
+        if leases is not None and todo and leases.usable(time.monotonic(), LEASE_MARGIN):
+            todo = self._read_with(leases, keys, lays, results, todo, views)
+        self._get_rounds(keys, lays, results, todo, views)
         for i in range(n):
             if isinstance(results[i], int) and fins[i] is not None:
                 fins[i]()
         return results
+
+    def _read_with(self, leases: ReadLeases, keys, lays, results, todo: list[int], views: list) -> list[int]:
+        """Read the keys ``leases`` answers for under its leases (released after); returns
+        the indices still to look up: those it lacks, and those to retry."""
+        held, infos, rest = [], [], []
+        for i in todo:
+            info = leases.take(keys[i])
+            if info is None:
+                rest.append(i)
+            else:
+                held.append(i)
+                infos.append(info)
+        if held:
+            rest += self._read(keys, views, lays, results, held, infos, leases.sent_at, False)
+        return rest
+
+    def lookup_leased(self, keys: Sequence[str]) -> ReadLeases:
+        """Look ``keys`` up with a read lease each (one round trip): the found ones'
+        answers, to read later with ``get_into_batch(..., leases=)`` in this or another
+        process on this host before the lease lapses (``lease_ttl`` from now, counted as
+        a read: the LRU order is touched). Keys not found are absent. Whoever does not
+        read an answer lets it go with :meth:`release_leases` (or its lease lapses)."""
+        t_sent, infos = self._leased_lookup(keys, range(len(keys)))
+        return ReadLeases({i.key: i for i in infos if isinstance(i, M.ObjectInfo)}, t_sent, boot_id())
+
+    def release_leases(self, keys: Sequence[str]) -> None:
+        """Let go of read leases taken and not used (one message, no reply; best effort:
+        an unreleased lease lapses). Release only leases still live: past its TTL a
+        lease's count may be another reader's."""
+        if keys:
+            self.rpc.send_nowait(M.ReleaseLeases(list(keys)))
 
     @staticmethod
     def _valid(keys: Sequence[str], results: list) -> list[int]:
@@ -552,9 +594,7 @@ class KVPoolClient(ReservedPuts):
                 raise failed[0]
         finally:
             if prev is not None:  # looked up, never read: its leases go back now
-                leased = [info.key for info in prev[2] if isinstance(info, M.ObjectInfo)]
-                if leased:
-                    self.rpc.send_nowait(M.ReleaseLeases(leased))
+                self.release_leases([info.key for info in prev[2] if isinstance(info, M.ObjectInfo)])
         return retry
 
     @staticmethod
@@ -596,8 +636,7 @@ class KVPoolClient(ReservedPuts):
         try:
             return self._read_leased(views, results, pending, t_sent, last)
         finally:
-            if leased:
-                self.rpc.send_nowait(M.ReleaseLeases(leased))
+            self.release_leases(leased)
 
     def _read_leased(self, views, results, pending, t_sent: float, last: bool) -> list[int]:
         """The reads of :meth:`_read` while their leases are held (released by the caller)."""

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.layer_loads import LayerLoads
+from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.vllm_meta import GroupLayout, LoadJob, monotonic
 from kvpool.connector.vllm_pages import TORCH_DTYPES, host_bytes
 from kvpool.connector.vllm_plan import NULL_BLOCK
@@ -94,8 +96,9 @@ class WorkerLoads:
 
     def start_load_kv(self, whole: bool = False) -> None:
         """Submit this step's load jobs to the loader thread. Asynchronous jobs go as one
-        batch: one ``get_into_batch`` per group for all of them (one master round trip,
-        fewer GIL hand-offs beside the engine's own steps), then each request's scatter.
+        batch: one ``get_into_batch`` per group for all of them (reads under the read
+        leases the scheduler's lookup took, so no master round trip for the blocks those
+        cover; fewer GIL hand-offs beside the engine's own steps), then each request's scatter.
         Layer-wise jobs (``LoadJob.layerwise``: vLLM runs them in this step, after this
         call) go the same way but scatter layer by layer (:mod:`connector.layer_loads`).
         ``whole``: the forward pass will not call ``wait_for_layer_load`` (a full CUDA
@@ -157,6 +160,13 @@ class WorkerLoads:
         todo = [job for job in jobs if not job.error and any(gb.positions for gb in job.groups)]
         fetched: dict[str, list] = {job.req_id: [] for job in todo}
         free = self._arena()
+        leases, twice = ReadLeases(), []
+        for job in todo:
+            if job.leases is not None:
+                twice += leases.merge(job.leases)  # two requests loading the same blocks in one step
+        if twice and leases.usable(monotonic(), LEASE_MARGIN):
+            self.client.release_leases(twice)
+        held = len(leases.infos)
         for gi, g in enumerate(self.groups):
             keys, outs, spans = [], [], []
             n, nb = sum(len(job.groups[gi].positions) for job in todo), g.layout.nbytes
@@ -174,11 +184,14 @@ class WorkerLoads:
             res: list = []
             if keys:
                 try:
-                    res = self.client.get_into_batch(keys, outs, g.layout)
+                    res = self.client.get_into_batch(keys, outs, g.layout, leases)
                 except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
                     res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * len(keys)
             for job, buf, lo in spans:
                 fetched[job.req_id].append((buf, res[lo:lo + len(job.groups[gi].positions)]))
+        if held:
+            with self.lock:
+                self.stats.add("blocks_read_on_lookup_leases", held - len(leases.infos))
         return fetched, monotonic() - t0
 
     def _load_batch(self, jobs: list[LoadJob]) -> dict[str, _LoadResult]:

@@ -27,6 +27,7 @@ from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.keys import block_hashes, extra_bytes, group_key
 from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
 
+from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.vllm_plan import GroupRule, window_blocks
 
 if TYPE_CHECKING:
@@ -407,7 +408,9 @@ class LoadJob:
     worker reports the load as failed. ``layerwise``: vLLM runs the request in the step
     that loads it, each attention layer waiting for its own pages
     (:mod:`connector.layer_loads`); otherwise the request waits until the whole load is
-    reported finished."""
+    reported finished. ``leases``: the read leases the scheduler's lookup took for the
+    load's blocks (None for none): the workers read those blocks without a lookup of
+    their own, each taking its rank's answers out of it."""
 
     req_id: str
     first: int
@@ -417,6 +420,7 @@ class LoadJob:
     handoff_id: str | None = None
     error: str | None = None
     layerwise: bool = False
+    leases: ReadLeases | None = None
 
 
 @dataclass
@@ -471,6 +475,7 @@ _COUNTERS = {
     "loads": "Finished load jobs (one per request)",
     "blocks_loaded": "Blocks loaded from kvpool into the KV cache",
     "blocks_load_failed": "Blocks that could not be loaded (missing, checksum, layout, node down)",
+    "blocks_read_on_lookup_leases": "Blocks read under the read leases of the scheduler's lookup (no lookup of their own)",
     "bytes_loaded": "Bytes loaded from kvpool",
     "blocks_saved": "Blocks put into kvpool (existing keys count as saved)",
     "blocks_save_failed": "Blocks whose put failed",

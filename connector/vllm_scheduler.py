@@ -7,11 +7,13 @@ load came from and how far its prompt has been saved. One step:
   background thread and answers "not yet" (None) until it is back, or treats it as a miss
   after ``lookup_timeout_s``; a request's lookup is counted once. With hand-off params
   (consumer) the lookup claims the record (a read) and compares the record's keys with
-  its own; otherwise it asks the master which keys exist (``exists_batch``: no lease, no
-  LRU touch). The hit is the common boundary of every stored group
-  (:mod:`connector.vllm_plan`). The hit loads layer-wise (vLLM runs the request in the
-  step that loads it) or asynchronously (the request waits for the whole load), as
-  ``ConnectorSettings.load_mode`` says.
+  its own; otherwise it looks the keys up with read leases (one round trip, counted as a
+  read). The hit is the common boundary of every stored group
+  (:mod:`connector.vllm_plan`); the leases of the blocks its load reads go to the workers
+  with the load (so a step's load makes no master round trip) and the rest are released
+  at once (a lease nobody uses lapses after ``lease_ttl``). The hit loads layer-wise
+  (vLLM runs the request in the step that loads it) or asynchronously (the request waits
+  for the whole load), as ``ConnectorSettings.load_mode`` says.
 * ``update_state_after_alloc``: turns a positive match into a :class:`LoadJob`.
 * ``build_connector_meta``: hands pending loads to the workers and adds a
   :class:`SaveJob` for every prompt block that becomes complete in this step, and for
@@ -49,6 +51,7 @@ from kvpool.connector.vllm_meta import (
     monotonic,
     request_extra,
 )
+from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.vllm_plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
 from kvpool.protocol.layout import first_difference
@@ -95,6 +98,7 @@ class _Match:
     handoff_id: str | None = None
     error: str | None = None
     handoff_failed: bool = False  # the named hand-off could not be claimed or used
+    leases: ReadLeases = field(default_factory=ReadLeases)  # the load's read leases (see KVPoolScheduler._hit)
 
     @property
     def n(self) -> int:
@@ -145,11 +149,14 @@ class KVPoolScheduler:
     def _ranks(self, g: GroupLayout):
         return [None] if g.replicated else range(self.tp_size)
 
-    def _hit(self, hashes: list[bytes], start: int, top: int) -> int:
-        """The largest boundary in ``(start, top]`` every group can restore from kvpool
-        (existence checks only: no lease, no LRU touch), or ``start``."""
+    def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases]:
+        """The largest boundary in ``(start, top]`` every group can restore from kvpool, or
+        ``start``; and the read leases of the blocks a load up to it reads. One leased
+        lookup (:meth:`KVPoolClient.lookup_leased`): the answers a load needs go to the
+        workers with the load (:attr:`LoadJob.leases`), so its reads need no master round
+        trip of their own; every other lease is released at once."""
         if top <= start:
-            return start
+            return start, ReadLeases()
         span = hashes[start:top]
         keys, where = [], []
         for g in self.groups:
@@ -159,9 +166,42 @@ class KVPoolScheduler:
                     pos.setdefault(start + j, []).append(len(keys))
                     keys.append(k)
             where.append(pos)
-        found = self.client.exists_batch(keys)
+        leases = self.client.lookup_leased(keys)
+        found = [k in leases.infos for k in keys]
         have = [(lambda i, pos=pos: all(found[x] for x in pos.get(i, ()))) for pos in where]
-        return find_hit(self.rules, have, start, top)
+        b = find_hit(self.rules, have, start, top)
+        self._keep(leases, hashes, start, b)
+        return b, leases
+
+    def _load_keys(self, hashes: list[bytes], start: int, boundary: int) -> set[str]:
+        """The keys the workers read for a load of blocks ``[start, boundary)`` whose
+        leases they can use: every rank's keys of split layouts; a replicated layout's
+        (one key that every rank reads) only without TP, since one lease cannot be
+        released by several readers."""
+        out: set[str] = set()
+        for g in self.groups:
+            if g.replicated and self.tp_size > 1:
+                continue
+            pos = needed(g.rule, start, boundary)
+            for r in self._ranks(g):
+                if g.is_state:
+                    out.update(keys_for(self.s, g, [hashes[p]], r, p)[0] for p in pos)
+                else:
+                    out.update(keys_for(self.s, g, [hashes[p] for p in pos], r))
+        return out
+
+    def _keep(self, leases: ReadLeases, hashes: list[bytes], start: int, boundary: int) -> None:
+        """Keep the leases a load of ``[start, boundary)`` uses; release the others."""
+        self._release(leases.keep(self._load_keys(hashes, start, boundary) if boundary > start else ()))
+
+    def _release(self, keys) -> None:
+        """Release read leases not used, off the scheduler's thread (best effort: a
+        lease not released lapses)."""
+        if keys and not self.closed:
+            try:
+                self.pool.submit(self.client.release_leases, list(keys))
+            except RuntimeError:  # the pool is shut down: the leases lapse
+                pass
 
     @staticmethod
     def _params(request: "Request") -> dict | None:
@@ -223,7 +263,7 @@ class KVPoolScheduler:
         result. A lookup not back within ``lookup_timeout_s`` seconds counts as a miss, so
         a master that does not answer costs a request at most that delay."""
         rid = request.request_id
-        self.matches.pop(rid, None)
+        self._drop_match(rid)
         if not self.s.loads or self.no_loads or request.prompt_token_ids is None \
                 or getattr(request, "prompt_embeds", None) is not None:
             return 0, False
@@ -246,6 +286,7 @@ class KVPoolScheduler:
                 self.stats.add("lookups_timed_out")
                 log.warning("kvpool: lookup for request %s took over %.3gs; computing it locally",
                             rid, self.s.lookup_timeout_s)
+            pend.future.add_done_callback(self._release_late)
             m = _Match(start, start)
         else:
             try:
@@ -273,6 +314,17 @@ class KVPoolScheduler:
             return 0, False
         return m.n * bs, not self.layerwise
 
+    def _drop_match(self, rid: str) -> None:
+        """Forget request ``rid``'s lookup result, releasing the leases it took."""
+        m = self.matches.pop(rid, None)
+        if m is not None:
+            self._release(m.leases.keep(()))
+
+    def _release_late(self, fut: Future) -> None:
+        """A lookup given up on: release its leases once it is back."""
+        if not fut.cancelled() and fut.exception() is None:
+            self._release(fut.result().leases.keep(()))
+
     def _match(self, request: "Request", hashes: list[bytes], start: int, top: int, params: dict | None) -> _Match:
         """The lookup itself (background thread): claim the hand-off named by ``params``
         or probe kvpool; never raises (a failed lookup is a miss)."""
@@ -285,9 +337,10 @@ class KVPoolScheduler:
                 raise InvalidRequest(f"kv_transfer_params.{PARAMS_KEY} must be an object whose handoff_id is a "
                                      f"string of 1 to 512 characters, got {params.get('invalid') or shown}")
             n = self._claim(handoff_id, hashes, top)
-            if self.s.policy == "recompute":  # load only what is still there
-                n = self._hit(hashes, start, n) if n > start else start
-            return _Match(start, max(start, n), handoff_id)
+            leases = ReadLeases()
+            if self.s.policy == "recompute" and n > start:  # load only what is still there
+                n, leases = self._hit(hashes, start, n)
+            return _Match(start, max(start, n), handoff_id, leases=leases)
         except KVPoolError as e:
             if self.s.policy == "fail" and top > start:
                 # the request names a hand-off it cannot use: fail it (its blocks are reported failed)
@@ -305,7 +358,8 @@ class KVPoolScheduler:
 
     def _lookup(self, request: "Request", hashes: list[bytes], start: int, top: int) -> _Match:
         try:
-            return _Match(start, self._hit(hashes, start, top))
+            b, leases = self._hit(hashes, start, top)
+            return _Match(start, b, leases=leases)
         except KVPoolError as e:
             if not self.closed:  # a lookup cut short by shutdown is not worth a warning
                 log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
@@ -323,6 +377,7 @@ class KVPoolScheduler:
         if m is None:
             return
         if num_external_tokens <= 0:
+            self._release(m.leases.keep(()))
             if m.handoff_id and m.error is None and not st.handoff_done:
                 st.handoff_id = m.handoff_id  # claimed but nothing left to load: let it go
                 self._finish_handoff(st, ok=False)
@@ -340,9 +395,11 @@ class KVPoolScheduler:
                          "for the load")
                 log.error("kvpool: request %s: %s; not loading", request.request_id, error)
             groups.append(GroupBlocks(pos, bids))
-        hashes = st.hashes.upto(request.all_token_ids, boundary, bs)[m.start:]
-        self.pending_loads[request.request_id] = LoadJob(request.request_id, m.start, hashes, groups,
-                                                         num_external_tokens, m.handoff_id, error, self.layerwise)
+        full = st.hashes.upto(request.all_token_ids, boundary, bs)
+        self._keep(m.leases, full, m.start, boundary if error is None else m.start)
+        self.pending_loads[request.request_id] = LoadJob(request.request_id, m.start, full[m.start:], groups,
+                                                         num_external_tokens, m.handoff_id, error, self.layerwise,
+                                                         m.leases if m.leases.infos else None)
         if m.handoff_id and m.error is None:
             st.handoff_id = m.handoff_id
         if not self.s.producer:
@@ -469,12 +526,14 @@ class KVPoolScheduler:
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self.matches.pop(request.request_id, None)
-        self.pending_loads.pop(request.request_id, None)
+        self._drop_match(request.request_id)
+        job = self.pending_loads.pop(request.request_id, None)
+        if job is not None and job.leases is not None:
+            self._release(job.leases.keep(()))
         self.counted.discard(request.request_id)
         pend = self.lookups.pop(request.request_id, None)
-        if pend is not None:
-            pend.future.cancel()
+        if pend is not None and not pend.future.cancel():
+            pend.future.add_done_callback(self._release_late)
         st = self.reqs.pop(request.request_id, None)
         if st is not None and st.handoff_id and not st.handoff_done:
             if st.loading:

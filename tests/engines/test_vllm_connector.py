@@ -98,6 +98,8 @@ def test_shared_prefix_across_engines(engines, kv):
     assert met["vllm:kvpool_hit_tokens"] >= 7 * BS and met["vllm:kvpool_blocks_loaded"] >= 7, met
     assert met["vllm:kvpool_blocks_load_failed"] == 0 and met["vllm:kvpool_load_seconds"] >= 1, met
     assert met["vllm:kvpool_layer_wait_seconds"] >= 1, met  # steps whose forward waited on layer-wise loads
+    # every loaded block was read under the lease of the scheduler's lookup: no lookup in the step
+    assert met["vllm:kvpool_blocks_read_on_lookup_leases"] == met["vllm:kvpool_blocks_loaded"], met
 
 
 def test_multiprocess_engine(engines, kv):
