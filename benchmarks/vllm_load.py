@@ -36,8 +36,16 @@ max over the rounds for the rates and the ratio, all from this run:
 * ``ratio``: loader_gbps / get_gbps of the same round (the target is at least 0.5), and
   ``ratio_hot`` against get_hot_gbps.
 
+``--omp-bind`` sets ``VLLM_CPU_OMP_THREADS_BIND`` for both engines. By default the OpenMP
+team gets every CPU of this process's mask but the last, which is left to the
+connector's threads: what vLLM's ``auto`` binding does on a machine with CPUs to spare (it
+reserves one CPU per rank for the scheduler and one for a KV connector, and the connector
+runs its threads on CPUs outside the team, ``connector/affinity.py``). On two CPUs ``auto``
+cannot reserve any, and the team's spinning threads share the loader's CPU; pass
+``--omp-bind auto`` to measure that.
+
     python benchmarks/vllm_load.py [--prompts 16] [--rounds 3] [--tokens 960] [--block-size 32]
-        [--load-mode auto] [--json]
+        [--load-mode auto] [--omp-bind CPUS|auto] [--json]
 """
 from __future__ import annotations
 
@@ -51,6 +59,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
+
+from kvpool.connector.affinity import format_cpus  # noqa: E402
 
 
 def _get_gbps(client, keys: list[str], nbytes: int, reps: int = 3) -> float:
@@ -107,9 +117,15 @@ def main() -> None:
     ap.add_argument("--load-mode", default="auto", choices=("auto", "layerwise", "async"),
                     help="engine B's kv_connector_extra_config.load_mode")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds of --prompts new prompts each")
+    ap.add_argument("--omp-bind", default=None,
+                    help="VLLM_CPU_OMP_THREADS_BIND for both engines (default: every CPU but the last)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.omp_bind is None:
+        cpus = sorted(os.sched_getaffinity(0))
+        a.omp_bind = format_cpus(cpus[:-1]) if len(cpus) > 1 else "auto"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = a.omp_bind
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from kvpool.cli.bench import memcpy_gbps
@@ -216,7 +232,7 @@ def main() -> None:
         v = sorted(x[name] for x in rounds)
         return [v[0], v[len(v) // 2], v[-1]]
 
-    rep = {"load_mode": a.load_mode, "block_size": a.block_size, "prompts": a.prompts, "tokens": a.tokens,
+    rep = {"load_mode": a.load_mode, "omp_bind": a.omp_bind, "block_size": a.block_size, "prompts": a.prompts, "tokens": a.tokens,
            "rounds": len(rounds), "first_loader_gbps": cold, "load_p50_ms": round(1000 * p50, 2),
            "memcpy_gbps": round(mem, 3), "loader_gbps": spread("loader_gbps"), "get_gbps": spread("get_gbps"),
            "ratio": spread("ratio"), "get_512_gbps": spread("get_512_gbps"), "get_hot_gbps": spread("get_hot_gbps"), "ratio_hot": spread("ratio_hot"),
