@@ -36,8 +36,8 @@ max over the rounds for the rates and the ratio, all from this run:
 * ``ratio``: loader_gbps / get_gbps of the same round (the target is at least 0.5), and
   ``ratio_hot`` against get_hot_gbps.
 
-``--omp-bind`` sets ``VLLM_CPU_OMP_THREADS_BIND`` for both engines. By default the OpenMP
-team gets every CPU of this process's mask but the last, which is left to the
+``--omp-bind`` sets ``VLLM_CPU_OMP_THREADS_BIND`` for both engines. By default (unless the
+variable is set) the OpenMP team gets every CPU of this process's mask but the last, which is left to the
 connector's threads: what vLLM's ``auto`` binding does on a machine with CPUs to spare (it
 reserves one CPU per rank for the scheduler and one for a KV connector, and the connector
 runs its threads on CPUs outside the team, ``connector/affinity.py``). On two CPUs ``auto``
@@ -118,10 +118,13 @@ def main() -> None:
                     help="engine B's kv_connector_extra_config.load_mode")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds of --prompts new prompts each")
     ap.add_argument("--omp-bind", default=None,
-                    help="VLLM_CPU_OMP_THREADS_BIND for both engines (default: every CPU but the last)")
+                    help="VLLM_CPU_OMP_THREADS_BIND for both engines (default: the variable's value, "
+                         "else every CPU but the last)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.omp_bind is None:
+        a.omp_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if a.omp_bind is None:
         cpus = sorted(os.sched_getaffinity(0))
         a.omp_bind = format_cpus(cpus[:-1]) if len(cpus) > 1 else "auto"

@@ -34,7 +34,7 @@ import xxhash
 from kvpool.connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, WriteOp
 from kvpool.connector.hedge import ReplicaReads
 from kvpool.connector.prehash import prehash
-from kvpool.connector.read_leases import ReadLeases, boot_id
+from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.reserved_puts import ReservedPuts
 from kvpool.connector.rpc import MasterRPC
 from kvpool.protocol.auth import Security, resolve
@@ -520,7 +520,7 @@ class KVPoolClient(ReservedPuts):
         a read: the LRU order is touched). Keys not found are absent. Whoever does not
         read an answer lets it go with :meth:`release_leases` (or its lease lapses)."""
         t_sent, infos = self._leased_lookup(keys, range(len(keys)))
-        return ReadLeases({i.key: i for i in infos if isinstance(i, M.ObjectInfo)}, t_sent, boot_id())
+        return ReadLeases.of(infos, t_sent)
 
     def release_leases(self, keys: Sequence[str]) -> None:
         """Let go of read leases taken and not used (one message, no reply; best effort:
@@ -632,11 +632,13 @@ class KVPoolClient(ReservedPuts):
                 results[i] = None  # every replica was lost: a clean miss
                 continue
             pending[i] = (info, order)
-        leased = [info.key for info in infos if isinstance(info, M.ObjectInfo)]  # refused ones too
+        leased = [info for info in infos if isinstance(info, M.ObjectInfo)]  # refused ones too
         try:
             return self._read_leased(views, results, pending, t_sent, last)
         finally:
-            self.release_leases(leased)
+            # only live leases: once one lapsed, the master may count another reader's on the key
+            if leased and time.monotonic() < t_sent + min(i.lease_ttl_s for i in leased) * LEASE_MARGIN:
+                self.release_leases([i.key for i in leased])
 
     def _read_leased(self, views, results, pending, t_sent: float, last: bool) -> list[int]:
         """The reads of :meth:`_read` while their leases are held (released by the caller)."""

@@ -11,8 +11,9 @@ read needs no master round trip of its own. The reader releases each lease it us
 The lease's time is counted on the looking-up host's ``CLOCK_MONOTONIC``: a reader on
 another host (another boot) takes none of the answers and looks the keys up itself; an
 answer whose lease is past :data:`~connector.client.LEASE_MARGIN` of its TTL is not used
-either. Unused answers are never released by the reader: a lease that lapsed may already
-count another reader's, which a late release would cut short. Their leases lapse.
+either. A lease is released only while it is live (:meth:`ReadLeases.until`): once it
+lapsed, the master may count another reader's lease on the key, which a late release
+would cut short. Leases nobody releases lapse.
 
 No sockets: the data, and this host's boot id.
 """
@@ -39,20 +40,32 @@ def boot_id() -> str:
 @dataclass
 class ReadLeases:
     """``infos``: the leased lookup's answers by key; ``sent_at``: when the lookup was
-    sent (``time.monotonic()`` seconds on the host whose boot id is ``boot``); the leases
-    run ``info.lease_ttl_s`` seconds from then."""
+    sent (``time.monotonic()`` seconds on the host whose boot id is ``boot``); ``ttl``:
+    the shortest lease granted (seconds from ``sent_at``; 0: none)."""
 
     infos: dict[str, M.ObjectInfo] = field(default_factory=dict)
     sent_at: float = 0.0
     boot: str = ""
+    ttl: float = 0.0
+
+    @classmethod
+    def of(cls, infos, sent_at: float) -> ReadLeases:
+        """The found answers among a leased lookup's replies ``infos`` (ObjectInfo or
+        ErrorInfo), sent at monotonic ``sent_at`` from this host."""
+        found = {i.key: i for i in infos if isinstance(i, M.ObjectInfo)}
+        return cls(found, sent_at, boot_id(), min((i.lease_ttl_s for i in found.values()), default=0.0))
+
+    def until(self, margin: float) -> float:
+        """The monotonic time (seconds, on host ``boot``) up to which every lease is live
+        with ``margin`` (a fraction of the TTL) to spare."""
+        return self.sent_at + self.ttl * margin
 
     def usable(self, now: float, margin: float) -> bool:
         """Whether a reader on this host at monotonic time ``now`` may use the answers:
         the same boot, and no lease past ``margin`` (a fraction) of its TTL."""
         if not self.infos or not self.boot or self.boot != boot_id():
             return False
-        ttl = min(info.lease_ttl_s for info in self.infos.values())
-        return ttl > 0 and now < self.sent_at + ttl * margin
+        return self.ttl > 0 and now < self.until(margin)
 
     def take(self, key: str) -> M.ObjectInfo | None:
         """The answer for ``key``, removed (each lease is used once), or None."""
@@ -74,11 +87,11 @@ class ReadLeases:
         if not other.infos:
             return []
         if not self.infos:
-            self.sent_at, self.boot = other.sent_at, other.boot
+            self.sent_at, self.boot, self.ttl = other.sent_at, other.boot, other.ttl
         elif other.boot != self.boot:
             return []  # another host's clock: not comparable, not used
         else:
-            self.sent_at = min(self.sent_at, other.sent_at)
+            self.sent_at, self.ttl = min(self.sent_at, other.sent_at), min(self.ttl, other.ttl)
         twice = [k for k in other.infos if k in self.infos]
         self.infos.update(other.infos)
         return twice

@@ -409,8 +409,8 @@ class LoadJob:
     that loads it, each attention layer waiting for its own pages
     (:mod:`connector.layer_loads`); otherwise the request waits until the whole load is
     reported finished. ``leases``: the read leases the scheduler's lookup took for the
-    load's blocks (None for none): the workers read those blocks without a lookup of
-    their own, each taking its rank's answers out of it."""
+    load's blocks (None for none; only without TP): the worker reads those blocks
+    without a lookup of its own."""
 
     req_id: str
     first: int
@@ -475,7 +475,8 @@ _COUNTERS = {
     "loads": "Finished load jobs (one per request)",
     "blocks_loaded": "Blocks loaded from kvpool into the KV cache",
     "blocks_load_failed": "Blocks that could not be loaded (missing, checksum, layout, node down)",
-    "blocks_read_on_lookup_leases": "Blocks read under the read leases of the scheduler's lookup (no lookup of their own)",
+    "blocks_read_on_lookup_leases": "Blocks whose read went under the read lease of the scheduler's lookup "
+                                    "(no lookup of their own; one that failed was looked up again)",
     "bytes_loaded": "Bytes loaded from kvpool",
     "blocks_saved": "Blocks put into kvpool (existing keys count as saved)",
     "blocks_save_failed": "Blocks whose put failed",

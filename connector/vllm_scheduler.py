@@ -7,11 +7,12 @@ load came from and how far its prompt has been saved. One step:
   background thread and answers "not yet" (None) until it is back, or treats it as a miss
   after ``lookup_timeout_s``; a request's lookup is counted once. With hand-off params
   (consumer) the lookup claims the record (a read) and compares the record's keys with
-  its own; otherwise it looks the keys up with read leases (one round trip, counted as a
-  read). The hit is the common boundary of every stored group
-  (:mod:`connector.vllm_plan`); the leases of the blocks its load reads go to the workers
-  with the load (so a step's load makes no master round trip) and the rest are released
-  at once (a lease nobody uses lapses after ``lease_ttl``). The hit loads layer-wise
+  its own; otherwise, without TP, it looks the keys up with read leases (counted as
+  reads), and with TP it asks which keys exist (``exists_batch``: no lease, no LRU
+  touch). The hit is the common boundary of every stored group
+  (:mod:`connector.vllm_plan`); the leases of the blocks its load reads go to the worker
+  with the load (so the load makes no master round trip) and the rest are released at
+  once (a lease nobody releases lapses after ``lease_ttl``). The hit loads layer-wise
   (vLLM runs the request in the step that loads it) or asynchronously (the request waits
   for the whole load), as ``ConnectorSettings.load_mode`` says.
 * ``update_state_after_alloc``: turns a positive match into a :class:`LoadJob`.
@@ -51,6 +52,7 @@ from kvpool.connector.vllm_meta import (
     monotonic,
     request_extra,
 )
+from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.vllm_plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
@@ -60,6 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpool.vllm")
+
+LOOKUP_KEYS = 512  # keys per leased lookup of the scheduler (each answer names layout and replicas)
 
 
 @dataclass
@@ -143,7 +147,7 @@ class KVPoolScheduler:
         return st
 
     def _hashes(self, request: "Request", n_blocks: int) -> list[bytes]:
-        # the per-request hash cache is a memo, not state: lookups stay side-effect free
+        # the per-request hash cache is a memo, not state
         return self._state(request).hashes.upto(request.all_token_ids, n_blocks, self.block_size)
 
     def _ranks(self, g: GroupLayout):
@@ -151,10 +155,12 @@ class KVPoolScheduler:
 
     def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases]:
         """The largest boundary in ``(start, top]`` every group can restore from kvpool, or
-        ``start``; and the read leases of the blocks a load up to it reads. One leased
-        lookup (:meth:`KVPoolClient.lookup_leased`): the answers a load needs go to the
-        workers with the load (:attr:`LoadJob.leases`), so its reads need no master round
-        trip of their own; every other lease is released at once."""
+        ``start``; and the read leases of the blocks a load up to it reads. Without TP, a
+        leased lookup (:meth:`_lookup_leased`): the answers a load needs go to the worker
+        with the load (:attr:`LoadJob.leases`), so its reads need no master round trip of
+        their own; every other lease is released at once. With TP, existence checks (no
+        lease, no LRU touch): every rank would receive every rank's answers, and one
+        lease cannot be released by several readers."""
         if top <= start:
             return start, ReadLeases()
         span = hashes[start:top]
@@ -166,22 +172,35 @@ class KVPoolScheduler:
                     pos.setdefault(start + j, []).append(len(keys))
                     keys.append(k)
             where.append(pos)
-        leases = self.client.lookup_leased(keys)
-        found = [k in leases.infos for k in keys]
+        if self.tp_size > 1:
+            leases, found = ReadLeases(), self.client.exists_batch(keys)
+        else:
+            leases = self._lookup_leased(keys)
+            found = [k in leases.infos for k in keys]
         have = [(lambda i, pos=pos: all(found[x] for x in pos.get(i, ()))) for pos in where]
         b = find_hit(self.rules, have, start, top)
         self._keep(leases, hashes, start, b)
         return b, leases
 
+    def _lookup_leased(self, keys: list[str]) -> ReadLeases:
+        """Leased lookups of ``keys``, LOOKUP_KEYS per call (each answer carries the
+        object's layout and replicas: bounded frames). On this host only: without a boot
+        id (no comparable clock for the worker) the leases go back at once."""
+        leases = ReadLeases()
+        try:
+            for i in range(0, len(keys), LOOKUP_KEYS):
+                leases.merge(self.client.lookup_leased(keys[i:i + LOOKUP_KEYS]))
+        except BaseException:
+            self._release(leases, leases.keep(()))
+            raise
+        if not leases.boot:
+            self._release(leases, leases.keep(()))
+        return leases
+
     def _load_keys(self, hashes: list[bytes], start: int, boundary: int) -> set[str]:
-        """The keys the workers read for a load of blocks ``[start, boundary)`` whose
-        leases they can use: every rank's keys of split layouts; a replicated layout's
-        (one key that every rank reads) only without TP, since one lease cannot be
-        released by several readers."""
+        """The keys the worker reads for a load of blocks ``[start, boundary)``."""
         out: set[str] = set()
         for g in self.groups:
-            if g.replicated and self.tp_size > 1:
-                continue
             pos = needed(g.rule, start, boundary)
             for r in self._ranks(g):
                 if g.is_state:
@@ -192,16 +211,21 @@ class KVPoolScheduler:
 
     def _keep(self, leases: ReadLeases, hashes: list[bytes], start: int, boundary: int) -> None:
         """Keep the leases a load of ``[start, boundary)`` uses; release the others."""
-        self._release(leases.keep(self._load_keys(hashes, start, boundary) if boundary > start else ()))
+        if leases.infos:
+            self._release(leases, leases.keep(self._load_keys(hashes, start, boundary) if boundary > start else ()))
 
-    def _release(self, keys) -> None:
-        """Release read leases not used, off the scheduler's thread (best effort: a
-        lease not released lapses)."""
+    def _release(self, leases: ReadLeases, keys) -> None:
+        """Release read leases not used, off the scheduler's thread, and only while they
+        are live (past its TTL a lease's count may be another reader's: those lapse)."""
         if keys and not self.closed:
             try:
-                self.pool.submit(self.client.release_leases, list(keys))
+                self.pool.submit(self._release_live, leases.until(LEASE_MARGIN), list(keys))
             except RuntimeError:  # the pool is shut down: the leases lapse
                 pass
+
+    def _release_live(self, until: float, keys: list[str]) -> None:
+        if monotonic() < until:
+            self.client.release_leases(keys)
 
     @staticmethod
     def _params(request: "Request") -> dict | None:
@@ -258,7 +282,7 @@ class KVPoolScheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Never blocks on the network: the first call for a request starts its lookup
-        (existence checks, or a hand-off claim) on a background thread and answers None
+        (a leased lookup, or a hand-off claim) on a background thread and answers None
         (vLLM's "not yet": the request is asked again next step); a later call takes the
         result. A lookup not back within ``lookup_timeout_s`` seconds counts as a miss, so
         a master that does not answer costs a request at most that delay."""
@@ -275,6 +299,8 @@ class KVPoolScheduler:
         if start >= top:
             return 0, False
         pend = self.lookups.get(rid)
+        if pend is not None and pend.start != start:  # asked from another block now: its answer is not used
+            pend.future.add_done_callback(self._release_late)
         if pend is None or pend.start != start:
             hashes = self._hashes(request, top)
             fut = self.pool.submit(self._match, request, hashes, start, top, self._params(request))
@@ -318,12 +344,13 @@ class KVPoolScheduler:
         """Forget request ``rid``'s lookup result, releasing the leases it took."""
         m = self.matches.pop(rid, None)
         if m is not None:
-            self._release(m.leases.keep(()))
+            self._release(m.leases, m.leases.keep(()))
 
     def _release_late(self, fut: Future) -> None:
         """A lookup given up on: release its leases once it is back."""
         if not fut.cancelled() and fut.exception() is None:
-            self._release(fut.result().leases.keep(()))
+            leases = fut.result().leases
+            self._release(leases, leases.keep(()))
 
     def _match(self, request: "Request", hashes: list[bytes], start: int, top: int, params: dict | None) -> _Match:
         """The lookup itself (background thread): claim the hand-off named by ``params``
@@ -377,7 +404,7 @@ class KVPoolScheduler:
         if m is None:
             return
         if num_external_tokens <= 0:
-            self._release(m.leases.keep(()))
+            self._release(m.leases, m.leases.keep(()))
             if m.handoff_id and m.error is None and not st.handoff_done:
                 st.handoff_id = m.handoff_id  # claimed but nothing left to load: let it go
                 self._finish_handoff(st, ok=False)
@@ -396,7 +423,8 @@ class KVPoolScheduler:
                 log.error("kvpool: request %s: %s; not loading", request.request_id, error)
             groups.append(GroupBlocks(pos, bids))
         full = st.hashes.upto(request.all_token_ids, boundary, bs)
-        self._keep(m.leases, full, m.start, boundary if error is None else m.start)
+        if error is not None or boundary < m.boundary:  # (the lookup kept the leases of m.boundary's load)
+            self._keep(m.leases, full, m.start, boundary if error is None else m.start)
         self.pending_loads[request.request_id] = LoadJob(request.request_id, m.start, full[m.start:], groups,
                                                          num_external_tokens, m.handoff_id, error, self.layerwise,
                                                          m.leases if m.leases.infos else None)
@@ -529,7 +557,7 @@ class KVPoolScheduler:
         self._drop_match(request.request_id)
         job = self.pending_loads.pop(request.request_id, None)
         if job is not None and job.leases is not None:
-            self._release(job.leases.keep(()))
+            self._release(job.leases, job.leases.keep(()))
         self.counted.discard(request.request_id)
         pend = self.lookups.pop(request.request_id, None)
         if pend is not None and not pend.future.cancel():

@@ -54,9 +54,9 @@ def test_lookup_leases_that_cannot_be_used_are_neither_used_nor_released(long_le
     with long_leases.client() as sched, long_leases.client() as worker:
         assert sched.put_batch(keys, blobs) == [None] * 4
         fresh = sched.lookup_leased(keys)
-        foreign = ReadLeases(dict(fresh.infos), fresh.sent_at, "another-host")
-        stale = ReadLeases(dict(fresh.infos), time.monotonic() - 1000, fresh.boot)
-        assert fresh.usable(time.monotonic(), LEASE_MARGIN)
+        foreign = ReadLeases(dict(fresh.infos), fresh.sent_at, "another-host", fresh.ttl)
+        stale = ReadLeases(dict(fresh.infos), time.monotonic() - 1000, fresh.boot, fresh.ttl)
+        assert fresh.usable(time.monotonic(), LEASE_MARGIN) and fresh.ttl == 300
         for handed in (foreign, stale):
             assert not handed.usable(time.monotonic(), LEASE_MARGIN)
             before = _hits(sched)
@@ -93,20 +93,30 @@ def _info(key: str, ttl: float = 5.0) -> M.ObjectInfo:
     return M.ObjectInfo(key, 1, 0, None, [], ttl)
 
 
+def _leases(keys: str, sent_at: float, ttl: float = 5.0, boot: str | None = None) -> ReadLeases:
+    r = ReadLeases.of([_info(k, ttl) for k in keys] + [M.ErrorInfo("NotFound", "gone", {})], sent_at)
+    if boot is not None:
+        r.boot = boot
+    return r
+
+
 def test_read_leases_keep_take_merge_usable():
-    a = ReadLeases({k: _info(k) for k in "abc"}, 100.0, boot_id())
+    a = _leases("abc", 100.0)
+    assert a.boot == boot_id() and a.ttl == 5.0 and sorted(a.infos) == ["a", "b", "c"]  # the miss is absent
     assert a.keep({"a", "b", "z"}) == ["c"] and sorted(a.infos) == ["a", "b"]
     assert a.take("a").key == "a" and a.take("a") is None
-    b = ReadLeases({"d": _info("d", 2.0)}, 90.0, boot_id())
+    b = _leases("d", 90.0, ttl=2.0)
     assert a.merge(b) == []
-    assert sorted(a.infos) == ["b", "d"] and a.sent_at == 90.0  # the earlier send counts for all
-    assert a.usable(90.0 + 2.0 * 0.9 - 0.01, 0.9) and not a.usable(90.0 + 2.0 * 0.9, 0.9)  # the shortest TTL
-    a.merge(ReadLeases({"e": _info("e")}, 10.0, "another-host"))
+    assert sorted(a.infos) == ["b", "d"] and (a.sent_at, a.ttl) == (90.0, 2.0)  # the earliest, the shortest
+    assert a.until(0.9) == 90.0 + 2.0 * 0.9
+    assert a.usable(a.until(0.9) - 0.01, 0.9) and not a.usable(a.until(0.9), 0.9)
+    a.merge(_leases("e", 10.0, boot="another-host"))
     assert "e" not in a.infos and a.sent_at == 90.0  # another clock: not comparable, not taken
+    assert not _leases("f", 0.0, boot="another-host").usable(0.0, 0.9)
     empty = ReadLeases()
     assert not empty.usable(0.0, 0.9)
     empty.merge(b)
-    assert empty.sent_at == 90.0 and sorted(empty.infos) == ["d"]
-    assert empty.merge(ReadLeases({"d": _info("d"), "f": _info("f")}, 95.0, boot_id())) == ["d"]  # a second lease
+    assert (empty.sent_at, empty.ttl) == (90.0, 2.0) and sorted(empty.infos) == ["d"]
+    assert empty.merge(_leases("df", 95.0)) == ["d"]  # a second lease on d
     assert sorted(empty.infos) == ["d", "f"] and empty.sent_at == 90.0
-    assert not ReadLeases({"x": _info("x", 0.0)}, 0.0, boot_id()).usable(0.0, 0.9)  # no lease granted
+    assert not _leases("x", 0.0, ttl=0.0).usable(0.0, 0.9)  # no lease granted
