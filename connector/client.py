@@ -522,6 +522,13 @@ class KVPoolClient(ReservedPuts):
         t_sent, infos = self._leased_lookup(keys, range(len(keys)))
         return ReadLeases.of(infos, t_sent)
 
+    def _release_live(self, leased: list, t_sent: float) -> None:
+        """Release the leases of ``leased`` (ObjectInfo answers of a lookup sent at
+        ``t_sent``) while they are live; once one lapsed, the master may count another
+        reader's lease on the key, which the release would end: those lapse."""
+        if leased and time.monotonic() < t_sent + min(i.lease_ttl_s for i in leased) * LEASE_MARGIN:
+            self.release_leases([i.key for i in leased])
+
     def release_leases(self, keys: Sequence[str]) -> None:
         """Let go of read leases taken and not used (one message, no reply; best effort:
         an unreleased lease lapses). Release only leases still live: past its TTL a
@@ -594,7 +601,7 @@ class KVPoolClient(ReservedPuts):
                 raise failed[0]
         finally:
             if prev is not None:  # looked up, never read: its leases go back now
-                self.release_leases([info.key for info in prev[2] if isinstance(info, M.ObjectInfo)])
+                self._release_live([info for info in prev[2] if isinstance(info, M.ObjectInfo)], prev[1])
         return retry
 
     @staticmethod
@@ -636,9 +643,7 @@ class KVPoolClient(ReservedPuts):
         try:
             return self._read_leased(views, results, pending, t_sent, last)
         finally:
-            # only live leases: once one lapsed, the master may count another reader's on the key
-            if leased and time.monotonic() < t_sent + min(i.lease_ttl_s for i in leased) * LEASE_MARGIN:
-                self.release_leases([i.key for i in leased])
+            self._release_live(leased, t_sent)
 
     def _read_leased(self, views, results, pending, t_sent: float, last: bool) -> list[int]:
         """The reads of :meth:`_read` while their leases are held (released by the caller)."""

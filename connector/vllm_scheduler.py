@@ -114,6 +114,9 @@ class KVPoolScheduler:
         self.s = settings
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        # one worker reads each load: the only case where the lookup's leases can be handed over
+        self.one_reader = self.tp_size == 1 and int(
+            getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1) == 1
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, 0)
         self.rules = [g.rule for g in self.groups]
         self.has_state = any(g.is_state for g in self.groups)
@@ -155,12 +158,13 @@ class KVPoolScheduler:
 
     def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases]:
         """The largest boundary in ``(start, top]`` every group can restore from kvpool, or
-        ``start``; and the read leases of the blocks a load up to it reads. Without TP, a
-        leased lookup (:meth:`_lookup_leased`): the answers a load needs go to the worker
-        with the load (:attr:`LoadJob.leases`), so its reads need no master round trip of
-        their own; every other lease is released at once. With TP, existence checks (no
-        lease, no LRU touch): every rank would receive every rank's answers, and one
-        lease cannot be released by several readers."""
+        ``start``; and the read leases of the blocks a load up to it reads. With one worker
+        per load, a leased lookup (:meth:`_lookup_leased`): the answers a load needs go to
+        the worker with the load (:attr:`LoadJob.leases`), so its reads need no master
+        round trip of their own; every other lease is released at once. With several (TP,
+        prefill context parallelism), existence checks (no lease, no LRU touch): every
+        worker would receive every worker's answers, and one lease cannot be released by
+        several readers."""
         if top <= start:
             return start, ReadLeases()
         span = hashes[start:top]
@@ -172,20 +176,20 @@ class KVPoolScheduler:
                     pos.setdefault(start + j, []).append(len(keys))
                     keys.append(k)
             where.append(pos)
-        if self.tp_size > 1:
+        if not self.one_reader:
             leases, found = ReadLeases(), self.client.exists_batch(keys)
         else:
             leases = self._lookup_leased(keys)
             found = [k in leases.infos for k in keys]
         have = [(lambda i, pos=pos: all(found[x] for x in pos.get(i, ()))) for pos in where]
         b = find_hit(self.rules, have, start, top)
-        self._keep(leases, hashes, start, b)
+        # without a boot id the worker cannot tell whether its clock is the lookup's: no handover
+        self._keep(leases, hashes, start, b if leases.boot else start)
         return b, leases
 
     def _lookup_leased(self, keys: list[str]) -> ReadLeases:
         """Leased lookups of ``keys``, LOOKUP_KEYS per call (each answer carries the
-        object's layout and replicas: bounded frames). On this host only: without a boot
-        id (no comparable clock for the worker) the leases go back at once."""
+        object's layout and replicas: bounded frames)."""
         leases = ReadLeases()
         try:
             for i in range(0, len(keys), LOOKUP_KEYS):
@@ -193,8 +197,6 @@ class KVPoolScheduler:
         except BaseException:
             self._release(leases, leases.keep(()))
             raise
-        if not leases.boot:
-            self._release(leases, leases.keep(()))
         return leases
 
     def _load_keys(self, hashes: list[bytes], start: int, boundary: int) -> set[str]:
