@@ -524,16 +524,16 @@ class KVPoolClient(ReservedPuts):
 
     def _release_live(self, leased: list, t_sent: float) -> None:
         """Release the leases of ``leased`` (ObjectInfo answers of a lookup sent at
-        ``t_sent``) while they are live; once one lapsed, the master may count another
-        reader's lease on the key, which the release would end: those lapse."""
-        if leased and time.monotonic() < t_sent + min(i.lease_ttl_s for i in leased) * LEASE_MARGIN:
-            self.release_leases([i.key for i in leased])
+        ``t_sent``) while they are live (:meth:`release_leases`)."""
+        if leased:
+            self.release_leases([i.key for i in leased], t_sent + min(i.lease_ttl_s for i in leased) * LEASE_MARGIN)
 
-    def release_leases(self, keys: Sequence[str]) -> None:
+    def release_leases(self, keys: Sequence[str], until: float | None = None) -> None:
         """Let go of read leases taken and not used (one message, no reply; best effort:
-        an unreleased lease lapses). Release only leases still live: past its TTL a
-        lease's count may be another reader's."""
-        if keys:
+        an unreleased lease lapses). ``until``: the monotonic time (seconds) after which
+        the leases may have lapsed; from then on nothing is sent, since the master may
+        count another reader's lease on a key, which the release would end."""
+        if keys and (until is None or time.monotonic() < until):
             self.rpc.send_nowait(M.ReleaseLeases(list(keys)))
 
     @staticmethod

@@ -165,7 +165,7 @@ class WorkerLoads:
             if job.leases is not None:
                 twice += leases.merge(job.leases)  # two requests loading the same blocks in one step
         if twice and leases.usable(monotonic(), LEASE_MARGIN):
-            self.client.release_leases(twice)
+            self.client.release_leases(twice, leases.until(LEASE_MARGIN))
         held = len(leases.infos)
         for gi, g in enumerate(self.groups):
             keys, outs, spans = [], [], []

@@ -221,13 +221,9 @@ class KVPoolScheduler:
         are live (past its TTL a lease's count may be another reader's: those lapse)."""
         if keys and not self.closed:
             try:
-                self.pool.submit(self._release_live, leases.until(LEASE_MARGIN), list(keys))
+                self.pool.submit(self.client.release_leases, list(keys), leases.until(LEASE_MARGIN))
             except RuntimeError:  # the pool is shut down: the leases lapse
                 pass
-
-    def _release_live(self, until: float, keys: list[str]) -> None:
-        if monotonic() < until:
-            self.client.release_leases(keys)
 
     @staticmethod
     def _params(request: "Request") -> dict | None:
