@@ -12,8 +12,9 @@ max over the rounds for the rates and the ratio, all from this run:
 * ``loader_gbps``: bytes B loaded / the time its loader thread was busy (each batch of
   load jobs: fetch + checksum + scatter into the KV cache), timed around
   ``KVPoolWorker._load_batch`` and ``_load_layers`` in this process;
-* ``fetch_s`` and ``scatter_s``: the parts of that busy time spent fetching into staging
-  and scattering into the cache;
+* ``fetch_s`` and ``scatter_s``: the parts of that busy time spent fetching (into the KV
+  cache's pages themselves for this host cache) and scattering staged blocks into the
+  cache (device caches, or ``KVPOOL_BENCH_STAGED=1``: loads staged as before, for an A/B);
 * ``first_loader_gbps``: the loader's rate for the warm-up prompts, not counted in the
   rest (the engine's first reads fault in its mapping of the store node's segment);
 * ``load_p50_ms``: the median of the per-request load latencies over the whole run
@@ -155,6 +156,14 @@ def main() -> None:
         return wrapper
 
     W = worker_mod.KVPoolWorker
+    if os.environ.get("KVPOOL_BENCH_STAGED") == "1":  # the staged load path, for comparison
+        register = W.register_kv_caches
+
+        def staged(self, kv_caches):
+            register(self, kv_caches)
+            self.page_runs = [None] * len(self.groups)
+            self._alloc_arena()
+        W.register_kv_caches = staged
     W._load_batch, W._load_layers = timed(W._load_batch), timed(W._load_layers)
     W._fetch, W._scatter_layer = timed(W._fetch, "fetch"), timed(W._scatter_layer, "scatter")
     tmp = tempfile.mkdtemp(prefix="kvpool-vllm-load-")
@@ -235,7 +244,7 @@ def main() -> None:
         v = sorted(x[name] for x in rounds)
         return [v[0], v[len(v) // 2], v[-1]]
 
-    rep = {"load_mode": a.load_mode, "omp_bind": a.omp_bind, "block_size": a.block_size, "prompts": a.prompts, "tokens": a.tokens,
+    rep = {"load_mode": a.load_mode, "staged": os.environ.get("KVPOOL_BENCH_STAGED") == "1", "omp_bind": a.omp_bind, "block_size": a.block_size, "prompts": a.prompts, "tokens": a.tokens,
            "rounds": len(rounds), "first_loader_gbps": cold, "load_p50_ms": round(1000 * p50, 2),
            "memcpy_gbps": round(mem, 3), "loader_gbps": spread("loader_gbps"), "get_gbps": spread("get_gbps"),
            "ratio": spread("ratio"), "get_512_gbps": spread("get_512_gbps"), "get_hot_gbps": spread("get_hot_gbps"), "ratio_hot": spread("ratio_hot"),

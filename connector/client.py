@@ -36,12 +36,13 @@ from kvpool.connector.hedge import ReplicaReads
 from kvpool.connector.prehash import prehash
 from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.reserved_puts import ReservedPuts
+from kvpool.connector.scatter_out import ScatterOut
 from kvpool.connector.rpc import MasterRPC
 from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol import messages as M
 from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, ExtentBusy, InvalidRequest, KVPoolError,
-                             LayoutMismatch, LeaseExpired, NodeUnavailable, NotFound, PutInFlight, PutRevoked,
-                             StaleExtent, StaleTerm, from_wire)
+                             LayoutMismatch, LeaseExpired, LoadCancelled, NodeUnavailable, NotFound, PutInFlight,
+                             PutRevoked, StaleExtent, StaleTerm, from_wire)
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import LayoutSpec, check_layout
 from kvpool.protocol.transport import default_host_id
@@ -55,7 +56,8 @@ _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams o
 def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
     """A flat unsigned-byte memoryview over ``x`` plus an optional finaliser; for a CUDA
     tensor a :class:`~connector.device_buffer.DeviceBuffer` (moved by DMA or staged, see
-    :mod:`connector.dataclient`) whose finaliser copies a staged read into the tensor.
+    :mod:`connector.dataclient`) whose finaliser copies a staged read into the tensor; a
+    :class:`~connector.scatter_out.ScatterOut` (gets only) as it is, with its finaliser.
     Raises InvalidRequest for anything that is not one contiguous run of plain bytes
     (strided, sparse, nested, conjugate/negative views, object arrays, meta tensors,
     released views, non-buffers) and for read-only outputs."""
@@ -66,6 +68,10 @@ def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
 
 
 def _as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
+    if type(x) is ScatterOut:
+        if not writable:
+            raise InvalidRequest("a ScatterOut is a get's destination; put its bytes as one buffer")
+        return x, x.finish
     torch = sys.modules.get("torch")  # a tensor means torch is imported already
     if torch is not None and isinstance(x, torch.Tensor):
         if x.is_nested:
@@ -469,6 +475,8 @@ class KVPoolClient(ReservedPuts):
                        layout: Sequence[LayoutSpec | None] | LayoutSpec | None = None,
                        leases: ReadLeases | None = None) -> list[int | None | KVPoolError]:
         """Batch get into caller buffers: per key bytes copied, None (miss) or the error.
+        A buffer may be a :class:`~connector.scatter_out.ScatterOut` (one object into
+        several pages, filled in order; same-host reads copy straight into them).
 
         ``leases``: answers of an earlier leased lookup (:meth:`lookup_leased`, possibly
         made by another process on this host): keys it holds are read without a lookup of
@@ -495,7 +503,10 @@ class KVPoolClient(ReservedPuts):
         self._get_rounds(keys, lays, results, todo, views)
         for i in range(n):
             if isinstance(results[i], int) and fins[i] is not None:
-                fins[i]()
+                try:
+                    fins[i]()
+                except LoadCancelled as e:  # a staged read the pages' owner no longer wants
+                    results[i] = e
         return results
 
     def _read_with(self, leases: ReadLeases, keys, lays, results, todo: list[int], views: list) -> list[int]:

@@ -64,6 +64,7 @@ import xxhash
 from kvpool.connector.claims import _SharedClaims
 from kvpool.connector.datastream import ReplicaDeadline, _Connections, _Stream, _wait_bytes, readable
 from kvpool.connector.dma import _CudaDirect, _stage
+from kvpool.connector.scatter_out import ScatterOut
 from kvpool.connector.segmap import _SegmentMaps
 from kvpool.connector.shmcopy import _CHUNK, _gone, _ShmCopies
 from kvpool.protocol.auth import Security, resolve
@@ -95,8 +96,9 @@ class WriteOp:
 
 
 class ReadOp:
-    """Read ``ref`` into ``out`` (a writable byte memoryview, or a
-    :class:`~connector.device_buffer.DeviceBuffer`). With ``digest=True`` the data plane also sets
+    """Read ``ref`` into ``out`` (a writable byte memoryview, a
+    :class:`~connector.device_buffer.DeviceBuffer` or a
+    :class:`~connector.scatter_out.ScatterOut`). With ``digest=True`` the data plane also sets
     :attr:`digest` to the xxh3_64 of the bytes as they landed in ``out`` (computed chunk by
     chunk during the copy), so the caller need not hash them again."""
 
@@ -311,7 +313,12 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         net, dma = [], []
         for op in ops:
             local = self.uses_shm(op.ref)
-            if not isinstance(op.out, memoryview):  # a CUDA tensor
+            if type(op.out) is ScatterOut:  # pages: copied straight in from a mapped segment, else staged
+                if local:
+                    self._copy_scatter(op)
+                    continue
+                op.out = op.out.host(op.ref.size)
+            elif not isinstance(op.out, memoryview):  # a CUDA tensor
                 if local and self._direct(op.ref, op.out):
                     dma.append(op)
                     continue

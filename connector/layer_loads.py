@@ -3,15 +3,19 @@
 When the scheduler answers ``load_async=False`` for a hit, vLLM runs the request in the
 same step as its load: it calls ``start_load_kv`` before the forward pass, and every
 attention layer calls ``wait_for_layer_load(layer)`` before it reads its KV cache
-(``vllm/model_executor/layers/attention/kv_transfer_utils.py``). The loader thread
-fetches every block of the step (whole objects, each checked against its checksum and
-layout before any byte reaches the cache), then scatters them into the cache one layer at
-a time, in the model's order, marking each layer ready as it goes: layer i computes while
-the loader writes layers i+1, i+2, ...; and while the forward waits on a layer the loader
-runs without competing for the interpreter.
+(``vllm/model_executor/layers/attention/kv_transfer_utils.py``). For a device cache the
+loader thread fetches every block of the step into staging (whole objects, each checked
+against its checksum and layout before any byte reaches the cache), then scatters them
+into the cache one layer at a time, in the model's order, marking each layer ready as it
+goes: layer i computes while the loader writes layers i+1, i+2, ...; and while the forward
+waits on a layer the loader runs without competing for the interpreter. A host cache is
+filled block by block straight from the store's segment (one copy, not two), and every
+layer is ready when the fetch ends; its writes go through :attr:`LayerLoads.lock` as a
+:class:`~connector.scatter_out.ScatterOut` gate.
 
 Every wait has the step's deadline. When it lapses the step is cancelled: a layer's
-scatter already running is waited out (:attr:`LayerLoads.lock`), none starts after, and
+scatter (or a block's copy) already running is waited out (:attr:`LayerLoads.lock`),
+none starts after, and
 the worker reports every block of the step as failed, so vLLM recomputes them (its
 ``kv_load_failure_policy``). No block is written after the step that loads it ends.
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from kvpool.protocol.errors import InvalidRequest, KVPoolError, NodeUnavailable
+from kvpool.protocol.errors import InvalidRequest, KVPoolError, LoadCancelled, NodeUnavailable
 from kvpool.protocol.messages import ExtentRef
 
 if TYPE_CHECKING:
@@ -228,3 +228,21 @@ class _ShmCopies:
                 h.update(out[a:b])
         if h is not None:
             op.digest = h.intdigest()
+
+    def _copy_scatter(self, op: ReadOp) -> None:
+        """Shared-memory read into a :class:`~connector.scatter_out.ScatterOut`: segment →
+        its pieces, one copy each, each hashed right after it landed (when a digest is
+        wanted)."""
+        seg = self._segment(op.ref)
+        r = op.ref
+        if seg is None:
+            op.error = _gone(r)
+        elif r.offset < 0 or r.offset + r.size > len(seg):
+            op.error = KVPoolError(f"extent [{r.offset}, +{r.size}) does not fit the mapped segment")
+        elif len(op.out) < r.size:
+            op.error = InvalidRequest(f"output pages hold {len(op.out)} bytes, fewer than the {r.size}-byte extent")
+        else:
+            try:
+                op.digest = op.out.copy_from(seg[r.offset:r.offset + r.size], bool(op.digest))
+            except LoadCancelled as e:
+                op.error = e

@@ -1,13 +1,19 @@
-"""Loads of the kvpool vLLM connector's worker: fetch a step's hits into staging
-memory (``get_into_batch``: checksum and layout checked before any byte reaches the
-cache), then scatter them into the request's KV cache blocks.
+"""Loads of the kvpool vLLM connector's worker: fetch a step's hits into the requests'
+KV cache blocks. Host caches are filled straight from a same-host node's mapped segment,
+one copy per page (``get_into_batch`` into a :class:`~connector.scatter_out.ScatterOut`
+per block: layout checked before the copy, checksum on the bytes as they landed; a read
+over the network lands in a private buffer and is copied in once it passed). Device
+caches go through staging memory first, whose blocks are then scattered into the cache.
+A block that fails its checks is reported failed, and
+vLLM recomputes it before any output depends on it (a layer-wise step's output of that
+request is discarded, its later blocks evicted).
 
 * asynchronous jobs run as one batch per step on the loader thread; ``get_finished``
   reports the requests whose loads completed and ``take_invalid`` the blocks that did
   not load (for multi-group models, where block ids are ambiguous, the request is
   reported failed instead);
-* layer-wise jobs (``LoadJob.layerwise``) feed the step's own forward pass: they scatter
-  one layer at a time and ``wait_for_layer_load`` waits for its layer only
+* layer-wise jobs (``LoadJob.layerwise``) feed the step's own forward pass: staged ones
+  scatter one layer at a time and ``wait_for_layer_load`` waits for its layer only
   (:mod:`connector.layer_loads`); the step's output reports the blocks that did not load.
 """
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.layer_loads import LayerLoads
 from kvpool.connector.read_leases import ReadLeases
+from kvpool.connector.scatter_out import ScatterOut
 from kvpool.connector.vllm_meta import GroupLayout, LoadJob, monotonic
 from kvpool.connector.vllm_pages import TORCH_DTYPES, host_bytes
 from kvpool.connector.vllm_plan import NULL_BLOCK
@@ -80,7 +87,7 @@ class WorkerLoads:
     def _alloc_arena(self) -> None:
         """Allocate the load staging arena once the caches are registered (pinned when
         they live on a GPU) and fault its pages in on the gather thread."""
-        if self.s.loads and self.arena_bytes:
+        if self.s.loads and self.arena_bytes and not all(self.page_runs):  # direct groups need no staging
             self.load_arena = torch.empty(self.arena_bytes, dtype=torch.uint8, pin_memory=self.pin)
             if not self.pin:  # pinned memory is resident already; fault host pages in off the loads' path
                 self.arena_ready = self.gatherer.submit(self.load_arena.numpy().fill, 0)
@@ -152,10 +159,12 @@ class WorkerLoads:
                       "their blocks are reported failed", len(self.layered[2]), layer_name,
                       self.s.rpc_timeout_s + self.s.io_timeout_s)
 
-    def _fetch(self, jobs: list[LoadJob]) -> tuple[dict[str, list], float]:
-        """Every job's blocks into staging, per group one batch call for all jobs:
-        ``(staging buffer, per-block results)`` per group by request id, and the seconds
-        it took."""
+    def _fetch(self, jobs: list[LoadJob], gate: LayerLoads | None = None) -> tuple[dict[str, list], float]:
+        """Every job's blocks, per group one batch call for all jobs: ``(staging buffer,
+        per-block results)`` per group by request id, and the seconds it took. Groups in
+        host caches (``page_runs``) are read straight into the requests' cache blocks
+        (:class:`~connector.scatter_out.ScatterOut`, writes under ``gate``: none after it
+        is cancelled); their staging buffer is None."""
         t0 = monotonic()
         todo = [job for job in jobs if not job.error and any(gb.positions for gb in job.groups)]
         fetched: dict[str, list] = {job.req_id: [] for job in todo}
@@ -170,17 +179,23 @@ class WorkerLoads:
         for gi, g in enumerate(self.groups):
             keys, outs, spans = [], [], []
             n, nb = sum(len(job.groups[gi].positions) for job in todo), g.layout.nbytes
-            if n * nb <= free.numel():  # the kept, prefaulted arena; a step past it gets fresh memory
+            runs = self.page_runs[gi]
+            if runs is not None or not n:
+                room = None
+            elif n * nb <= free.numel():  # the kept, prefaulted arena; a step past it gets fresh memory
                 room, free = free[:n * nb].view(n, nb), free[n * nb:]
             else:
                 room = self._staging(n, g)
-            flat = memoryview(room.numpy()).cast("B") if n else None  # byte slices: no tensor per block
+            flat = memoryview(room.numpy()).cast("B") if room is not None else None  # slices: no tensor per block
             for job in todo:
                 pos = job.groups[gi].positions
                 lo = len(keys)
-                spans.append((job, room[lo:lo + len(pos)], lo))
+                spans.append((job, room[lo:lo + len(pos)] if room is not None else None, lo))
                 keys += self._keys(g, job.first, job.hashes, pos)
-                outs += [flat[i * nb:(i + 1) * nb] for i in range(lo, lo + len(pos))]
+                if runs is not None:
+                    outs += [ScatterOut(runs.pages(b), gate) for b in job.groups[gi].block_ids[:len(pos)]]
+                else:
+                    outs += [flat[i * nb:(i + 1) * nb] for i in range(lo, lo + len(pos))]
             res: list = []
             if keys:
                 try:
@@ -215,7 +230,7 @@ class WorkerLoads:
         event on the forward's stream; device copies run on the loader's own stream,
         after it."""
         try:
-            fetched, fetch_s = self._fetch(jobs)
+            fetched, fetch_s = self._fetch(jobs, ll)
             t0 = monotonic()
             plans = [(job, self._plan(job, fetched.get(job.req_id))) for job in jobs]
             with contextlib.ExitStack() as on_stream:
@@ -248,7 +263,7 @@ class WorkerLoads:
         ids: list[int] = []
         for job, p in plans:
             buf, k = p.spans[gi]
-            if not k:
+            if not k or buf is None:  # nothing loaded, or read straight into the cache
                 continue
             if run is not None and buf.data_ptr() == run.data_ptr() + run.shape[0] * run.stride(0):
                 run = run.as_strided((run.shape[0] + k, run.shape[1]), run.stride())  # widened over buf[:k]

@@ -3,6 +3,8 @@ views as numpy bytes, the gather copy of saves, and kernel-block caches seen as 
 blocks. Pure tensor helpers, no I/O."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -27,6 +29,46 @@ def host_bytes(view):
         return view.view(torch.uint8).numpy()
     except (RuntimeError, TypeError):
         return None
+
+
+class PageRuns:
+    """Where one group's stored block lies in host caches: per sub-tensor of each layer,
+    in the block's byte order, a flat byte memoryview over that cache's storage, the
+    bytes from one block's page to the next (the first axis' stride) and the page's
+    bytes. :meth:`pages` gives one block's pages, the pieces a
+    :class:`~connector.scatter_out.ScatterOut` fills.
+
+    The views point at the caches' memory without owning it: the caller keeps the cache
+    tensors alive (the worker holds them while it is registered)."""
+
+    __slots__ = ("runs",)
+
+    def __init__(self, runs: list[tuple[memoryview, int, int]]) -> None:
+        self.runs = runs
+
+    @classmethod
+    def of(cls, parts, num_blocks: int, nbytes: int) -> "PageRuns | None":
+        """``parts``: ``(cache view, byte offset, end)`` of each sub-tensor of every layer
+        of a group, in order; ``nbytes``: a stored block's bytes. None unless the parts
+        cover ``[0, nbytes)`` back to back and every view is a host cache of at least
+        ``num_blocks`` pages, each page one contiguous run of ``end - offset`` bytes."""
+        runs, at = [], 0
+        for view, lo, hi in parts:
+            arr = host_bytes(view)
+            if arr is None or lo != at or arr.ndim < 1 or arr.shape[0] < num_blocks or num_blocks < 1:
+                return None
+            page = arr[0]
+            if not page.flags.c_contiguous or page.nbytes != hi - lo or arr.strides[0] < hi - lo:
+                return None
+            span = (num_blocks - 1) * arr.strides[0] + page.nbytes
+            flat = memoryview((ctypes.c_char * span).from_address(arr.ctypes.data)).cast("B")
+            runs.append((flat, arr.strides[0], page.nbytes))
+            at = hi
+        return cls(runs) if runs and at == nbytes else None
+
+    def pages(self, block: int) -> list[memoryview]:
+        """Block ``block``'s pages, in the stored block's byte order."""
+        return [flat[block * step:block * step + n] for flat, step, n in self.runs]
 
 
 class MergedPages:

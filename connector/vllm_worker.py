@@ -45,7 +45,7 @@ from kvpool.connector.vllm_meta import (
     keys_for,
     monotonic,
 )
-from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, copy_pages, host_bytes
+from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, PageRuns, copy_pages, host_bytes
 from kvpool.protocol.errors import ConfigError, KVPoolError
 from kvpool.protocol.layout import DTYPE_BYTES
 
@@ -80,6 +80,7 @@ class KVPoolWorker(WorkerLoads):
         self.client = client if client is not None else settings.make_client()
         self.caches: dict[str, list] = {}  # layer -> (view, shape, dtype) per sub-tensor of a block
         self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group index, byte offset)
+        self.page_runs: list[PageRuns | None] = []  # per group, once registered: see register_kv_caches
         self.meta: KVPoolConnectorMetadata | None = None
         self.staged: list[_Staged] = []
         self.barrier = False  # a producer's prompt ended this step: commit queued saves in wait_for_save
@@ -117,6 +118,9 @@ class KVPoolWorker(WorkerLoads):
                 self.layer_pos[name] = (gi, off)
                 off += g.layer_nbytes
                 self.pin = self.pin or any(v.device.type == "cuda" for v, _, _ in parts)
+        # host caches whose pages loads fill straight from a mapped segment (no staging)
+        self.page_runs = [PageRuns.of([(v, lo, hi) for name in g.layer_names for v, lo, hi, _, _ in
+                                       self._parts(g, name)], self.num_blocks, g.layout.nbytes) for g in self.groups]
         self._alloc_arena()
         log.info("kvpool: registered %d layers in %d group(s) (%s); %d bytes per block; rank %d",
                  len(self.caches), len(self.groups), ", ".join(g.layout.kind for g in self.groups),

@@ -170,6 +170,13 @@ class Timeout(KVPoolError):
     code = "timeout"
 
 
+class LoadCancelled(KVPoolError):
+    """The owner of a get's destination pages cancelled the load (a lapsed step deadline)
+    before this object was written into them: none of its bytes were."""
+
+    code = "load_cancelled"
+
+
 class ConfigError(KVPoolError):
     """A configuration value is missing or invalid; the message names key and accepted values."""
 
