@@ -1,5 +1,7 @@
 """The connector's scheduler side against real vLLM objects (no engine): a lookup never
-blocks vLLM's scheduler step, even when the master does not answer."""
+blocks vLLM's scheduler step, even when the master does not answer; the read leases its
+lookups take are kept for the load or released, whatever becomes of the request (real
+master and store node; 300 s leases, so a lease seen gone was released, not lapsed)."""
 from __future__ import annotations
 
 import socket
@@ -7,7 +9,11 @@ import threading
 import time
 from types import SimpleNamespace
 
+import os
+
 import pytest
+
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -85,5 +91,102 @@ def test_a_master_that_does_not_answer_never_blocks_a_scheduler_step(silent_mast
         assert st.data["lookups"] == 1 and st.data["lookups_timed_out"] == 1
         # asked again (vLLM may ask several times for one request): counted once
         assert sched.get_num_new_matched_tokens(req, 0)[0] is None
+    finally:
+        sched.close()
+
+
+@pytest.fixture
+def long_leases(make_cluster):
+    return make_cluster(nodes=1, memory="64MiB", lease_ttl="300s")
+
+
+def _request(rid: str, n_tokens: int = 100):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, list(range(100, 100 + n_tokens)), SamplingParams(max_tokens=1), None)
+
+
+def _store_blocks(sched, client, req, n_blocks: int) -> list[str]:
+    """Put stand-in bytes under the keys of ``req``'s first ``n_blocks`` blocks (the
+    scheduler only checks that they exist); returns the keys of every full block."""
+    from kvpool.connector.vllm_meta import keys_for
+
+    g = sched.groups[0]
+    keys = keys_for(sched.s, g, sched._hashes(req, (req.num_tokens - 1) // 16), 0)
+    assert client.put_batch(keys[:n_blocks], [os.urandom(4096) for _ in keys[:n_blocks]]) == [None] * n_blocks
+    return keys
+
+
+def _answer(sched, req, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while (ans := sched.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline, "the lookup never answered"
+        time.sleep(0.01)
+    return ans
+
+
+def _leased(client, keys) -> list[bool]:
+    by_key = {m.key: m.leased for m in client.ls("")}
+    return [by_key.get(k, False) for k in keys]
+
+
+def test_a_request_finished_after_its_hit_releases_its_lookup_leases(long_leases):
+    sched = _scheduler(long_leases.master_addr, 30)
+    try:
+        with long_leases.client() as c:
+            req = _request("r-done")
+            keys = _store_blocks(sched, c, req, 6)
+            assert _answer(sched, req)[0] == 96
+            assert _leased(c, keys) == [True] * 6  # kept for the load
+            sched.request_finished(req, ([],))  # aborted before vLLM allocated its blocks
+            wait_for(lambda: not any(_leased(c, keys)), 30, what="every lookup lease released")
+    finally:
+        sched.close()
+
+
+def test_lookups_go_in_slices_and_leases_the_load_does_not_need_are_released(long_leases, monkeypatch):
+    import kvpool.connector.vllm_scheduler as vs
+
+    monkeypatch.setattr(vs, "LOOKUP_KEYS", 4)
+    sched = _scheduler(long_leases.master_addr, 30)
+    sizes: list[int] = []
+    lookup = sched.client.lookup_leased
+    monkeypatch.setattr(sched.client, "lookup_leased", lambda keys: sizes.append(len(keys)) or lookup(keys))
+    try:
+        with long_leases.client() as c:
+            req = _request("r-sliced")
+            keys = _store_blocks(sched, c, req, 6)
+            c.remove(keys[3])  # the hit ends before block 3: blocks 4 and 5 are not loaded
+            assert _answer(sched, req)[0] == 48
+            assert sizes == [4, 2]
+            wait_for(lambda: _leased(c, keys) == [True] * 3 + [False] * 3, 30,
+                     what="the leases of blocks 4 and 5 released, 0-2 kept for the load")
+            sched.request_finished(req, ([],))
+            wait_for(lambda: not any(_leased(c, keys)), 30, what="every lookup lease released")
+    finally:
+        sched.close()
+
+
+def test_a_lookup_given_up_on_releases_its_leases_when_it_comes_back(long_leases, monkeypatch):
+    sched = _scheduler(long_leases.master_addr, 0.2)
+    back = threading.Event()
+    lookup = sched.client.lookup_leased
+
+    def slow(keys):
+        time.sleep(1.0)  # past the scheduler's 0.2 s lookup deadline
+        try:
+            return lookup(keys)
+        finally:
+            back.set()
+
+    monkeypatch.setattr(sched.client, "lookup_leased", slow)
+    try:
+        with long_leases.client() as c:
+            req = _request("r-late")
+            keys = _store_blocks(sched, c, req, 6)
+            assert _answer(sched, req) == (0, False)  # a miss: computed locally
+            assert back.wait(30)
+            wait_for(lambda: not any(_leased(c, keys)), 30, what="the late lookup's leases released")
     finally:
         sched.close()
