@@ -699,6 +699,8 @@ class KVPoolClient(ReservedPuts):
                     self.rpc.send_nowait(M.ReportCorrupt(info.key, op.ref.node_id, op.ref.gen, op.ref.incarnation))
                 if isinstance(err, LeaseExpired):
                     retry.append(i)
+                elif isinstance(err, LoadCancelled):  # the pages' owner wants no more reads of it
+                    results[i] = err
                 elif len(order) > 1:
                     nxt[i] = (info, order[1:])
                 elif isinstance(err, (StaleExtent, NodeUnavailable, ChecksumMismatch)) and not last:

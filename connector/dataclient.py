@@ -69,7 +69,7 @@ from kvpool.connector.segmap import _SegmentMaps
 from kvpool.connector.shmcopy import _CHUNK, _gone, _ShmCopies
 from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, sendv
-from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, NodeUnavailable, from_wire
+from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, LoadCancelled, NodeUnavailable, from_wire
 from kvpool.protocol.messages import ExtentRef
 
 __all__ = ["DataPlane", "ReadOp", "ReplicaDeadline", "WriteOp", "readable"]
@@ -317,7 +317,11 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                 if local:
                     self._copy_scatter(op)
                     continue
-                op.out = op.out.host(op.ref.size)
+                try:
+                    op.out = op.out.host(op.ref.size)
+                except LoadCancelled as e:
+                    op.error = e
+                    continue
             elif not isinstance(op.out, memoryview):  # a CUDA tensor
                 if local and self._direct(op.ref, op.out):
                     dma.append(op)

@@ -11,7 +11,11 @@ get, it hashes the bytes as they landed, read back from each page right after it
 Other paths (network, Unix socket, UCX) read into a private staging buffer
 (:meth:`ScatterOut.host`) and the client copies it into the pieces once the object
 passed its checks (:meth:`ScatterOut.finish`), as it does for a CUDA tensor
-(:class:`connector.device_buffer.DeviceBuffer`).
+(:class:`connector.device_buffer.DeviceBuffer`). The staging buffer is the newest
+attempt's: a direct copy voids it, and each staged attempt (another replica, a retry
+under a fresh lease) replaces it, so what ``finish`` copies is always the bytes the
+checks passed. A failed attempt may leave its bytes in the pieces; the get's result for
+the object then says it is not there, and a later attempt that passes rewrites them.
 
 ``gate``: an optional object with ``lock`` (a ``threading.Lock``) and ``cancelled`` (a
 bool), such as :class:`connector.layer_loads.LayerLoads`. Every write into the pieces
@@ -53,10 +57,11 @@ class ScatterOut:
             return self._copy(src, digest)
         with gate.lock:
             if gate.cancelled:
-                raise LoadCancelled("the load was cancelled before this block was written into the cache")
+                raise _cancelled()
             return self._copy(src, digest)
 
     def _copy(self, src: memoryview, digest: bool) -> int | None:
+        self._staged = None  # the pages now hold this copy: an earlier, failed staged attempt is void
         h = xxhash.xxh3_64() if digest else None
         a, size = 0, len(src)
         for p in self.pieces:
@@ -74,7 +79,11 @@ class ScatterOut:
 
     def host(self, size: int) -> memoryview:
         """A private staging buffer of ``size`` bytes for a path that cannot write the
-        pieces directly; :meth:`finish` copies it into them."""
+        pieces directly, replacing any earlier attempt's; :meth:`finish` copies it into
+        them. Raises :class:`LoadCancelled` once the gate is cancelled (no read is worth
+        making then)."""
+        if self.gate is not None and self.gate.cancelled:
+            raise _cancelled()
         self._staged = memoryview(bytearray(size))
         return self._staged
 
@@ -85,3 +94,8 @@ class ScatterOut:
         staged, self._staged = self._staged, None
         if staged is not None:
             self.copy_from(staged, False)
+
+
+def _cancelled() -> LoadCancelled:
+    return LoadCancelled("the load was cancelled (its step's deadline lapsed) before this block was written "
+                         "into the cache; the block is reported failed and recomputed")

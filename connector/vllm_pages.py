@@ -38,13 +38,15 @@ class PageRuns:
     bytes. :meth:`pages` gives one block's pages, the pieces a
     :class:`~connector.scatter_out.ScatterOut` fills.
 
-    The views point at the caches' memory without owning it: the caller keeps the cache
-    tensors alive (the worker holds them while it is registered)."""
+    The views point into the caches' storage, which the arrays kept in :attr:`owners`
+    hold alive; an engine that reallocates its caches registers them again (new runs)."""
 
-    __slots__ = ("runs",)
+    __slots__ = ("runs", "num_blocks", "owners")
 
-    def __init__(self, runs: list[tuple[memoryview, int, int]]) -> None:
+    def __init__(self, runs: list[tuple[memoryview, int, int]], num_blocks: int, owners: list) -> None:
         self.runs = runs
+        self.num_blocks = num_blocks
+        self.owners = owners  # the cache arrays the views point into, kept alive with them
 
     @classmethod
     def of(cls, parts, num_blocks: int, nbytes: int) -> "PageRuns | None":
@@ -52,7 +54,7 @@ class PageRuns:
         of a group, in order; ``nbytes``: a stored block's bytes. None unless the parts
         cover ``[0, nbytes)`` back to back and every view is a host cache of at least
         ``num_blocks`` pages, each page one contiguous run of ``end - offset`` bytes."""
-        runs, at = [], 0
+        runs, owners, at = [], [], 0
         for view, lo, hi in parts:
             arr = host_bytes(view)
             if arr is None or lo != at or arr.ndim < 1 or arr.shape[0] < num_blocks or num_blocks < 1:
@@ -63,11 +65,15 @@ class PageRuns:
             span = (num_blocks - 1) * arr.strides[0] + page.nbytes
             flat = memoryview((ctypes.c_char * span).from_address(arr.ctypes.data)).cast("B")
             runs.append((flat, arr.strides[0], page.nbytes))
+            owners.append(arr)
             at = hi
-        return cls(runs) if runs and at == nbytes else None
+        return cls(runs, num_blocks, owners) if runs and at == nbytes else None
 
     def pages(self, block: int) -> list[memoryview]:
-        """Block ``block``'s pages, in the stored block's byte order."""
+        """Block ``block``'s pages, in the stored block's byte order. Raises IndexError
+        for a block outside ``[0, num_blocks)``."""
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} is outside the KV cache's {self.num_blocks} blocks")
         return [flat[block * step:block * step + n] for flat, step, n in self.runs]
 
 

@@ -83,7 +83,9 @@ class _CancelAfter(_Gate):
 
     @property
     def cancelled(self) -> bool:
-        self.left -= 1
+        if not self.lock.locked():  # a look before a read: cancelled once every write is used up
+            return self.left <= 0
+        self.left -= 1  # the look before a write, under the lock
         return self.left < 0
 
     @cancelled.setter
@@ -104,3 +106,52 @@ def test_no_block_is_written_after_the_cancel(cluster, transport):
     assert len(done) == 5 and all(isinstance(res[i], LoadCancelled) for i in set(range(12)) - set(done))
     for i in range(12):
         assert pages[i].numpy().tobytes() == (blobs[i] if i in done else bytes(16 * KiB))
+
+
+@pytest.fixture
+def near_and_far(make_cluster):
+    """Two nodes, one on this host (read from shared memory) and one on another host id
+    (read over TCP), so every object put with two replicas has one of each."""
+    lc = make_cluster(nodes=1)
+    lc.start_node("node-far", "64MiB", host_id="far-host")
+    lc.wait_nodes(2)
+    return lc
+
+
+def test_a_failed_network_attempt_never_overwrites_the_copy_that_passed(near_and_far):
+    """The far replica is read first and fails (its node is dead); the same-host replica
+    then lands in the pages and passes. The failed attempt's staging must not be copied
+    over it."""
+    lc = near_and_far
+    blob = os.urandom(64 * KiB)
+    pages = torch.zeros((2, 32 * KiB), dtype=torch.uint8)
+    with lc.client() as c:
+        assert c.put("so-two", blob, replicas=2)
+        near = [r for r in c.lookup(["so-two"])[0].replicas if r.host_id == c.host_id]
+        assert len(near) == 1
+        c.replica_reads.failed(near[0].node_id)  # a recent failure: the near replica is read last
+        lc.kill_node("node-far")
+        out = ScatterOut([memoryview(pages[0].numpy()), memoryview(pages[1].numpy())], _Gate())
+        assert c.get_into_batch(["so-two"], [out])[0] == 64 * KiB
+    assert pages.numpy().tobytes() == blob
+
+
+def test_a_cancelled_block_is_not_read_again_from_another_replica(near_and_far, monkeypatch):
+    from kvpool.connector import dataclient
+
+    lc = near_and_far
+    reads: list[str] = []
+    read = dataclient.DataPlane.read
+
+    def counted(self, ops, deadline=None):
+        reads.extend(op.ref.node_id for op in ops)
+        return read(self, ops, deadline)
+
+    monkeypatch.setattr(dataclient.DataPlane, "read", counted)
+    page = torch.zeros(64 * KiB, dtype=torch.uint8)
+    gate = _Gate()
+    gate.cancelled = True
+    with lc.client() as c:
+        assert c.put("so-cancel-two", os.urandom(64 * KiB), replicas=2)
+        r = c.get_into_batch(["so-cancel-two"], [ScatterOut([memoryview(page.numpy())], gate)])[0]
+    assert isinstance(r, LoadCancelled) and len(reads) == 1 and not page.any()
