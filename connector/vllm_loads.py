@@ -4,9 +4,9 @@ one copy per page (``get_into_batch`` into a :class:`~connector.scatter_out.Scat
 per block: layout checked before the copy, checksum on the bytes as they landed; a read
 over the network lands in a private buffer and is copied in once it passed). Device
 caches go through staging memory first, whose blocks are then scattered into the cache.
-A block that fails its checks is reported failed, and
-vLLM recomputes it before any output depends on it (a layer-wise step's output of that
-request is discarded, its later blocks evicted).
+A block that fails its checks is reported failed, and vLLM recomputes it before any
+output depends on it (a layer-wise step's output of that request is discarded, its
+later blocks evicted).
 
 * asynchronous jobs run as one batch per step on the loader thread; ``get_finished``
   reports the requests whose loads completed and ``take_invalid`` the blocks that did
