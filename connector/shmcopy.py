@@ -181,20 +181,15 @@ class _ShmCopies:
         aliasing in ``rep movsb``). Such copies go through a small per-thread bounce buffer
         placed half a page from both, which stays in L2: two fast copies instead of one
         slow one. Bigger copies do not suffer it and stay one ``memcpy``."""
-        seg = self._segment(op.ref)
+        src = self._extent_view(op)
+        if src is None:
+            return
         r = op.ref
-        if seg is None:
-            op.error = _gone(r)
-            return
-        if r.offset < 0 or r.offset + r.size > len(seg):
-            op.error = KVPoolError(f"extent [{r.offset}, +{r.size}) does not fit the mapped segment")
-            return
         if len(op.out) < r.size:
             op.error = InvalidRequest(f"output buffer of {len(op.out)} bytes is smaller than the "
                                       f"{r.size}-byte extent")
             return
         out, size = op.out, r.size
-        src = seg[r.offset:r.offset + size]
         bounce = None
         if size > 2048:
             try:
@@ -233,16 +228,27 @@ class _ShmCopies:
         """Shared-memory read into a :class:`~connector.scatter_out.ScatterOut`: segment →
         its pieces, one copy each, each hashed right after it landed (when a digest is
         wanted)."""
+        src = self._extent_view(op)
+        if src is None:
+            return
+        if len(op.out) < op.ref.size:
+            op.error = InvalidRequest(f"output pages hold {len(op.out)} bytes, fewer than the "
+                                      f"{op.ref.size}-byte extent")
+            return
+        try:
+            op.digest = op.out.copy_from(src, bool(op.digest))
+        except LoadCancelled as e:
+            op.error = e
+
+    def _extent_view(self, op: ReadOp) -> memoryview | None:
+        """The mapped bytes of ``op.ref``'s extent; None, with ``op.error`` set, when the
+        node's mapping is gone or the extent does not fit it."""
         seg = self._segment(op.ref)
         r = op.ref
         if seg is None:
             op.error = _gone(r)
-        elif r.offset < 0 or r.offset + r.size > len(seg):
+            return None
+        if r.offset < 0 or r.offset + r.size > len(seg):
             op.error = KVPoolError(f"extent [{r.offset}, +{r.size}) does not fit the mapped segment")
-        elif len(op.out) < r.size:
-            op.error = InvalidRequest(f"output pages hold {len(op.out)} bytes, fewer than the {r.size}-byte extent")
-        else:
-            try:
-                op.digest = op.out.copy_from(seg[r.offset:r.offset + r.size], bool(op.digest))
-            except LoadCancelled as e:
-                op.error = e
+            return None
+        return seg[r.offset:r.offset + r.size]
