@@ -564,6 +564,9 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
           streams: Annotated[int, typer.Option(help="Network connections per store node per batch (1-16)")] = 1,
           reserve: Annotated[Optional[str], typer.Option(
               help="Bytes of extents each client reserves ahead of need (0: off; default: the client's)")] = None,
+          spin_wait: Annotated[Optional[str], typer.Option(
+              help="How long each client polls for a reply before sleeping, e.g. 100us (0: off; default: "
+                   "the client's)")] = None,
           json_: JsonOpt = False, config: ConfigOpt = None) -> None:
     """Throughput and latency of put/get beside the memcpy and raw-socket ceilings."""
     from kvpool.cli.bench import render_bench, run_bench
@@ -580,7 +583,8 @@ def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated
                         [int(c) for c in clients.split(",")], parse_size(total), transport, metadata,
                         progress=not json_, batches=[int(b) for b in batches.split(",")],
                         replicas=[int(r) for r in replicas.split(",")], baseline=baseline, repeat=repeat,
-                        streams=streams, reserve=None if reserve is None else parse_size(reserve, key="reserve"))
+                        streams=streams, reserve=None if reserve is None else parse_size(reserve, key="reserve"),
+                        spin_wait=None if spin_wait is None else parse_duration(spin_wait, key="spin_wait"))
         if json_:
             print(json.dumps(rep, indent=2))
         else:

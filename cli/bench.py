@@ -183,6 +183,8 @@ class _Worker:
                 from kvpool.connector.client import KVPoolClient
 
                 extra = {} if msg.get("reserve") is None else {"reserve_bytes": msg["reserve"]}
+                if msg.get("spin_wait") is not None:
+                    extra["spin_wait_s"] = msg["spin_wait"]
                 c = KVPoolClient(msg["master"], transport=name, streams_per_node=msg.get("streams", 1), **extra)
             self.clients[name] = c
         return c
@@ -460,7 +462,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
               replicas: Sequence[int] = (1,),
               baseline: str | None = None, master: str | None = None, max_objects: int = 4096,
               meta_keys: int = 4096, ceiling_bytes: int | None = None, repeat: int = 1, streams: int = 1,
-              reserve: int | None = None) -> dict:
+              reserve: int | None = None, spin_wait: float | None = None) -> dict:
     """Run the benchmark and return the report dict (see the module docstring).
 
     ``transport``: comma-separated paths among ``auto`` (same-host shared memory), ``tcp``,
@@ -473,7 +475,8 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
     ``repeat``: run each cell's put+get that many times and keep the best (shared machines).
     ``streams``: the clients' ``streams_per_node`` (network connections per node per batch).
     ``reserve``: the clients' ``reserve_bytes`` (extents reserved ahead of need; 0: every
-    put asks the master first; None: the client's default).
+    put asks the master first; None: the client's default). ``spin_wait``: the clients'
+    ``spin_wait_s`` (seconds a wait for a reply polls before it sleeps; None: the default).
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -507,7 +510,8 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                               "config": {"sizes": list(sizes), "clients": list(clients), "batches": list(batches),
                                          "replicas": list(replicas), "total_bytes": total_bytes, "transports": paths,
                                          "baseline": baseline, "repeat": repeat, "ceiling_chunk_bytes": chunk,
-                                         "streams_per_node": streams, "reserve_bytes": reserve},
+                                         "streams_per_node": streams, "reserve_bytes": reserve,
+                                         "spin_wait_s": spin_wait},
                               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     try:
         with prog:
@@ -553,7 +557,8 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                     continue
                 per = max(b, min(max_objects, budget // (size * nrep)) // nc // b * b)
                 base = {"transport": t, "master": master, "size": size, "count": per, "batch": b, "replicas": nrep,
-                        "redis_port": red.port if red else 0, "streams": streams, "reserve": reserve}
+                        "redis_port": red.port if red else 0, "streams": streams, "reserve": reserve,
+                        "spin_wait": spin_wait}
                 procs = workers[:nc]
                 for w_i, p in enumerate(procs):
                     _send(p, {**base, "cmd": "cell", "prefix": f"bench/{run_id}/{t}/{size}/{nc}/{b}/{nrep}/{w_i}"})

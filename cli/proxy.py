@@ -241,7 +241,9 @@ class Proxy:
         if self.s.master or self.s.etcd:
             from kvpool.connector.aclient import AsyncKVPoolClient
 
-            self._kv = AsyncKVPoolClient(self.s.master, etcd=self.s.etcd, cluster=self.s.cluster, rpc_timeout_s=5.0)
+            # its calls run on executor threads beside the event loop: they sleep, not spin, for replies
+            self._kv = AsyncKVPoolClient(self.s.master, etcd=self.s.etcd, cluster=self.s.cluster, rpc_timeout_s=5.0,
+                                         spin_wait_s=0.0)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
         self._health = asyncio.create_task(health_loop(self.session, [self.prefill, self.decode],
                                                        self.s.health_interval_s, self.health_timeout_s))

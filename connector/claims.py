@@ -25,7 +25,7 @@ _RELEASE_S = 0.5  # seconds the release of unanswered claims may wait to be sent
 
 
 class _SharedClaims:
-    """Mixed into :class:`~connector.dataclient.DataPlane` (uses its ``io_timeout_s``,
+    """Mixed into :class:`~connector.dataclient.DataPlane` (uses its ``io_timeout_s``, ``spin``,
     ``security``, ``_map_lock`` and ``_all_conns``)."""
 
     def _init_claims(self) -> None:
@@ -72,6 +72,8 @@ class _SharedClaims:
                 if meanwhile is not None:
                     meanwhile()
                     meanwhile = None
+                if self.spin.seconds and not s.buffered():
+                    self.spin.wait(s.sock)
                 i = 0
                 for _ in frames:
                     rep = s.reply()

@@ -45,10 +45,13 @@ from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, ExtentBusy, I
                              PutRevoked, StaleExtent, StaleTerm, from_wire)
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import LayoutSpec, check_layout
+from kvpool.protocol.config import ClientConfig
 from kvpool.protocol.transport import default_host_id
+from kvpool.protocol.units import parse_duration
 
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
 _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
+SPIN_WAIT_S = parse_duration(ClientConfig().spin_wait)  # seconds; see protocol/spin.py
 PIPELINE_KEYS = 64  # a batch get of more keys looks up each slice of this many while reading the one before
 _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
 
@@ -184,6 +187,11 @@ class KVPoolClient(ReservedPuts):
     (:mod:`connector.reserved_puts`); 0 turns reservations off (every put asks the master for
     its extents first). ``reserve_max_object_bytes``: objects above this size (bytes) are
     never put through reservations. ConfigError for negative values.
+    ``spin_wait_s``: seconds a wait for a reply from the master or a store node first polls
+    its socket, yielding the CPU between polls, before it sleeps in the kernel: a reply
+    within it costs no wake-up of this thread (:mod:`protocol.spin`); 0 sleeps at once
+    (what an engine sharing its CPUs with the forward pass wants). ConfigError outside
+    [0, 0.01].
     """
 
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
@@ -193,7 +201,9 @@ class KVPoolClient(ReservedPuts):
                  cuda_direct: bool = True, replica_timeout_s: float | None = 1.0,
                  hedge_after_s: float | None = 0.1, security: Security | None = None,
                  write_timeout_s: float | None = 2.0, etcd_auth=None, reserve_bytes: int = 64 << 20,
-                 reserve_max_object_bytes: int = 64 << 20) -> None:
+                 reserve_max_object_bytes: int = 64 << 20, spin_wait_s: float = SPIN_WAIT_S) -> None:
+        if not (isinstance(spin_wait_s, (int, float)) and 0 <= spin_wait_s <= 0.01):
+            raise ConfigError(f"spin_wait_s must be seconds from 0 to 0.01, got {spin_wait_s!r}", key="spin_wait")
         if not (isinstance(streams_per_node, int) and 1 <= streams_per_node <= 16):
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")
@@ -206,9 +216,9 @@ class KVPoolClient(ReservedPuts):
         self._write_deadline = None if write_timeout_s is None else ReplicaDeadline(write_timeout_s)
         security = resolve(security)
         self.rpc = MasterRPC(master, etcd, cluster, rpc_timeout_s, security,
-                             **({"etcd_auth": etcd_auth} if etcd_auth is not None else {}))
+                             **({"etcd_auth": etcd_auth} if etcd_auth is not None else {}), spin_s=spin_wait_s)
         self.host_id = host_id or default_host_id()
-        self.data = DataPlane(self.host_id, transport, io_timeout_s, cuda_direct, security)
+        self.data = DataPlane(self.host_id, transport, io_timeout_s, cuda_direct, security, spin_s=spin_wait_s)
         self.replica_reads = ReplicaReads(self.data, self.host_id, replica_timeout_s, hedge_after_s)
         self.lease_retries = lease_retries
         self.in_flight_wait_s = in_flight_wait_s
@@ -225,7 +235,7 @@ class KVPoolClient(ReservedPuts):
         """A client with the settings of ``cfg.client`` (and its etcd and security sections);
         ``overrides``: constructor arguments that replace them."""
         from kvpool.protocol.etcd import EtcdAuth
-        from kvpool.protocol.units import parse_duration, parse_size
+        from kvpool.protocol.units import parse_size
 
         kw = dict(etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
                   host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
@@ -235,7 +245,8 @@ class KVPoolClient(ReservedPuts):
                   write_timeout_s=_seconds_or_none(cfg.client.write_timeout),
                   security=Security.from_config(cfg.security), etcd_auth=EtcdAuth.from_config(cfg.etcd),
                   reserve_bytes=parse_size(cfg.client.reserve, key="client.reserve"),
-                  reserve_max_object_bytes=parse_size(cfg.client.reserve_max_object, key="client.reserve_max_object"))
+                  reserve_max_object_bytes=parse_size(cfg.client.reserve_max_object, key="client.reserve_max_object"),
+                  spin_wait_s=parse_duration(cfg.client.spin_wait, key="client.spin_wait"))
         return cls(master, **{**kw, **overrides})
 
     def close(self) -> None:

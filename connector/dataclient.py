@@ -71,6 +71,7 @@ from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, sendv
 from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, LoadCancelled, NodeUnavailable, from_wire
 from kvpool.protocol.messages import ExtentRef
+from kvpool.protocol.spin import Spinner
 
 __all__ = ["DataPlane", "ReadOp", "ReplicaDeadline", "WriteOp", "readable"]
 
@@ -124,13 +125,14 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
     MODES = ("auto", "shm", "unix", "tcp", "ucx")
 
     def __init__(self, host_id: str, transport_mode: str = "auto", io_timeout_s: float = 30.0,
-                 cuda_direct: bool = True, security: Security | None = None) -> None:
+                 cuda_direct: bool = True, security: Security | None = None, spin_s: float = 0.0) -> None:
         if transport_mode not in self.MODES:
             raise ConfigError(f"transport {transport_mode!r}; accepted: {', '.join(self.MODES)}", key="transport")
         self.host_id = host_id
         self.mode = transport_mode
         self.security = resolve(security)  # TLS and the cluster-secret handshake on every stream
         self.io_timeout_s = io_timeout_s
+        self.spin = Spinner(spin_s)  # a node's reply is polled for before the wait sleeps (protocol/spin.py)
         self._local = threading.local()
         self._maps: dict[str, memoryview | None] = {}
         self._bases: dict[str, int] = {}
@@ -286,6 +288,8 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             return
         addr, s, ops = pending
         try:
+            if self.spin.seconds and not s.buffered():
+                self.spin.wait(s.sock)
             for op in ops:
                 rep = s.reply()
                 if not rep.ok and op.error is None:
@@ -345,6 +349,8 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                                          f"{op.ref.size}-byte extent")
             sendv(s.sock, [b"".join([frame(DataRequest("read", op.ref.incarnation, op.ref.offset, op.ref.size,
                                                         op.ref.gen)) for op in net])])
+            if self.spin.seconds and not s.buffered():
+                self.spin.wait(s.sock)
             if deadline is not None and isinstance(s.sock, socket.socket):  # (a UCX stream waits io_timeout_s)
                 if not s.buffered() and not (deadline.first_byte or _wait_bytes(deadline.timeout_s))(s.sock):
                     raise NodeUnavailable(f"store node {net[0].ref.node_id} did not answer within the "

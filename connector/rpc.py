@@ -28,6 +28,7 @@ from kvpool.protocol.auth import RPC, Security, resolve
 from kvpool.protocol.errors import (AuthFailed, ConfigError, InvalidRequest, KVPoolError, LeaderFenced, NotLeader,
                                     Overloaded, Timeout, from_wire)
 from kvpool.protocol.etcd import NO_AUTH, EtcdAuth, Keys, parse_endpoints, read_meta_sync
+from kvpool.protocol.spin import Spinner
 from kvpool.protocol.transport import default_host_id
 
 
@@ -98,13 +99,17 @@ class _Conn:
     __del__ = close
 
 
+# commits: the master sends their notices to store nodes before it answers, and polling for
+# the answer would take a CPU those notices need; waits for these replies sleep at once
+_NO_SPIN = (M.PutReserved, M.PutEnd)
 _HELLO_RID = (1 << 64) - 1  # request id of the Hello (ids of calls count up from 1)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class MasterRPC:
     def __init__(self, master: str | None = None, etcd: str | None = None, cluster: str = "default",
-                 timeout_s: float = 10.0, security: Security | None = None, etcd_auth: EtcdAuth = NO_AUTH) -> None:
+                 timeout_s: float = 10.0, security: Security | None = None, etcd_auth: EtcdAuth = NO_AUTH,
+                 spin_s: float = 0.0) -> None:
         if not master and not etcd:
             raise ConfigError("KVPoolClient needs master='tcp://host:port' or etcd='http://host:port'",
                               key="master")
@@ -119,6 +124,7 @@ class MasterRPC:
         self.etcd_auth = etcd_auth  # etcd user/password and TLS for the leader lookups
         self.cluster = cluster
         self.timeout_s = timeout_s
+        self.spin = Spinner(spin_s)  # a reply is polled for before the wait sleeps (protocol/spin.py)
         self.security = resolve(security)  # TLS and the cluster-secret handshake (protocol/auth.py)
         self._addr = master
         self._term = 0  # the newest leader term seen (protocol/terms.py): older answers are refused
@@ -198,6 +204,7 @@ class MasterRPC:
         deadline = time.monotonic() + waited
         body = M.encode(req)
         typ = M.RESULT_TYPES[type(req)]
+        spin = type(req) not in _NO_SPIN and self.spin.seconds > 0
         if meanwhile is not None:
             meanwhile = _once(meanwhile)
         fenced: LeaderFenced | None = None  # the last "leader cannot renew its lease" answer
@@ -207,7 +214,7 @@ class MasterRPC:
                 self._resolve()
                 addr = self._addr
             if addr is not None:
-                rep, spent = self._round_trip(addr, body, deadline, meanwhile)
+                rep, spent = self._round_trip(addr, body, deadline, meanwhile, spin)
                 deadline += spent  # time spent in meanwhile is not the master's
                 if rep is not None and rep.term and rep.term < self._term:
                     # a deposed leader's answer (a newer term was seen): not trusted; find the leader
@@ -237,10 +244,10 @@ class MasterRPC:
             time.sleep(0.05)
 
     def _round_trip(self, addr: str, body: bytes, deadline: float,
-                    meanwhile=None) -> tuple[M.Reply | None, float]:
-        """One send (then ``meanwhile``, see :meth:`call`) + the matching reply, and the
-        seconds ``meanwhile`` ran (the wait for the reply starts after it); the reply is
-        None when the connection failed (retry)."""
+                    meanwhile=None, spin: bool = False) -> tuple[M.Reply | None, float]:
+        """One send (then ``meanwhile``, see :meth:`call`) + the matching reply (with ``spin``,
+        polled for before the wait sleeps), and the seconds ``meanwhile`` ran (the wait
+        for the reply starts after it); the reply is None when the connection failed (retry)."""
         spent = 0.0
         left = deadline - time.monotonic()
         if left <= 0:
@@ -267,6 +274,8 @@ class MasterRPC:
         try:
             if meanwhile is not None:
                 c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            if spin and not c.frames.buffered():
+                self.spin.wait(c.sock)
             while True:
                 got, payload = c.frames.read()
                 if got == rid:

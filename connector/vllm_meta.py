@@ -144,8 +144,9 @@ class ConnectorSettings:
     def make_client(self):
         from kvpool.connector.client import KVPoolClient
 
+        # no spinning for replies: an engine's CPUs belong to its forward pass and its own threads
         return KVPoolClient(self.master, etcd=self.etcd, cluster=self.cluster, transport=self.transport,
-                            rpc_timeout_s=self.rpc_timeout_s, io_timeout_s=self.io_timeout_s)
+                            rpc_timeout_s=self.rpc_timeout_s, io_timeout_s=self.io_timeout_s, spin_wait_s=0.0)
 
 
 def layerwise_loads(s: ConnectorSettings, n_groups: int) -> bool:

@@ -203,6 +203,9 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # largest object put that way
     reserve: str | int = "64MiB"
     reserve_max_object: str | int = "64MiB"
+    # a wait for a reply from the master or a store node polls its socket this long, yielding
+    # the CPU, before it sleeps (protocol/spin.py): no wake-up for a quick reply; 0 = sleep at once
+    spin_wait: str | float = "100us"
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -279,6 +282,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 continue  # off
             if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
+        if not 0 <= parse_duration(self.client.spin_wait, key="client.spin_wait") <= 0.01:
+            raise ConfigError(f"client.spin_wait: {self.client.spin_wait!r}; accepted: 0 (off) to 10ms, e.g. 100us",
+                              key="client.spin_wait")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: {self.log_level!r}; accepted: {', '.join(LOG_LEVELS)}", key="log_level")
         ports = [("master.metrics_port", m.metrics_port), ("master.rpc_port", m.rpc_port),

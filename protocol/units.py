@@ -7,7 +7,7 @@ from kvpool.protocol.errors import ConfigError
 
 _SIZE = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "tb": 10**12}
-_DUR = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DUR = {"": 1.0, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_size(value: str | int, *, key: str = "size") -> int:
@@ -27,7 +27,7 @@ def parse_size(value: str | int, *, key: str = "size") -> int:
 
 
 def parse_duration(value: str | float | int, *, key: str = "duration") -> float:
-    """Return seconds from ``5``, ``"250ms"``, ``"30s"``, ``"10m"``, ``"2h"``.
+    """Return seconds from ``5``, ``"100us"``, ``"250ms"``, ``"30s"``, ``"10m"``, ``"2h"``.
 
     Raises ConfigError naming ``key`` when the text is not a duration.
     """

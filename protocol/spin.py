@@ -1,0 +1,81 @@
+"""Waiting for a reply by polling before sleeping.
+
+A client that sleeps in ``recv`` until its reply arrives pays one wake-up of its thread per
+round trip: the kernel must notice the bytes, pick the thread and (usually) move it to
+another CPU. On virtual machines, where each cross-CPU wake-up is an inter-processor
+interrupt through the hypervisor, that is tens of microseconds, about as much as the
+master takes to answer a small request (benchmarks/RESULTS.md, "Polling for replies").
+:func:`spin_readable` polls the socket instead, without blocking, for a short bound, and
+yields the CPU between polls (``sched_yield``) so that a server sharing this CPU runs at
+once; only a reply that takes longer than the bound is waited for in the kernel. The
+bound is the client's ``spin_wait`` (``client.spin_wait``; 0 turns it off), so one wait
+costs at most that much CPU beyond a plain blocking one. Busy polling for completions is
+what RDMA-based stores (Mooncake's transfer engine) and vLLM's shared-memory broadcast do
+for the same reason.
+"""
+from __future__ import annotations
+
+import os
+import select
+import time
+
+_IN = select.POLLIN | select.POLLPRI
+
+
+def spin_readable(sock, seconds: float) -> bool:
+    """Poll ``sock`` (a socket, or a TLS socket) for readability for at most ``seconds``,
+    yielding the CPU between polls; True as soon as it is readable (bytes, an error or end
+    of stream), False when the bound passed first or the object has no descriptor to poll
+    (a ``ucx://`` stream). Never blocks in the kernel; the caller's blocking read follows."""
+    if seconds <= 0:
+        return False
+    if getattr(sock, "pending", _nothing)():  # TLS: bytes already decrypted, invisible to poll
+        return True
+    try:
+        fd = sock.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    if fd < 0:
+        return False
+    p = select.poll()
+    p.register(fd, _IN)
+    poll, pause, clock = p.poll, os.sched_yield, time.perf_counter
+    end = clock() + seconds
+    while not poll(0):
+        if clock() >= end:
+            return False
+        pause()
+    return True
+
+
+class Spinner:
+    """:func:`spin_readable` with a bound of ``seconds``, backing off while polls go
+    unanswered: after a poll that found no reply within the bound, the next waits sleep at
+    once (1, then 2, 4 … up to :data:`BACKOFF_MAX` of them while polls keep failing; one that
+    succeeds resets it). Replies that are slow (a loaded server, other clients on the
+    same CPUs) then cost no polling CPU, and a quiet server is polled for again soon.
+    Shared by a client's threads; the counters are hints, so races on them are harmless."""
+
+    __slots__ = ("seconds", "skip", "backoff")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.skip = 0
+        self.backoff = 1
+
+    def wait(self, sock) -> None:
+        """Poll ``sock`` before the caller's blocking read (see the class docstring)."""
+        if self.skip > 0:
+            self.skip -= 1
+        elif spin_readable(sock, self.seconds):
+            self.backoff = 1
+        else:
+            self.skip = self.backoff
+            self.backoff = min(2 * self.backoff, BACKOFF_MAX)
+
+
+BACKOFF_MAX = 64  # waits that sleep at once after polls kept going unanswered
+
+
+def _nothing() -> int:
+    return 0
