@@ -72,8 +72,7 @@ class _SharedClaims:
                 if meanwhile is not None:
                     meanwhile()
                     meanwhile = None
-                if self.spin.seconds and not s.buffered():
-                    self.spin.wait(s.sock)
+                self.spin.wait(s)
                 i = 0
                 for _ in frames:
                     rep = s.reply()

@@ -288,8 +288,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             return
         addr, s, ops = pending
         try:
-            if self.spin.seconds and not s.buffered():
-                self.spin.wait(s.sock)
+            self.spin.wait(s)
             for op in ops:
                 rep = s.reply()
                 if not rep.ok and op.error is None:
@@ -349,8 +348,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                                          f"{op.ref.size}-byte extent")
             sendv(s.sock, [b"".join([frame(DataRequest("read", op.ref.incarnation, op.ref.offset, op.ref.size,
                                                         op.ref.gen)) for op in net])])
-            if self.spin.seconds and not s.buffered():
-                self.spin.wait(s.sock)
+            self.spin.wait(s)
             if deadline is not None and isinstance(s.sock, socket.socket):  # (a UCX stream waits io_timeout_s)
                 if not s.buffered() and not (deadline.first_byte or _wait_bytes(deadline.timeout_s))(s.sock):
                     raise NodeUnavailable(f"store node {net[0].ref.node_id} did not answer within the "

@@ -204,7 +204,7 @@ class MasterRPC:
         deadline = time.monotonic() + waited
         body = M.encode(req)
         typ = M.RESULT_TYPES[type(req)]
-        spin = type(req) not in _NO_SPIN and self.spin.seconds > 0
+        spin = type(req) not in _NO_SPIN
         if meanwhile is not None:
             meanwhile = _once(meanwhile)
         fenced: LeaderFenced | None = None  # the last "leader cannot renew its lease" answer
@@ -274,8 +274,8 @@ class MasterRPC:
         try:
             if meanwhile is not None:
                 c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            if spin and not c.frames.buffered():
-                self.spin.wait(c.sock)
+            if spin:
+                self.spin.wait(c.frames)
             while True:
                 got, payload = c.frames.read()
                 if got == rid:

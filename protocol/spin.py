@@ -3,8 +3,8 @@
 A client that sleeps in ``recv`` until its reply arrives pays one wake-up of its thread per
 round trip: the kernel must notice the bytes, pick the thread and (usually) move it to
 another CPU. On virtual machines, where each cross-CPU wake-up is an inter-processor
-interrupt through the hypervisor, that is tens of microseconds, about as much as the
-master takes to answer a small request (benchmarks/RESULTS.md, "Polling for replies").
+interrupt through the hypervisor, that costs about as much as the master takes to answer
+a small request (benchmarks/RESULTS.md, "Polling for replies").
 :func:`spin_readable` polls the socket instead, without blocking, for a short bound, and
 yields the CPU between polls (``sched_yield``) so that a server sharing this CPU runs at
 once; only a reply that takes longer than the bound is waited for in the kernel. The
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import time
 
 _IN = select.POLLIN | select.POLLPRI
@@ -25,17 +26,15 @@ _IN = select.POLLIN | select.POLLPRI
 def spin_readable(sock, seconds: float) -> bool:
     """Poll ``sock`` (a socket, or a TLS socket) for readability for at most ``seconds``,
     yielding the CPU between polls; True as soon as it is readable (bytes, an error or end
-    of stream), False when the bound passed first or the object has no descriptor to poll
-    (a ``ucx://`` stream). Never blocks in the kernel; the caller's blocking read follows."""
-    if seconds <= 0:
+    of stream), False when the bound passed first or ``sock`` is no socket (a ``ucx://``
+    stream, whose bytes do not arrive through a descriptor). Never blocks in the kernel;
+    the caller's blocking read follows."""
+    if seconds <= 0 or not isinstance(sock, socket.socket):  # ssl.SSLSocket is one
         return False
     if getattr(sock, "pending", _nothing)():  # TLS: bytes already decrypted, invisible to poll
         return True
-    try:
-        fd = sock.fileno()
-    except (AttributeError, OSError, ValueError):
-        return False
-    if fd < 0:
+    fd = sock.fileno()
+    if fd < 0:  # closed: the read that follows reports it
         return False
     p = select.poll()
     p.register(fd, _IN)
@@ -63,11 +62,15 @@ class Spinner:
         self.skip = 0
         self.backoff = 1
 
-    def wait(self, sock) -> None:
-        """Poll ``sock`` before the caller's blocking read (see the class docstring)."""
+    def wait(self, reader) -> None:
+        """Poll the socket of ``reader`` (a :class:`~protocol.dataplane.FrameReader`) before
+        the caller's blocking read of it, unless bytes are buffered already or polling is
+        off (``seconds`` 0) or backing off (see the class docstring)."""
+        if not self.seconds or reader.buffered():
+            return
         if self.skip > 0:
             self.skip -= 1
-        elif spin_readable(sock, self.seconds):
+        elif spin_readable(reader.sock, self.seconds):
             self.backoff = 1
         else:
             self.skip = self.backoff

@@ -10,6 +10,7 @@ import pytest
 from kvpool.connector.client import KVPoolClient
 from kvpool.protocol.config import ClusterConfig, ClientConfig
 from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.dataplane import FrameReader
 from kvpool.protocol.spin import BACKOFF_MAX, Spinner, spin_readable
 from kvpool.protocol.units import parse_duration
 
@@ -45,6 +46,7 @@ def test_spin_gives_up_at_its_bound_and_on_what_it_cannot_poll(pair):
 
 def test_spinner_backs_off_while_polls_go_unanswered_and_resets_on_an_answer(pair):
     a, b = pair
+    a = FrameReader(a)  # what the client's streams and master connection read through
     s = Spinner(0.0005)
     s.wait(a)  # nothing comes: the next wait sleeps at once, then 2, then 4 ...
     assert (s.skip, s.backoff) == (1, 2)
@@ -60,6 +62,11 @@ def test_spinner_backs_off_while_polls_go_unanswered_and_resets_on_an_answer(pai
     b.send(b"x")
     s.wait(a)
     assert (s.skip, s.backoff) == (0, 1)
+    a.lo, a.hi = 0, 1  # a byte already buffered: no poll at all, nothing changes
+    s.skip = 3
+    s.wait(a)
+    assert s.skip == 3
+    Spinner(0).wait(a)  # off
 
 
 def test_spin_wait_setting_is_checked():
