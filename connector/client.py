@@ -33,6 +33,7 @@ import xxhash
 
 from kvpool.connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, WriteOp
 from kvpool.connector.hedge import ReplicaReads
+from kvpool.connector.hinted_reads import HintedReads
 from kvpool.connector.prehash import prehash
 from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.reserved_puts import ReservedPuts
@@ -153,7 +154,7 @@ class PutResult:
         return self.stored and self.replicas < self.replicas_wanted
 
 
-class KVPoolClient(ReservedPuts):
+class KVPoolClient(ReservedPuts, HintedReads):
     """A connection to one kvpool cluster. Thread-safe.
 
     ``master``: the master's RPC address (``tcp://host:port``), or ``etcd`` + ``cluster``
@@ -229,6 +230,7 @@ class KVPoolClient(ReservedPuts):
             raise ConfigError(f"reserve_bytes and reserve_max_object_bytes must be integers >= 0, got "
                               f"{reserve_bytes!r} and {reserve_max_object_bytes!r}", key="reserve_bytes")
         self._init_reserved(reserve_bytes, reserve_max_object_bytes)
+        self._init_hints()
 
     @classmethod
     def from_config(cls, cfg, master: str | None = None, **overrides) -> "KVPoolClient":
@@ -585,7 +587,17 @@ class KVPoolClient(ReservedPuts):
         for attempt in range(first, self.lease_retries + 1):
             if not todo:
                 return
-            t_sent, infos = self._leased_lookup(keys, todo)
+            early = self._start_hinted(keys, todo, views) if attempt == 0 and alloc is None else None
+            try:
+                t_sent, infos = self._leased_lookup(keys, todo)
+            except BaseException:
+                if early is not None:  # its reply is never read: the stream goes
+                    self.data.abandon_reads(early[2])
+                raise
+            if early is not None:  # a one-key get whose read went out with its lookup (connector/hinted_reads.py)
+                todo, infos = self._end_hinted(early, keys, lays, results, todo, infos, t_sent)
+                if not todo:
+                    return
             self._sized(alloc, views, todo, infos)
             todo = self._read(keys, views, lays, results, todo, infos, t_sent, attempt == self.lease_retries)
 
@@ -703,6 +715,7 @@ class KVPoolClient(ReservedPuts):
                         self.rpc.send_nowait(M.ReportCorrupt(info.key, op.ref.node_id, op.ref.gen, op.ref.incarnation))
                     else:
                         results[i] = info.size
+                        self._remember(info.key, op.ref)
                         continue
                 errors[i] = err
                 if type(err) is StaleExtent and time.monotonic() < t_sent + info.lease_ttl_s * LEASE_MARGIN:

@@ -336,8 +336,15 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             else:
                 net.append(op)
         self._dma(dma, into_segment=False)
-        if not net:
-            return
+        if net:
+            self.finish_reads(self.start_reads(net, deadline))
+
+    def start_reads(self, net: Sequence[ReadOp], deadline: ReplicaDeadline | None = None) -> tuple | None:
+        """Send the read requests of ``net`` (network reads into memoryviews, all from one
+        node) on this thread's stream to it, and return at once; :meth:`finish_reads` with
+        what this returns receives the bytes. The caller sends nothing else on this
+        thread's stream to that node in between (a master round trip is fine). None, with
+        every op failed, when the requests could not go out."""
         addr = self._stream_addr(net[0].ref)
         try:
             s = self._conn(addr, deadline.timeout_s if deadline is not None else None,
@@ -348,6 +355,23 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                                          f"{op.ref.size}-byte extent")
             sendv(s.sock, [b"".join([frame(DataRequest("read", op.ref.incarnation, op.ref.offset, op.ref.size,
                                                         op.ref.gen)) for op in net])])
+        except (OSError, KVPoolError) as e:  # the stream is dropped
+            self._stream_failed(addr, net, e, "read")
+            return None
+        return addr, s, net, deadline
+
+    def abandon_reads(self, pending: tuple | None) -> None:
+        """Drop the stream of :meth:`start_reads` whose replies will not be read."""
+        if pending is not None:
+            self._drop(pending[0])
+
+    def finish_reads(self, pending: tuple | None) -> None:
+        """Receive the replies of :meth:`start_reads` into the ops' ``out`` (and ``digest``),
+        or their errors; a stream that breaks or passes the deadline is dropped."""
+        if pending is None:
+            return
+        addr, s, net, deadline = pending
+        try:
             self.spin.wait(s)
             if deadline is not None and isinstance(s.sock, socket.socket):  # (a UCX stream waits io_timeout_s)
                 if not s.buffered() and not (deadline.first_byte or _wait_bytes(deadline.timeout_s))(s.sock):

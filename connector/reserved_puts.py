@@ -37,7 +37,7 @@ _FLUSH_ITEMS = 256  # ... or until this many are queued
 
 class ReservedPuts:
     """Mixed into :class:`~connector.client.KVPoolClient` (uses its ``rpc``, ``data``,
-    ``host_id``, ``_parallel``, ``_write_deadline`` and ``_await_in_flight``)."""
+    ``host_id``, ``_parallel``, ``_write_deadline``, ``_await_in_flight`` and ``_remember``)."""
 
     def _init_reserved(self, budget_bytes: int, max_object_bytes: int) -> None:
         self.reserve_budget = budget_bytes
@@ -161,6 +161,7 @@ class ReservedPuts:
                     else:
                         op.ref, op.key, op.checksum = ref, items[j].key, checksum
                         net_commits[op.ref.node_id].append(op)
+                        self._remember(items[j].key, ref)
             elif isinstance(res, str):  # "exists" / "in_flight"
                 keep.append(s)
                 if res == "in_flight":
