@@ -759,6 +759,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
             raise e
 
     def remove_batch(self, keys: Sequence[str], force: bool = False) -> list[KVPoolError | None]:
+        self._forget(keys)
         return [None if e is None else from_wire(e) for e in self.rpc.call(M.Remove(list(keys), force))]
 
     def ls(self, prefix: str = "", limit: int = 10000) -> list[M.ObjectMeta]:

@@ -381,6 +381,8 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             for op in net:
                 size = op.ref.size
                 rep: DataReply = s.reply(greedy=size < _BIG)
+                if rep.ok and rep.size != size:  # the stream is out of step (a reply to another request)
+                    raise InvalidRequest(f"store node {op.ref.node_id} answered a read of {size} bytes with {rep.size}")
                 if rep.ok:
                     h = xxhash.xxh3_64() if op.digest else None
                     s.read_into(op.out[:size], h)

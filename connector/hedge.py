@@ -92,6 +92,11 @@ class ReplicaReads:
                 slow.pop(nid, None)
         return sorted(replicas, key=lambda r: (r.node_id in slow, r.host_id != self.host_id))
 
+    def is_slow(self, node_id: str) -> bool:
+        """``node_id`` missed a deadline lately (see :meth:`failed`)."""
+        until = self._slow.get(node_id)
+        return until is not None and until > time.monotonic()
+
     def failed(self, node_id: str) -> None:
         """``node_id`` missed a deadline or failed a read: read it last for a while."""
         self._slow[node_id] = time.monotonic() + SLOW_MEMORY_S

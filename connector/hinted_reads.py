@@ -9,11 +9,13 @@ Such a read ran before its lease was granted, so it is only kept when it provabl
 object: the lookup must name that very extent (node, incarnation, offset, size and
 allocation generation: a freed and reused extent has a new generation) and the bytes must
 hash to the object's xxh3 checksum (a torn read does not), the same check every read passes.
-Anything else (a moved, removed or re-put key, a node error, a different layout asked for)
-falls back to reading the lookup's answer as usual, under its lease, with no extra round
-trip; the stale location is forgotten. On a miss the caller's buffer may hold what such a
-read brought (a get into a buffer leaves it unspecified unless it returns a size). Same-host
-keys are not hinted: their read is a copy, not a round trip.
+When the lookup names another extent, a same-host replica, or a layout the caller's does
+not accept, the early read is not waited for (its stream is dropped) and the lookup's
+answer is read as usual, under its lease, with no extra round trip; a stale location is
+forgotten, and so are all of a node's when it fails. On a miss the caller's buffer may hold
+what such a read brought (a get into a buffer leaves it unspecified unless it returns a
+size). Keys with a same-host replica, objects above :data:`HINT_MAX_BYTES` and nodes that
+recently missed a deadline are not hinted.
 """
 from __future__ import annotations
 
@@ -21,8 +23,11 @@ import msgspec
 
 from kvpool.connector.dataclient import ReadOp, ReplicaDeadline
 from kvpool.protocol import messages as M
+from kvpool.protocol.errors import KVPoolError, NodeUnavailable, StaleExtent
+from kvpool.protocol.layout import check_layout
 
 HINTS_MAX = 16384  # keys whose network location one client remembers (oldest forgotten first)
+HINT_MAX_BYTES = 4 << 20  # bigger objects are not read ahead: a wasted read would cost more than a round trip
 
 
 class HintedReads:
@@ -32,21 +37,32 @@ class HintedReads:
     def _init_hints(self) -> None:
         self._where: dict[str, M.ExtentRef] = {}  # key -> a network replica, token stripped
         self.hinted_kept = 0  # one-key gets served by the read sent with their lookup
-        self.hinted_dropped = 0  # ... whose early read did not match the lookup (read again as usual)
+        self.hinted_dropped = 0  # ... whose early read did not serve (read again as usual)
         timeout = self.replica_reads.timeout_s
         self._hint_deadline = None if timeout is None else ReplicaDeadline(timeout)
 
     def _remember(self, key: str, ref: M.ExtentRef) -> None:
-        """``key`` lives at ``ref`` (a network replica; same-host ones are skipped)."""
-        if self.data.uses_shm(ref):
+        """``key`` lives at ``ref``, a network replica (same-host ones and big objects are
+        skipped; the caller skips keys that also have a same-host replica)."""
+        if ref.size > HINT_MAX_BYTES or self.data.uses_shm(ref):
             return
         where = self._where
+        where.pop(key, None)  # re-inserted last: the oldest-first eviction forgets cold keys
         where[key] = msgspec.structs.replace(ref, token=b"") if ref.token else ref
         if len(where) > HINTS_MAX:
             try:
                 del where[next(iter(where))]
             except (KeyError, RuntimeError, StopIteration):  # another thread got there first
                 pass
+
+    def _forget(self, keys) -> None:
+        """Forget the locations of ``keys`` (removed, or seen elsewhere)."""
+        for k in keys:
+            self._where.pop(k, None)
+
+    def _forget_node(self, node_id: str) -> None:
+        """Forget every location on ``node_id`` (it failed a read: died, froze or restarted)."""
+        self._where = {k: r for k, r in list(self._where.items()) if r.node_id != node_id}
 
     def _start_hinted(self, keys, todo: list[int], views: list) -> tuple | None:
         """For a get of one key with a remembered location, send its read now (see the module
@@ -56,26 +72,64 @@ class HintedReads:
         i = todo[0]
         ref = self._where.get(keys[i])
         out = views[i]
-        if ref is None or type(out) is not memoryview or len(out) < ref.size:
+        if ref is None or type(out) is not memoryview or len(out) < ref.size or self.replica_reads.is_slow(ref.node_id):
             return None
         op = ReadOp(ref, out, digest=True)
-        return i, op, self.data.start_reads([op], self._hint_deadline)
+        pending = self.data.start_reads([op], self._hint_deadline)
+        if pending is None:  # the node could not be reached
+            self._failed(keys[i], op)
+            return None
+        return i, op, pending
 
     def _end_hinted(self, early: tuple, keys, lays, results, todo: list[int], infos: list,
                     t_sent: float) -> tuple[list[int], list]:
-        """Receive the read :meth:`_start_hinted` sent and keep it when it read the object the
-        lookup answered (``infos``, sent at ``t_sent``): the key's result is set and its lease
-        released, and ``todo`` and ``infos`` come back without it. Otherwise they come back
-        as they were, for the usual read."""
+        """Keep the read :meth:`_start_hinted` sent when it read the object the lookup answered
+        (``infos``, sent at ``t_sent``): the key's result is set and its lease released, and
+        ``todo`` and ``infos`` come back empty. Otherwise they come back as they were, for
+        the usual read, and the early read is either received and dropped (it named the right
+        extent but failed) or not waited for at all."""
         i, op, pending = early
-        self.data.finish_reads(pending)
         info = infos[0]
-        if (op.error is None and type(info) is M.ObjectInfo and op.digest == info.checksum
-                and op.ref in info.replicas and (lays[i] is None or lays[i] == info.layout)):
+        if not self._may_keep(keys[i], op.ref, info, lays[i]):
+            self.data.abandon_reads(pending)
+            self.hinted_dropped += 1
+            return todo, infos
+        try:
+            self.data.finish_reads(pending)
+        except BaseException:  # interrupted mid-reply: the stream cannot be trusted, the lease goes back
+            self.data.abandon_reads(pending)
+            self._release_live([info], t_sent)
+            raise
+        if op.error is None and op.digest == info.checksum:
             results[i] = info.size
             self._release_live([info], t_sent)
             self.hinted_kept += 1
             return [], []
-        self._where.pop(keys[i], None)
+        self._failed(keys[i], op)
         self.hinted_dropped += 1
         return todo, infos
+
+    def _may_keep(self, key: str, ref: M.ExtentRef, info, want_layout) -> bool:
+        """Whether the lookup's ``info`` lets a read of ``ref`` stand (before its bytes are
+        checked); a key whose location went stale is forgotten."""
+        if (type(info) is not M.ObjectInfo or ref not in info.replicas
+                or any(self.data.uses_shm(r) for r in info.replicas)):  # a copy here beats any network read
+            self._where.pop(key, None)
+            return False
+        if want_layout is not None and want_layout != info.layout:
+            try:
+                check_layout(want_layout, info.layout, info.key)
+            except KVPoolError:  # the usual read raises it
+                return False
+        return True
+
+    def _failed(self, key: str, op: ReadOp) -> None:
+        """The early read of ``key`` failed or delivered other bytes: forget its location; a
+        node that did not answer is read last for a while, and a node that failed or no
+        longer holds the extent (it may have restarted) loses every location on it."""
+        if isinstance(op.error, NodeUnavailable):
+            self.replica_reads.failed(op.ref.node_id)
+        if isinstance(op.error, (NodeUnavailable, StaleExtent)):
+            self._forget_node(op.ref.node_id)
+        else:
+            self._where.pop(key, None)

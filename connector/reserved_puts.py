@@ -161,7 +161,8 @@ class ReservedPuts:
                     else:
                         op.ref, op.key, op.checksum = ref, items[j].key, checksum
                         net_commits[op.ref.node_id].append(op)
-                        self._remember(items[j].key, ref)
+                        if not s.local:  # a key with a same-host replica is read from it
+                            self._remember(items[j].key, ref)
             elif isinstance(res, str):  # "exists" / "in_flight"
                 keep.append(s)
                 if res == "in_flight":

@@ -66,8 +66,8 @@ class Spinner:
         """Poll the socket of ``reader`` (a :class:`~protocol.dataplane.FrameReader`) before
         the caller's blocking read of it, unless bytes are buffered already or polling is
         off (``seconds`` 0) or backing off (see the class docstring)."""
-        if not self.seconds or reader.buffered():
-            return
+        if not self.seconds or reader.buffered() or not isinstance(reader.sock, socket.socket):
+            return  # (a ucx:// stream cannot be polled: no verdict on the server's speed)
         if self.skip > 0:
             self.skip -= 1
         elif spin_readable(reader.sock, self.seconds):
