@@ -47,6 +47,7 @@ from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, ExtentBusy, I
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import LayoutSpec, check_layout
 from kvpool.protocol.config import ClientConfig
+from kvpool.protocol.spin import SPIN_WAIT_MAX_S
 from kvpool.protocol.transport import default_host_id
 from kvpool.protocol.units import parse_duration
 
@@ -203,8 +204,9 @@ class KVPoolClient(ReservedPuts, HintedReads):
                  hedge_after_s: float | None = 0.1, security: Security | None = None,
                  write_timeout_s: float | None = 2.0, etcd_auth=None, reserve_bytes: int = 64 << 20,
                  reserve_max_object_bytes: int = 64 << 20, spin_wait_s: float = SPIN_WAIT_S) -> None:
-        if not (isinstance(spin_wait_s, (int, float)) and 0 <= spin_wait_s <= 0.01):
-            raise ConfigError(f"spin_wait_s must be seconds from 0 to 0.01, got {spin_wait_s!r}", key="spin_wait")
+        if not (isinstance(spin_wait_s, (int, float)) and 0 <= spin_wait_s <= SPIN_WAIT_MAX_S):
+            raise ConfigError(f"spin_wait_s must be seconds from 0 to {SPIN_WAIT_MAX_S:g}, got {spin_wait_s!r}",
+                              key="spin_wait")
         if not (isinstance(streams_per_node, int) and 1 <= streams_per_node <= 16):
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")

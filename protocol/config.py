@@ -16,6 +16,7 @@ import yaml
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.messages import ClusterSettings
+from kvpool.protocol.spin import SPIN_WAIT_MAX_S
 from kvpool.protocol.units import parse_duration, parse_size
 
 MIN_SEGMENT = 1 << 20
@@ -282,7 +283,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 continue  # off
             if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
-        if not 0 <= parse_duration(self.client.spin_wait, key="client.spin_wait") <= 0.01:
+        if not 0 <= parse_duration(self.client.spin_wait, key="client.spin_wait") <= SPIN_WAIT_MAX_S:
             raise ConfigError(f"client.spin_wait: {self.client.spin_wait!r}; accepted: 0 (off) to 10ms, e.g. 100us",
                               key="client.spin_wait")
         if self.log_level not in LOG_LEVELS:

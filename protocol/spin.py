@@ -21,6 +21,7 @@ import socket
 import time
 
 _IN = select.POLLIN | select.POLLPRI
+SPIN_WAIT_MAX_S = 0.01  # the largest spin_wait accepted (seconds): past it a sleep costs less than polling
 
 
 def spin_readable(sock, seconds: float) -> bool:
