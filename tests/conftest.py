@@ -8,6 +8,7 @@ all its processes gone and no kvpool shared memory left behind.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,26 @@ def wait_for(cond: Callable[[], object], timeout_s: float = 10.0, interval_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state ``T`` or ``t``)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                    return False
+        except FileNotFoundError:  # the thread exited
+            pass
+    return True
+
+
+def freeze(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP process ``pid`` and wait until all its threads have stopped. A stop is
+    delivered to one thread, which then stops the others: until it has run (later on a
+    busy machine), the process's other threads keep serving."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: stopped(pid), timeout_s, interval_s=0.005, what=f"process {pid} to stop")
 
 
 def _shm_files() -> set[str]:

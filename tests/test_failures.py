@@ -15,7 +15,7 @@ from kvpool.connector.handoff import HandoffConsumer, HandoffProducer
 from kvpool.protocol import errors as E
 from kvpool.protocol import messages as M
 from kvpool.protocol.layout import LayoutSpec, TensorSpec
-from tests.conftest import wait_for
+from tests.conftest import freeze, wait_for
 
 pytestmark = pytest.mark.chaos
 KiB = 1 << 10
@@ -279,7 +279,7 @@ def test_etcd_pause_longer_than_the_node_ttl_keeps_the_data(make_cluster):
     data = {f"pause/{i}": os.urandom(8 * KiB) for i in range(20)}
     with lc.client() as c:
         assert c.put_batch(list(data), list(data.values())) == [None] * 20
-        lc.etcd.kill(signal.SIGSTOP)
+        freeze(lc.etcd.proc.pid)
         time.sleep(2.5)
         lc.etcd.kill(signal.SIGCONT)
         for n in lc.nodes.values():  # logged (stderr, in the node's log file)
@@ -313,7 +313,7 @@ def test_durable_writes_during_an_etcd_stall_end_where_the_calls_say(make_cluste
             except E.KVPoolError as e:
                 outcome[name] = e
 
-        lc.etcd.kill(signal.SIGSTOP)
+        freeze(lc.etcd.proc.pid)
         threads = [threading.Thread(target=call, args=("pin", lambda: c.pin("st/gone"))),
                    threading.Thread(target=call, args=("publish", lambda: c.handoff_publish(
                        "st-req", {"0": ["st/held"]}, {"0": lay}, ttl_s=60)))]

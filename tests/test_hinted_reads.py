@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import freeze, wait_for
 
 KiB = 1 << 10
 
@@ -74,7 +74,7 @@ def test_a_frozen_node_behind_a_remembered_location_costs_one_replica_deadline(l
         assert c.put_batch_results(["hr/two"], [blob], replicas=2)[0].replicas == 2
         ref = c._where["hr/two"]
         frozen = lc.nodes[ref.node_id].proc.pid
-        os.kill(frozen, signal.SIGSTOP)
+        freeze(frozen)
         try:
             out = bytearray(64 * KiB)
             assert c.get_into("hr/two", out) == 64 * KiB and bytes(out) == blob

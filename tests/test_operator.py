@@ -15,7 +15,7 @@ import pytest
 
 from kvpool.cli.cluster import Child, LocalCluster, kvpool_argv
 from kvpool.protocol.config import load_config
-from tests.conftest import wait_for
+from tests.conftest import freeze, wait_for
 
 MiB = 1 << 20
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) \S")
@@ -121,7 +121,7 @@ def test_health_and_readiness_flip(make_cluster):
     finally:
         dup.stop()
 
-    lc.etcd.kill(signal.SIGSTOP)
+    freeze(lc.etcd.proc.pid)
     try:
         code, body = wait_for(lambda: (r := _get(leader + "/readyz"))[0] == 503 and r, 15, what="leader not ready")
         assert "etcd did not answer" in body, body

@@ -12,6 +12,7 @@ from kvpool.connector.client import KVPoolClient
 from kvpool.protocol import errors as E
 from kvpool.protocol import messages as M
 from kvpool.protocol.etcd import Keys, read_key_sync
+from tests.conftest import freeze
 
 
 def _record(lc) -> M.ClusterSettings:
@@ -115,7 +116,7 @@ def test_a_change_in_flight_refuses_another_and_lands_whole(make_cluster):
     with lc.client() as c:
         before = c.config()
         got = {}
-        os.kill(lc.etcd.proc.pid, signal.SIGSTOP)  # etcd hangs: the first write stays in flight
+        freeze(lc.etcd.proc.pid)  # etcd hangs: the first write stays in flight
         try:
             t = threading.Thread(target=lambda: got.setdefault("a", _try(lambda: c.set_config(replicas=2))))
             t.start()

@@ -18,7 +18,7 @@ from kvpool.master.joins import JoinQueue
 from kvpool.protocol import errors as E
 from kvpool.protocol import messages as M
 from kvpool.protocol.etcd import Etcd, Keys
-from tests.conftest import wait_for
+from tests.conftest import freeze, wait_for
 
 pytestmark = pytest.mark.chaos
 KiB = 1 << 10
@@ -182,7 +182,7 @@ def test_frozen_replica_holder_does_not_stall_reads(make_cluster):
         for t in threads:
             t.start()
         wait_for(lambda: len(lat) > 200, 20, what="reads before the freeze")
-        os.kill(frozen, signal.SIGSTOP)
+        freeze(frozen)
         t_stop = time.monotonic()
         time.sleep(6)
         now = time.monotonic()  # a read still waiting counts with its age so far
@@ -210,7 +210,7 @@ def test_frozen_replica_holder_does_not_stall_reads(make_cluster):
         assert op.error is None and op.digest == sums["f/0"]
         # both replica holders frozen: a typed error after the deadlines, never wrong bytes
         for child in lc.nodes.values():
-            os.kill(child.proc.pid, signal.SIGSTOP)
+            freeze(child.proc.pid)
         with lc.client(transport="tcp", io_timeout_s=1, replica_timeout_s=0.5) as c:
             t0 = time.monotonic()
             with pytest.raises(E.NodeUnavailable):
@@ -235,7 +235,7 @@ def test_put_with_a_frozen_replica_node_lands_on_the_live_one(make_cluster):
     frozen = lc.nodes["node-1"].proc.pid
     with lc.client(io_timeout_s=30.0) as c:
         assert all(r.replicas == 2 for r in c.put_batch_results(["warm"], [b"w" * 4096]))  # both nodes mapped
-        os.kill(frozen, signal.SIGSTOP)
+        freeze(frozen)
         try:
             worst = {1: 0.0, 2: 0.0}
             short = 0

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from kvpool.protocol import errors as E
-from tests.conftest import wait_for
+from tests.conftest import stopped, wait_for
 
 pytestmark = pytest.mark.chaos
 KiB = 1 << 10
@@ -64,13 +64,8 @@ def _start_writer(lc, key: str, size: int, where: str, reserve: int = 0) -> tupl
     ready, _, _ = select.select([a.stdout], [], [], 60)
     line = a.stdout.readline() if ready else ""
     assert line.startswith("STALL "), f"writer A did not reach its stall point: {line!r}"
-    wait_for(lambda: _state(a.pid) == "T", 10, what="writer A stopped")
+    wait_for(lambda: stopped(a.pid), 10, what="writer A stopped")
     return a, int(line.split()[1])
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _finish(a: subprocess.Popen) -> str:
@@ -209,7 +204,7 @@ def test_a_stopped_client_holding_reservations_does_not_fail_other_writers(make_
         ready, _, _ = select.select([a.stdout], [], [], 120)
         line = a.stdout.readline() if ready else ""
         assert line.startswith("HELD ") and int(line.split()[1]) > 100, line
-        wait_for(lambda: _state(a.pid) == "T", 10, what="client A stopped")
+        wait_for(lambda: stopped(a.pid), 10, what="client A stopped")
         with lc.client() as b:
             wait_for(lambda: b.stats().reserved_bytes == 0, 20, what="A's reservations freed by the master")
             wait_for(lambda: b.stats().nodes[0].used == 600 * 4096, 20, what="and out of quarantine")
