@@ -366,9 +366,10 @@ def _aligned(n: int):
     """A page-aligned numpy uint8 array of ``n`` bytes.
 
     Every buffer of the bench and of its ceilings is page-aligned, because alignment changes
-    the results on this machine: a copy (user-space ``memcpy`` or the kernel's copy into a
+    the results on x86 machines: a copy (user-space ``memcpy`` or the kernel's copy into a
     ``recv_into`` buffer) whose destination lies 1–63 bytes past its source modulo 4 KiB
-    runs 2–20× slower, and numpy's own allocations sit at page offset 16."""
+    runs several times slower (4K aliasing; benchmarks/RESULTS.md, "Measurements behind
+    choices in the code"), and numpy's own allocations sit at page offset 16."""
     import numpy as np
 
     raw = np.empty(n + 4096, dtype=np.uint8)

@@ -105,7 +105,7 @@ def _as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
             raise InvalidRequest(f"a numpy array of dtype {x.dtype} holds Python object pointers, not bytes "
                                  "to store; convert it to a numeric dtype")
         try:
-            mv = memoryview(x)  # most dtypes export a buffer: no reshape/view (1.2 µs instead of 2.6)
+            mv = memoryview(x)  # most dtypes export a buffer: cheaper than a reshape/view
         except (TypeError, ValueError):  # e.g. datetime64: view its bytes instead
             mv = None
         if not (x.flags["C_CONTIGUOUS"] if mv is None else mv.c_contiguous):
@@ -164,7 +164,8 @@ class KVPoolClient(ReservedPuts, HintedReads):
     ``streams_per_node``: network connections (TCP/Unix/UCX) one batch uses per store node;
     a node's share of a batch above 4 MiB is split into that many byte-balanced lanes moved
     in parallel (several kernel copies at once, as Mooncake's TCP transport does for big
-    transfers). 1 on this project's 2-core VM, where a second stream measured no gain.
+    transfers). Default 1: on a machine with few cores a second stream brings no gain
+    (benchmarks/RESULTS.md); raise it where spare cores can copy in parallel.
     ``read_hook(key)`` runs after bytes land and before validation (fault injection in
     tests: a slow reader). ``cuda_direct``: CUDA tensors move by DMA to and from same-host
     segments (registered with CUDA on first use); False stages them through pinned host

@@ -9,12 +9,12 @@ Unix socket, a mapping CUDA refused to register) stages through one pinned host 
 from torch's caching host allocator: device → pinned buffer (DMA), then the host path;
 the reverse on gets, copied back by :meth:`DeviceBuffer.finish`.
 
-Measured on the lent H200 machine (``benchmarks/gpu_paths.py``): pinned and registered
-host↔device copies 41–54 GB/s, pageable ones 7–13 GB/s, host ``memcpy`` 6–12 GB/s; so a
-host-memory copy is the cost worth removing. Registering costs ~0.7 ms per 4 MiB and
-~10 ms per 64 MiB (CUDA pins the pages), hence windows registered once on first use.
-Each window is its own registration, and one copy must stay inside one: a copy across a
-window edge failed there with ``cudaErrorInvalidValue``, so copies are split at window
+Pinned and registered host↔device copies run several times faster than pageable ones and
+than a host ``memcpy`` (``benchmarks/gpu_paths.py``; figures in benchmarks/RESULTS.md,
+"GPU paths"), so a host-memory copy is the cost worth removing. Registering pins the
+pages and costs time in proportion to the window, hence windows registered once on first
+use. Each window is its own registration, and one copy must stay inside one: a copy
+across a window edge fails with ``cudaErrorInvalidValue``, so copies are split at window
 edges (:func:`window_pieces`). Any CUDA error in a direct transfer sends that mapping back
 to staging for good and redoes the transfer staged (see ``DataPlane._dma_failed``).
 """

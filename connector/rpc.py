@@ -37,8 +37,8 @@ class _Conn:
 
     It opens over TCP and asks the master ``Hello``; a master on this host answers with
     its abstract Unix socket, and the connection moves there (a loopback round trip costs
-    about half as much over a Unix socket: 55 µs vs 125 µs blocking, measured on the
-    project VM) if the peer's SO_PEERCRED pid is the master's. Otherwise it stays on TCP."""
+    about half as much over a Unix socket; benchmarks/RESULTS.md, "Master RPC carrier")
+    if the peer's SO_PEERCRED pid is the master's. Otherwise it stays on TCP."""
 
     __slots__ = ("addr", "sock", "frames", "__weakref__")
 

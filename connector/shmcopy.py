@@ -172,12 +172,13 @@ class _ShmCopies:
 
     def _copy_out(self, op: ReadOp) -> None:
         """Shared-memory read: segment → ``op.out``, one copy. With a digest wanted, the copy
-        goes in 256 KiB chunks, each hashed right after it lands (still in L2): measured
-        +28% over copy-then-hash for 4 MiB, +10% for 64 MiB.
+        goes in 256 KiB chunks, each hashed right after it lands (still in L2), which is
+        faster than copy-then-hash (benchmarks/RESULTS.md, "Measurements behind choices in
+        the code").
 
-        One exception, measured on AMD EPYC with this glibc: when the destination lies 1–63
+        One exception, seen with glibc's ``rep movsb`` copies: when the destination lies 1–63
         bytes past the source modulo 4 KiB (a numpy array or bytearray sits at page offset
-        16, extents are page-aligned), ``memcpy`` of 4–512 KiB runs ~20× slower (4K
+        16, extents are page-aligned), ``memcpy`` of 4–512 KiB runs many times slower (4K
         aliasing in ``rep movsb``). Such copies go through a small per-thread bounce buffer
         placed half a page from both, which stays in L2: two fast copies instead of one
         slow one. Bigger copies do not suffer it and stay one ``memcpy``."""

@@ -89,9 +89,8 @@ def frame(msg: DataRequest | DataReply) -> bytes:
     fragments at (about) the stream offset, and ``rep movsb`` between addresses 1–63 bytes
     apart modulo 4 KiB runs far slower (4K aliasing; see ``DataPlane._copy_out``). With
     every frame a multiple of 64 bytes, payloads of 64-byte multiples (KV blocks are) keep
-    page-aligned buffers and the kernel's fragments 64-byte aligned to each other.
-    Measured on loopback TCP: a 4 MiB reply after a 13-byte header 1.7–2.4 ms, after a
-    64-byte one 1.4–1.6 ms."""
+    page-aligned buffers and the kernel's fragments 64-byte aligned to each other
+    (benchmarks/RESULTS.md, "Measurements behind choices in the code")."""
     body = _enc.encode(msg)
     short = -(4 + len(body)) % FRAME_ALIGN
     if short:  # an empty ``pad`` is 2 bytes (bin8 header); pad bytes up to 255 keep that header

@@ -6,9 +6,9 @@ request; replies carry a :class:`~protocol.messages.Reply` with the request's id
 order per connection. Request id 0 is **one-way**: the master applies it and sends
 nothing back (lease release, corruption reports), so it costs the client one ``send``.
 
-Why not zmq: a DEALER/ROUTER round trip crosses two zmq I/O threads per side; on the
-2-core reference machine that measured 230–290 µs against 65–190 µs for this framing on
-a plain socket (``benchmarks/rpc_latency.py``).
+Why not zmq: a DEALER/ROUTER round trip crosses two zmq I/O threads per side, and
+measured slower than this framing on a plain socket (``benchmarks/rpc_latency.py``;
+benchmarks/RESULTS.md, "Master RPC carrier").
 
 :class:`FrameParser` is pure (no I/O), so the master's non-blocking loop and the tests
 share it; :class:`BlockingFrames` is the client's buffered reader.

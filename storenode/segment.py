@@ -20,7 +20,7 @@ class Segment:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, capacity)
         # MAP_POPULATE faults every page in now, so the first put into an extent does not
-        # pay page faults (measured: ~1.2 ms per fresh MiB otherwise)
+        # pay page faults (benchmarks/RESULTS.md, "Measurements behind choices in the code")
         self.mm = mmap.mmap(self.fd, capacity, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                             mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mm)

@@ -277,7 +277,7 @@ class HybridModel:
         b = torch.sigmoid(h @ p["w_b"])  # [s, heads]
         st0 = prev[1] if prev is not None else torch.zeros(c.heads, c.head_dim, c.head_dim)
         # the recurrence runs token by token; numpy's per-op cost on these [heads, 32, 32]
-        # arrays is ~50x below torch's, and both passes run the same ops in the same order
+        # arrays is far below torch's, and both passes run the same ops in the same order
         st = st0.numpy().copy()
         an, qn, kn, vn = a.numpy(), q.numpy(), k.numpy(), v.numpy()
         bk = (b.unsqueeze(-1) * k).numpy()
