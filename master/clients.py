@@ -17,7 +17,9 @@ Bounds, so one client cannot stall the master or grow its memory:
   and closed); a connection must pass TLS and the cluster-secret handshake
   (:mod:`protocol.auth`, when configured) within ``auth.HANDSHAKE_S`` before any request is
   read (it buffers at most the handshake's 69 bytes meanwhile), and a request frame
-  half-sent for :data:`FRAME_TIMEOUT_S` with no whole frame meanwhile closes it.
+  half-sent for :data:`FRAME_TIMEOUT_S` with no whole frame meanwhile closes it;
+* a master without TLS answers a connection that opens with a TLS record in plain text
+  (:data:`NOT_TLS`) and closes it, so the client's TLS handshake fails at once.
   ``refusals`` counts the connections closed for each reason (the master exports it).
 
 ``before_send`` runs before any reply leaves: the master flushes its notices to store nodes
@@ -50,6 +52,9 @@ PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not re
 BUDGET = 64  # requests answered per client per loop turn (the others get their turn)
 FRAME_TIMEOUT_S = 30.0  # a request frame left half-sent this long (no whole frame meanwhile) closes its client
 HELLO_RID = (1 << 64) - 1  # request id of a client's first request (its Hello, connector/rpc.py)
+TLS_RECORD = b"\x16\x03"  # how a TLS ClientHello starts: a handshake record of version 3.x (RFC 8446 §5.1)
+NOT_TLS = (b"kvpool master: this port does not serve TLS; give the master security.tls_cert and "
+           b"security.tls_key, or connect without security.tls_ca\n")  # sent to a TLS client, then closed
 _log = logging.getLogger("kvpool.master")
 
 _IN, _OUT, _ERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)  # plain ints: enum ops are slow
@@ -60,7 +65,7 @@ class Client:
     the reply bytes not sent yet; until it is authenticated, its TLS and handshake state."""
 
     __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed", "hs", "tls", "tin", "tout",
-                 "raw", "tls_up", "deadline", "partial_since")
+                 "raw", "tls_up", "deadline", "partial_since", "first")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -77,6 +82,7 @@ class Client:
         self.raw = bytearray()  # under TLS: encrypted bytes not sent yet
         self.deadline: float | None = None  # an unauthenticated connection is closed at this time
         self.partial_since: float | None = None  # a frame has been half-received since then
+        self.first = True  # nothing was read yet
 
 
 def _reject(err: KVPoolError, head: bytes) -> bytes:
@@ -108,7 +114,7 @@ class ClientConns:
         self.clients: dict[int, Client] = {}  # by fd
         self.busy: set[Client] = set()  # clients with requests left after their turn
         self._rbuf = memoryview(bytearray(1 << 20))  # receive buffer shared by all connections
-        self._accept_warned = 0.0
+        self._accept_warned = self._tls_warned = 0.0
         for lst in listeners:
             lst.setblocking(False)
             poller.register(lst, _IN)
@@ -207,6 +213,19 @@ class ClientConns:
         with contextlib.suppress(OSError):
             sock.close()
 
+    def _refuse_tls(self, c: Client) -> None:
+        """A TLS client on this plaintext master: tell it in plain text (its TLS stack fails
+        on those bytes at once, instead of waiting its timeout) and close."""
+        self.refusals["tls"] += 1
+        now = time.monotonic()
+        if now - self._tls_warned > 10:
+            self._tls_warned = now
+            _log.warning("master: a client opened TLS on this plaintext port; configure security.tls_cert and "
+                         "security.tls_key here, or turn TLS off on the client (security.tls_ca)")
+        with contextlib.suppress(OSError):
+            c.sock.send(NOT_TLS)
+        self._close(c)
+
     def _close(self, c: Client) -> None:
         self.clients.pop(c.sock.fileno(), None)
         self.busy.discard(c)
@@ -230,6 +249,10 @@ class ClientConns:
                 return self._close(c)
             if got > 0:
                 data = self._rbuf[:got]
+                if c.first:
+                    c.first = False
+                    if c.tls is None and data[:2] == TLS_RECORD:
+                        return self._refuse_tls(c)
                 if c.tls is not None:
                     data = self._tls_in(c, data)
                     if data is None:

@@ -344,8 +344,11 @@ class _suppress:
 
 def secure_client(sock, scheme: str, host: str, security: Security, purpose: bytes, where: str):
     """TLS (TCP only, when configured), then the challenge-response (with a secret). Returns
-    the stream to use (an ``ssl.SSLSocket`` under TLS). Raises AuthFailed, or
-    NodeUnavailable for a TLS failure (naming its cause); closes ``sock`` on failure."""
+    the stream to use (an ``ssl.SSLSocket`` under TLS). Raises AuthFailed when retrying
+    cannot help (``cause``: ``tls_verify``, the server's certificate does not verify;
+    ``tls_mismatch``, the server answered the TLS handshake with something that is not the
+    TLS expected, e.g. it serves plain text; or a handshake cause), NodeUnavailable when
+    the TLS connection broke (reset, EOF); closes ``sock`` on failure."""
     try:
         if scheme == "tcp" and security.tls:
             ctx = security.client_context()
@@ -354,7 +357,11 @@ def secure_client(sock, scheme: str, host: str, security: Security, purpose: byt
             except ssl.SSLCertVerificationError as e:
                 raise AuthFailed(f"TLS: the certificate of {where} does not verify against security.tls_ca: "
                                  f"{e.verify_message}", cause="tls_verify", addr=where) from None
-            except (ssl.SSLError, OSError) as e:
+            except OSError as e:  # SSLError is one: a protocol error is a mismatch, a broken stream is not
+                if isinstance(e, ssl.SSLError) and not isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+                    raise AuthFailed(f"TLS handshake with {where} failed ({e.reason or e}): it does not serve "
+                                     "TLS, or not one this client accepts; give every process the same "
+                                     "security.tls_* settings", cause="tls_mismatch", addr=where) from None
                 raise NodeUnavailable(f"TLS handshake with {where} failed: {e}; does it serve TLS "
                                       "(security.tls_cert)?", addr=where) from None
         if security.secret is not None:

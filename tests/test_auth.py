@@ -219,6 +219,20 @@ def test_tls_round_trip(certs):
             assert c.get("tls") == b"t" * 300_000
 
 
+def test_a_tls_client_of_a_plaintext_master_is_told_so(certs, make_cluster):
+    """The master answers a TLS handshake on its plaintext port in plain text and closes:
+    the client raises AuthFailed(tls_mismatch) at once instead of retrying to its deadline
+    (a Timeout after 120 s here); plaintext clients are served as before."""
+    lc = make_cluster(nodes=1, memory="32MiB")
+    tls = Security(tls_ca=str(certs / "ca.pem"))
+    with pytest.raises(AuthFailed) as e:
+        with KVPoolClient(lc.master_addr, security=tls, rpc_timeout_s=120) as c:
+            c.stats()
+    assert e.value.fields["cause"] == "tls_mismatch" and "does not serve TLS" in e.value.message
+    with lc.client() as c:
+        assert c.put("plain", b"p" * 100) is True and c.get("plain") == b"p" * 100
+
+
 def test_tls_client_certificates(certs):
     sec = {"tls_cert": str(certs / "server.pem"), "tls_key": str(certs / "server.pem"),
            "tls_ca": str(certs / "ca.pem"), "tls_client_certs": True}
