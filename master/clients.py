@@ -13,8 +13,10 @@ Bounds, so one client cannot stall the master or grow its memory:
   and unanswered requests, is not read until it catches up;
 * a corrupt frame length is answered (after the requests before it, durable ones
   included) and the connection closed, since its stream position can no longer be trusted;
-* at most ``max_conns`` connections (more are told :class:`~protocol.errors.Overloaded`
-  and closed); a connection must pass TLS and the cluster-secret handshake
+* at most ``max_conns`` connections: one accepted at the cap takes the place of the
+  oldest connection still in its handshake (closed), so silent peers cannot lock honest
+  clients out for the handshake deadline; with none in a handshake it is told
+  :class:`~protocol.errors.Overloaded` and closed. A connection must pass TLS and the cluster-secret handshake
   (:mod:`protocol.auth`, when configured) within ``auth.HANDSHAKE_S`` before any request is
   read (it buffers at most the handshake's 69 bytes meanwhile), and a request frame
   half-sent for :data:`FRAME_TIMEOUT_S` with no whole frame meanwhile closes it;
@@ -105,7 +107,7 @@ class ClientConns:
         self.max_conns = max_conns
         self.frame_timeout_s = frame_timeout_s
         self.refusals: dict[str, int] = {"max_conns": 0, "auth": 0, "tls": 0, "handshake_timeout": 0,
-                                         "frame_timeout": 0}  # closed connections by reason (a metric)
+                                         "handshake_evicted": 0, "frame_timeout": 0}  # closed connections by reason (a metric)
         self._swept = 0.0
         self.listeners = {lst.fileno(): lst for lst in listeners}
         self.poller = poller
@@ -187,7 +189,7 @@ class ClientConns:
             tcp = sock.family != socket.AF_UNIX
             if tcp:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if len(self.clients) >= self.max_conns:
+            if len(self.clients) >= self.max_conns and not self._evict_one():
                 self._refuse(sock, tcp)
                 continue
             c = Client(sock)
@@ -200,6 +202,16 @@ class ClientConns:
                 c.deadline = time.monotonic() + auth.HANDSHAKE_S
             self.clients[sock.fileno()] = c
             self.poller.register(sock, _IN)
+
+    def _evict_one(self) -> bool:
+        """At the cap: close the oldest connection still in its handshake (clients are held in
+        accept order); False when there is none."""
+        victim = next((c for c in self.clients.values() if c.deadline is not None), None)
+        if victim is None:
+            return False
+        self.refusals["handshake_evicted"] += 1
+        self._close(victim)
+        return True
 
     def _refuse(self, sock: socket.socket, tcp: bool) -> None:
         """Over the connection cap: say so (unless under TLS) and close."""

@@ -6,7 +6,11 @@ No thread per connection. A connection is owned by exactly one of:
   idle. It drives TLS (``ssl`` with ``do_handshake_on_connect=False``) and the
   cluster-secret handshake (:class:`protocol.auth.ServerHandshake`, fed from non-blocking
   reads) within ``auth.HANDSHAKE_S`` of the accept, so unauthenticated peers cost no worker;
-  and it watches authenticated connections for their next request;
+  and it watches authenticated connections for their next request. A connection accepted
+  at the server's connection cap takes the place of the oldest one still in its handshake
+  (closed, AuthFailed ``evicted``), so peers that open connections and stay silent cannot
+  lock honest clients out for the handshake deadline; with none in its handshake, it is
+  refused (``refuse``);
 * a **worker** (``workers`` of them), once the connection is readable: the worker runs
   ``serve(conn)``, which serves every request that arrives while it holds the connection
   and returns True to hand it back to the selector (or False: it was closed). A TLS
@@ -53,9 +57,9 @@ class Conn:
     ``unix``: it came in on the Unix socket; ``state``: what the server keeps for it once
     it is authenticated (its writer identity)."""
 
-    __slots__ = ("sock", "unix", "tls", "tls_up", "hs", "deadline", "events", "authed", "closed", "state")
+    __slots__ = ("sock", "unix", "tls", "tls_up", "hs", "deadline", "events", "authed", "closed", "state", "over_cap")
 
-    def __init__(self, sock, unix: bool, tls: bool, hs: auth.ServerHandshake | None) -> None:
+    def __init__(self, sock, unix: bool, tls: bool, hs: auth.ServerHandshake | None, over_cap: bool = False) -> None:
         self.sock = sock
         self.unix = unix
         self.tls = tls
@@ -66,6 +70,7 @@ class Conn:
         self.authed = False
         self.closed = False
         self.state: Any = None
+        self.over_cap = over_cap  # accepted at the connection cap: admitted only in place of a handshake
 
 
 class ConnPool:
@@ -74,17 +79,19 @@ class ConnPool:
     ``opened(conn)`` runs (on the selector thread) once a connection is authenticated;
     ``serve(conn) -> bool`` (on a worker) serves it and returns whether to watch it again;
     ``closed(conn)`` runs once for every connection when it is closed; ``failed(err)`` counts
-    a connection that failed TLS or the handshake (``err``: the AuthFailed, or an OSError)."""
+    a connection that failed TLS or the handshake (``err``: the AuthFailed, or an OSError);
+    ``refuse(conn)`` tells a connection accepted at the cap that the server is full (its
+    socket is closed after)."""
 
     def __init__(self, workers: int, frame_timeout_s: float, tls: ssl.SSLContext | None, auth_key: bytes | None,
                  reject: Callable[[AuthFailed, bytes], bytes], opened: Callable[[Conn], None],
                  serve: Callable[[Conn], bool], closed: Callable[[Conn], None],
-                 failed: Callable[[BaseException], None]) -> None:
+                 failed: Callable[[BaseException], None], refuse: Callable[[Conn], None] = lambda c: None) -> None:
         self.workers = workers
         self.frame_timeout_s = frame_timeout_s
         self._timeval = struct.pack("ll", int(frame_timeout_s), int(frame_timeout_s % 1 * 1e6))
         self._tls, self._key, self._reject = tls, auth_key, reject
-        self._opened, self._serve, self._closed, self._failed = opened, serve, closed, failed
+        self._opened, self._serve, self._closed, self._failed, self._refuse = opened, serve, closed, failed, refuse
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -121,18 +128,24 @@ class ConnPool:
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
 
-    def add(self, sock: socket.socket, unix: bool, tcp: bool) -> None:
-        """Take a freshly accepted socket (any thread); its handshake starts on the selector."""
+    def add(self, sock: socket.socket, unix: bool, tcp: bool, over_cap: bool = False) -> None:
+        """Take a freshly accepted socket (any thread); its handshake starts on the selector.
+        ``over_cap``: the server is at its connection cap, so the socket is admitted only in
+        place of a connection still in its handshake, and refused otherwise."""
         sock.setblocking(False)
         tls = tcp and self._tls is not None
         if tls:
             sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         hs = auth.ServerHandshake(self._key, auth.DATA, self._reject) if self._key is not None else None
-        c = Conn(sock, unix, tls, hs)
+        c = Conn(sock, unix, tls, hs, over_cap)
         with self._lock:
             self.conns.add(c)
         self._back.append(c)
         self._wake()
+
+    def handshaking(self) -> bool:
+        """Whether connections may be in their handshake (any thread; the selector checks)."""
+        return bool(self._pending)
 
     def close(self, c: Conn) -> None:
         """Close ``c`` (by its current owner)."""
@@ -172,6 +185,9 @@ class ConnPool:
                     continue
                 if c.authed:
                     self._watch(c, _R)
+                elif c.over_cap and not self._evict_one():
+                    self._refuse(c)
+                    self.close(c)
                 else:
                     self._pending.append(c)
                     self._step(c)
@@ -186,6 +202,15 @@ class ConnPool:
             if key.data is not None:
                 self.close(key.data)
         sel.close()
+
+    def _evict_one(self) -> bool:
+        """Close the oldest connection still in its handshake; False when there is none."""
+        for c in self._pending:
+            if not (c.authed or c.closed):
+                self._fail(c, AuthFailed("closed in its handshake to make room at the connection cap "
+                                         "(security.max_conns)", cause="evicted"))
+                return True
+        return False
 
     def _watch(self, c: Conn, events: int) -> None:
         if c.events == events:

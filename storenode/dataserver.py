@@ -2,7 +2,8 @@
 segment, with no per-byte Python work.
 
 At most ``max_conns`` connections (more are refused with
-:class:`~protocol.errors.Overloaded`), served by a bounded pool of ``workers`` threads
+:class:`~protocol.errors.Overloaded`; one accepted at the cap takes the place of the oldest
+connection still in its handshake, if any), served by a bounded pool of ``workers`` threads
 and one selector thread, not a thread each (:mod:`storenode.connpool`): the selector runs
 TLS and the cluster-secret handshake when they are configured (:mod:`protocol.auth`,
 within ``auth.HANDSHAKE_S``) and watches idle connections; a worker takes a readable one
@@ -78,7 +79,8 @@ class DataServer:
         self.pool = ConnPool(workers, frame_timeout_s, self._tls,
                              security.derive("auth") if security.secret is not None else None,
                              lambda e, _head: frame(DataReply(False, e.to_wire())),
-                             self._opened, self._serve, self._closed, self._auth_failed)
+                             self._opened, self._serve, self._closed, self._auth_failed,
+                             lambda c: self._refuse(c.sock, "unix" if c.unix else "tcp"))
         self.listeners = [(a, transport.listen(a)) for a in addrs]
         self.addrs = [self._bound(a, s) for a, s in self.listeners]
         self._stop = threading.Event()
@@ -132,10 +134,10 @@ class DataServer:
                 full = len(self._conns) + len(self.pool) >= self.max_conns
                 if not full and not isinstance(conn, socket.socket):
                     self._conns.add(conn)
-            if full:
+            if full and not (isinstance(conn, socket.socket) and self.pool.handshaking()):
                 self._refuse(conn, scheme)
-            elif isinstance(conn, socket.socket):
-                self.pool.add(conn, unix, scheme == "tcp")
+            elif isinstance(conn, socket.socket):  # at the cap: in place of a connection in its handshake
+                self.pool.add(conn, unix, scheme == "tcp", over_cap=full)
             else:  # no readiness descriptor (ucx://): a thread of its own
                 threading.Thread(target=self._serve_thread, args=(conn,), daemon=True).start()
 

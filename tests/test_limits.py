@@ -17,6 +17,7 @@ from kvpool.cli.cluster import LocalCluster
 from kvpool.protocol import auth, rpcwire, transport
 from kvpool.protocol import messages as M
 from kvpool.protocol.config import load_config
+from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
 from kvpool.protocol.errors import Overloaded
 from test_auth import _closed, _descs
 
@@ -79,8 +80,9 @@ def test_idle_and_junk_flood_is_bounded(lc):
 
 
 def test_connection_cap_refuses_with_a_clear_error(lc):
+    """Authenticated connections fill the cap: one more is told Overloaded."""
     d = next(x for x in _descs(lc) if x.node_id == "node-1")
-    holders = [socket.create_connection(_hostport(d.data_addr)) for _ in range(64)]
+    holders = [transport.connect(d.data_addr, 5.0, lc.security) for _ in range(64)]
     try:
         wait_for(lambda: _refused(d.data_addr), 10, what="a connection over the cap to be refused")
         with pytest.raises(Overloaded, match="max_conns"):
@@ -90,6 +92,26 @@ def test_connection_cap_refuses_with_a_clear_error(lc):
             s.close()
     wait_for(lambda: _connects(d.data_addr, lc.security), 10, what="the data server to take connections again")
     _honest(lc, "after-cap")
+
+
+def test_silent_peers_at_the_cap_do_not_lock_clients_out(lc):
+    """Peers that connect and stay silent fill the master's and a node's cap (64): each new
+    connection takes the place of the oldest one still in its handshake, so an honest client
+    is served at once instead of being refused until the handshake deadline; connections
+    past their handshake are never the ones closed."""
+    d = next(x for x in _descs(lc) if x.node_id == "node-0")
+    held = transport.connect(d.data_addr, 5.0, lc.security)  # authenticated before the flood
+    socks = [socket.create_connection(_hostport(addr)) for addr in (lc.master_addr, d.data_addr) for _ in range(64)]
+    try:
+        _honest(lc, "during-cap-flood")
+        held.sendall(frame(DataRequest("ping", "")))
+        held.settimeout(5)
+        assert recv_reply(held).ok
+    finally:
+        held.close()
+        for s in socks:
+            s.close()
+    _honest(lc, "after-cap-flood")
 
 
 def _refused(addr: str) -> bool:
