@@ -16,8 +16,8 @@ Bounds, so one client cannot stall the master or grow its memory:
 * at most ``max_conns`` connections: one accepted at the cap takes the place of the
   oldest connection still in its handshake (closed), so silent peers cannot lock honest
   clients out for the handshake deadline; with none in a handshake it is told
-  :class:`~protocol.errors.Overloaded` and closed. A connection must pass TLS and the cluster-secret handshake
-  (:mod:`protocol.auth`, when configured) within ``auth.HANDSHAKE_S`` before any request is
+  :class:`~protocol.errors.Overloaded` and closed. A connection must pass TLS and the
+  cluster-secret handshake (:mod:`protocol.auth`, when configured) within ``auth.HANDSHAKE_S`` before any request is
   read (it buffers at most the handshake's 69 bytes meanwhile), and a request frame
   half-sent for :data:`FRAME_TIMEOUT_S` with no whole frame meanwhile closes it;
 * a master without TLS answers a connection that opens with a TLS record in plain text
@@ -106,8 +106,8 @@ class ClientConns:
         self._auth_key = security.derive("auth") if security.secret is not None else None
         self.max_conns = max_conns
         self.frame_timeout_s = frame_timeout_s
-        self.refusals: dict[str, int] = {"max_conns": 0, "auth": 0, "tls": 0, "handshake_timeout": 0,
-                                         "handshake_evicted": 0, "frame_timeout": 0}  # closed connections by reason (a metric)
+        self.refusals: dict[str, int] = {  # closed connections by reason (a metric)
+            "max_conns": 0, "auth": 0, "tls": 0, "handshake_timeout": 0, "handshake_evicted": 0, "frame_timeout": 0}
         self._swept = 0.0
         self.listeners = {lst.fileno(): lst for lst in listeners}
         self.poller = poller
