@@ -56,6 +56,7 @@ _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in
 SPIN_WAIT_S = parse_duration(ClientConfig().spin_wait)  # seconds; see protocol/spin.py
 PIPELINE_KEYS = 64  # a batch get of more keys looks up each slice of this many while reading the one before
 _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
+PUT_ROUNDS = 3  # placements a put_start/put_end put gets at most (a dead node, a busy extent, a revoked grant)
 
 
 def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
@@ -328,12 +329,13 @@ class KVPoolClient(ReservedPuts, HintedReads):
         if items:
             if self._ends_n:  # claims this client ended lately first: put_start may grant those ranges again
                 self._flush_ends()
-            retry = self._put_round(items, bufs, idx, replicas, results, stored)
-            if retry:  # writes that hit a dead node are placed once more, elsewhere
-                for j in retry:
-                    results[idx[j]] = None
-                self._put_round([items[j] for j in retry], [bufs[j] for j in retry], [idx[j] for j in retry],
-                                replicas, results, stored)
+            for _ in range(PUT_ROUNDS):  # writes that hit a dead node or a busy extent are placed again
+                retry = self._put_round(items, bufs, idx, replicas, results, stored)
+                if not retry:
+                    break
+                items, bufs, idx = [items[j] for j in retry], [bufs[j] for j in retry], [idx[j] for j in retry]
+                for i in idx:
+                    results[i] = None
         return results, stored
 
     def _put_round(self, items, bufs, idx, replicas, results, stored) -> list[int]:
@@ -341,7 +343,6 @@ class KVPoolClient(ReservedPuts, HintedReads):
         whose write failed on a dead node (worth one more placement)."""
         sums: list[int | None] = [None] * len(items)
         grants = self.rpc.call(M.PutStart(items, self.host_id, replicas or 0), meanwhile=lambda answered: prehash(bufs, sums, range(len(bufs)), answered))
-        term = self.rpc.term  # the leadership that granted: a successor does not know these puts
         by_node: dict[str, list[WriteOp]] = defaultdict(list)
         ops_of: dict[int, list[WriteOp]] = {}
         in_flight: list[int] = []
@@ -387,7 +388,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
                 revoke_keys.append(g.key)
                 revoke_ids.append(g.put_id)
                 results[idx[j]] = bad
-                if isinstance(bad, (NodeUnavailable, ExtentBusy)):  # a busy extent stays quarantined
+                if isinstance(bad, (NodeUnavailable, ExtentBusy, PutRevoked)):  # busy: quarantined; revoked: stalled
                     retry.append(j)
         if revoke_keys:
             self.rpc.call(M.PutRevoke(revoke_keys, revoke_ids))
@@ -401,8 +402,8 @@ class KVPoolClient(ReservedPuts, HintedReads):
             for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids, commit_sums))):
                 if e is not None:
                     results[idx[j]] = from_wire(e)
-                    if isinstance(results[idx[j]], PutRevoked) and self.rpc.term != term:
-                        retry.append(j)  # granted by a leader deposed since: place it again
+                    if isinstance(results[idx[j]], PutRevoked):  # a replica's node died meanwhile, the
+                        retry.append(j)  # writer stalled past put_timeout, or a new leader: place it again
                 else:
                     stored[idx[j]] = (len(ops_of[j]), grants[j].replicas_wanted or len(ops_of[j]))
                     for op in ops_of[j]:

@@ -142,6 +142,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
         self._map_retry: dict[str, float] = {}  # incarnation -> when to ask again for a mapping not answered
         self._proven: dict[str, bool] = {}  # incarnation -> its node proved to share this host (same_host)
+        self._pidfds: dict[str, int | None] = {}  # incarnation -> pidfd of its node's process (segmap.node_alive)
         self._told_remote: set[str] = set()  # node ids warned about: same host id, not provably this host
         self.redials = 0  # stale streams (opened to an earlier incarnation of a node) replaced, all threads
         self.cuda_direct = cuda_direct
@@ -203,7 +204,44 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         finally:
             if not held:
                 self._end_claims(claim[0] if claim else "", claimed)
+        self._confirm([*claimed, *dma], deadline)
         self._finish_writes(self._send_writes(net, False, deadline), deadline)
+
+    def _confirm(self, ops: Sequence[WriteOp], deadline: ReplicaDeadline | None = None) -> None:
+        """Fail the same-host ``ops`` (copied into a mapping, without their node) whose node
+        is gone by now: the mapping outlives the node, so only this check, made after the
+        copy, lets a commit count the replica (DESIGN.md §5). One pidfd ``poll`` per node
+        (:meth:`node_alive`); a ``ping`` round trip where the node's process is unknown."""
+        by_inc: dict[str, list[WriteOp]] = {}
+        for op in ops:
+            if op.error is None:
+                by_inc.setdefault(op.ref.incarnation, []).append(op)
+        for group in by_inc.values():
+            r = group[0].ref
+            alive = self.node_alive(r)
+            if alive is None:
+                alive = self._ping(r, deadline)
+            if not alive:
+                err = NodeUnavailable(f"store node {r.node_id} exited before the write of {len(group)} object(s) "
+                                      "into its segment was confirmed; the put is placed again without it",
+                                      node=r.node_id)
+                for op in group:
+                    op.error = err
+
+    def _ping(self, r: ExtentRef, deadline: ReplicaDeadline | None = None) -> bool:
+        """One ``ping`` round trip to ``r``'s node incarnation over its Unix socket: True when
+        it answered within ``deadline`` (default ``io_timeout_s``)."""
+        addr = r.shm_path
+        try:
+            s = self._conn(addr, deadline.timeout_s if deadline is not None else None, incarnation=r.incarnation)
+            s.sock.settimeout(deadline.timeout_s if deadline is not None else self.io_timeout_s)
+            sendv(s.sock, [frame(DataRequest("ping", r.incarnation))])
+            ok = s.reply().ok
+            s.sock.settimeout(self.io_timeout_s)
+            return ok
+        except (OSError, KVPoolError):
+            self._drop(addr)
+            return False
 
     def _end_claims(self, addr: str, ops: Sequence[WriteOp]) -> None:
         """One-way ``written`` frames for the claimed ``ops``, copied (or failed) by now."""

@@ -28,7 +28,7 @@ from kvpool.connector.dataclient import WriteOp
 from kvpool.connector.prehash import prehash
 from kvpool.connector.reservations import CLAIM_AHEAD, ReservationPool, Slot
 from kvpool.protocol import messages as M
-from kvpool.protocol.errors import KVPoolError, PutRevoked, from_wire
+from kvpool.protocol.errors import KVPoolError, NodeUnavailable, PutRevoked, from_wire
 
 _REAP_S = 1.0  # the reaper looks for expired reservations at least this often (seconds)
 _FLUSH_S = 0.005  # queued claim ends and commit copies wait at most this long (seconds)
@@ -124,8 +124,11 @@ class ReservedPuts:
         fallback += failed_j
         if failed_j:  # the node may have restarted (a new incarnation, at the same address): its other
             # reservations are dropped too, and the long way finds out (and reports) whether it is dead
-            self._res_pool.drop_nodes({(op.ref.node_id, op.ref.incarnation) for j in failed_j for op in ops_of[j]
-                                       if op.error is not None})
+            gone = {(op.ref.node_id, op.ref.incarnation) for j in failed_j for op in ops_of[j] if op.error is not None}
+            self._res_pool.drop_nodes(gone)
+            for nid, inc in {(op.ref.node_id, op.ref.incarnation) for j in failed_j for op in ops_of[j]
+                             if isinstance(op.error, NodeUnavailable)}:
+                self.rpc.send_nowait(M.ReportDead(nid, inc))  # the long way places elsewhere meanwhile
         commits: dict[str, list] = defaultdict(list)  # same-host node -> commit copies
         net_commits: dict[str, list[WriteOp]] = defaultdict(list)
         if not commit_j:

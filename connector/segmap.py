@@ -1,13 +1,23 @@
 """Same-host segment mapping of the data plane (:class:`connector.dataclient.DataPlane`):
 the ``map`` handshake over a node's Unix socket, which hands over the node's segment memfd
 (SCM_RIGHTS) and proves the node shares this host; the mappings per node incarnation, their
-retry after a node that did not answer, and unmapping a dead or restarted node's segment."""
+retry after a node that did not answer, and unmapping a dead or restarted node's segment.
+
+The handshake also names the node's process (``SO_PEERCRED``), held as a pidfd, which
+refers to that one process (no pid-reuse race): a same-host write copies into the mapping
+without the node, and the mapping outlives the node, so a copy that returned proves
+nothing about the node. :meth:`_SegmentMaps.node_alive` asks the pidfd whether the
+process still runs, after the copy and before the commit: an acknowledgement never counts
+a replica on a node that died before it (DESIGN.md §5)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
+import select
 import socket
+import struct
 import time
 
 from kvpool.connector.shmcopy import _address, _prefault_aside
@@ -19,6 +29,7 @@ from kvpool.protocol.messages import ExtentRef
 _MAP_S = 2.0  # seconds asking a node for its segment's mapping may take
 _MAP_RETRY_S = 5.0  # a node that did not answer that is asked again after this many seconds
 _POPULATE_MAX = 8 << 30  # segments up to this size get their page tables prefaulted (~2 MiB of PTEs per GiB)
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 log = logging.getLogger("kvpool.data")
 
 
@@ -92,6 +103,8 @@ class _SegmentMaps:
                         if (rep.ok and fds) or (not rep.ok and rep.error is not None
                                                 and rep.error.code != "stale_extent"):
                             self._proven[ref.incarnation] = True
+                            if seg is not None:
+                                self._pidfds[ref.incarnation] = _peer_pidfd(s)
                         else:
                             self._not_local(ref, "another node answers there" if not rep.ok else "no memfd came")
                     finally:
@@ -106,6 +119,21 @@ class _SegmentMaps:
                     self._map_retry[ref.incarnation] = time.monotonic() + _MAP_RETRY_S
             self._maps[ref.incarnation] = seg
             return seg
+
+    def node_alive(self, ref: ExtentRef) -> bool | None:
+        """Whether the process of ``ref``'s node incarnation (mapped here) still runs: False
+        once it has exited, None when this client could not name it (another pid namespace,
+        a kernel without pidfds): then only a round trip to the node can tell. One
+        ``poll`` of the node's pidfd, no round trip."""
+        fd = self._pidfds.get(ref.incarnation)
+        if fd is None:
+            return None
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        try:
+            return not p.poll(0)
+        except OSError:  # closed by an unmap meanwhile: the node is being forgotten
+            return None
 
     def _extent_address(self, ref: ExtentRef) -> int:
         base = self._bases.get(ref.incarnation)
@@ -124,6 +152,10 @@ class _SegmentMaps:
     def _unmap(self, incarnation: str) -> None:
         """Caller holds ``_map_lock``."""
         self._proven.pop(incarnation, None)
+        fd = self._pidfds.pop(incarnation, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         view = self._maps.pop(incarnation, None)
         base = self._bases.pop(incarnation, None)
         if self._pins is not None:
@@ -136,6 +168,16 @@ class _SegmentMaps:
                 mm.close()
         except BufferError:
             pass  # a slice is still in use by another thread; the OS unmaps it with the object
+
+
+def _peer_pidfd(sock) -> int | None:
+    """A pidfd of the process at the other end of Unix socket ``sock`` (None when it cannot
+    be named: another pid namespace answers pid 0, or the kernel has no pidfds)."""
+    try:
+        pid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
+        return os.pidfd_open(pid) if pid > 0 else None
+    except (OSError, AttributeError, struct.error):
+        return None
 
 
 class _Buffered:

@@ -24,7 +24,10 @@ Bounds: one call reserves at most :data:`MAX_PER_CALL` extents and :data:`MAX_BY
 bytes; reserved bytes count as used memory. Extents a put needs now are placed as a put's
 are (evicting when memory is short); those reserved ahead of need only in free memory under
 the high watermark and within :data:`AHEAD_SHARE` of each node's segment, so reserving
-ahead never pushes data out and never takes more than a small share of the cache.
+ahead never pushes data out and never takes more than a small share of the cache. A
+reservation ahead of need carries as many replicas as a put placed now would get, or is not
+made: where too few nodes have room ahead, the writer's put asks for its extents when it
+needs them (and may evict), so a put is short only when the cluster lacks nodes or room.
 """
 from __future__ import annotations
 
@@ -92,15 +95,20 @@ class ReservationMixin:
                 self._count_held(held, 1)
                 out.append(Reservation(rid, refs))
             n = count + ahead - len(out)
+        full = min(wanted, len(live))  # replicas a put placed now would get: ahead ones get as many or none
         for i in range(n):
             if i >= count:  # ahead of need: within each node's share for reservations
                 live = [nd for nd in live if nd.reserved + size <= AHEAD_SHARE * nd.alloc.capacity]
-                if not live:
-                    break
+                if len(live) < full:  # fewer nodes have room ahead than a put would get now:
+                    break  # a short reservation would make a short put with room to spare
             try:
                 refs = self._place("", size, host_id, wanted, now, live, evict=i < count)
             except E.KVPoolError as e:
                 error = e.to_wire()
+                break
+            if i >= count and len(refs) < full:  # placed short (no room under the watermark on enough nodes)
+                for r in refs:
+                    self.nodes[r.node_id].alloc.free(r.offset, r.size)
                 break
             rid = self._res_id()
             self.reserved[rid] = held = Held(size, refs, wanted, until)

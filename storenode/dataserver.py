@@ -278,7 +278,8 @@ class DataServer:
         seg = self.segment
         self.stats.requests["data", req.op] += 1
         try:
-            if req.incarnation != seg.incarnation and req.op != "ping":
+            if req.incarnation != seg.incarnation and (req.op != "ping" or req.incarnation):  # a ping naming
+                # an incarnation asks whether that one serves (a liveness check after a same-host copy)
                 raise StaleExtent(f"store node segment restarted (generation {seg.incarnation}, request "
                                   f"named {req.incarnation}); look the key up again")
             if req.op in _BATCHED:
