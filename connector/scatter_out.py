@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import xxhash
 
+from kvpool.protocol import copyhash
 from kvpool.protocol.errors import LoadCancelled
 
 
@@ -62,6 +63,8 @@ class ScatterOut:
 
     def _copy(self, src: memoryview, digest: bool) -> int | None:
         self._staged = None  # the pages now hold this copy: an earlier, failed staged attempt is void
+        if copyhash.NATIVE:  # one GIL-free call over every page
+            return copyhash.scatter_hash(src, self.pieces, digest)
         h = xxhash.xxh3_64() if digest else None
         a, size = 0, len(src)
         for p in self.pieces:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from kvpool.protocol import copyhash
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LoadCancelled, NodeUnavailable
 from kvpool.protocol.messages import ExtentRef
 
@@ -52,16 +53,19 @@ def _address(mv: memoryview) -> int:
 
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14, <linux/mman.h>: prefault page tables, reading
+_MADV_POPULATE_WRITE = 23  # ... writable, without writing a byte
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def _prefault_aside(seg: memoryview, nbytes: int) -> None:
     """Prefault a new mapping's page tables on a daemon thread (``madvise`` with
-    ``MADV_POPULATE_READ``, what ``MAP_POPULATE`` does at ``mmap`` time), so that reads and
-    writes on it meanwhile fault only the pages they touch instead of waiting for the whole
-    segment: the first transfer of a process no longer pays for prefaulting every page of a
-    GiB segment. A kernel without the flag answers EINVAL and pages fault on first touch."""
+    ``MADV_POPULATE_WRITE``), so that reads and writes on it meanwhile fault only the pages
+    they touch instead of waiting for the whole segment, and later ones fault none. Writable:
+    a page mapped by a read fault is mapped read-only, so a put's first write to each of its
+    pages takes a second fault (thousands for a 16 MiB object); populating for writing makes
+    the page tables writable without touching the bytes. A kernel without the flag answers
+    EINVAL: then ``MADV_POPULATE_READ`` (older kernels: pages fault on first touch)."""
 
     def run() -> None:
         try:
@@ -69,8 +73,9 @@ def _prefault_aside(seg: memoryview, nbytes: int) -> None:
             buf = ctypes.c_char.from_buffer(view)
         except (BufferError, ValueError, TypeError):
             return  # unmapped meanwhile
-        try:
-            _libc.madvise(ctypes.addressof(buf), nbytes, _MADV_POPULATE_READ)  # the GIL is released here
+        try:  # the GIL is released in these calls
+            if _libc.madvise(ctypes.addressof(buf), nbytes, _MADV_POPULATE_WRITE) != 0:
+                _libc.madvise(ctypes.addressof(buf), nbytes, _MADV_POPULATE_READ)
         finally:
             del buf
             view.release()
@@ -104,6 +109,8 @@ class _ShmCopies:
         """Shared-memory write: caller buffer → extent, one copy (bounced in the 4K-aliasing
         case described in :meth:`_copy_out`). With ``digest``, returns the xxh3_64 of the
         bytes, hashed per 256 KiB chunk right after it is copied (source still in L2)."""
+        if copyhash.NATIVE:  # one GIL-free call: pieces hashed as they land, aliasing bounced in C
+            return copyhash.copy_hash(dst, data, digest)
         size = len(dst)
         if digest and size >= HASH_ASIDE_MIN:
             fut = self._hash_aside(data)
@@ -191,6 +198,11 @@ class _ShmCopies:
                                       f"{r.size}-byte extent")
             return
         out, size = op.out, r.size
+        if copyhash.NATIVE:  # one GIL-free call, hashing what landed in ``out`` (see above)
+            got = copyhash.copy_hash(out[:size], src, bool(op.digest))
+            if op.digest:
+                op.digest = got
+            return
         bounce = None
         if size > 2048:
             try:

@@ -7,9 +7,28 @@ segment (its generation): a restarted node's extents never match an old descript
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import uuid
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14, <linux/mman.h>
+
+
+def _populate_write(view: memoryview, nbytes: int) -> None:
+    """Make every page table entry of the mapping writable now (``MADV_POPULATE_WRITE``):
+    ``MAP_POPULATE`` of a shared mapping faults pages in for reading, so each page's first
+    write (a network put ``recv_into`` the segment) would fault again. Best effort: older
+    kernels answer EINVAL and pages fault on first write."""
+    if not nbytes:
+        return
+    buf = ctypes.c_char.from_buffer(view)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise(ctypes.addressof(buf), nbytes, _MADV_POPULATE_WRITE)
+    finally:
+        del buf
 
 
 class Segment:
@@ -24,6 +43,7 @@ class Segment:
         self.mm = mmap.mmap(self.fd, capacity, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                             mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mm)
+        _populate_write(self.view, capacity)
         self.renew()
 
     def renew(self) -> None:

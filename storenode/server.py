@@ -21,30 +21,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
 import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 
 import msgspec
-import zmq
-import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
-
 from kvpool.protocol import messages as M
 from kvpool.protocol import transport
-from kvpool.protocol import auth
 from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.config import ClusterConfig, SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
 from kvpool.protocol.errors import ConfigError, EtcdFull, KVPoolError, Overloaded, StaleTerm
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys, kept_alive
 from kvpool.protocol.units import parse_duration, parse_size
+from kvpool.storenode.control import ControlChannel
 from kvpool.storenode.dataserver import DataServer
 from kvpool.storenode.device_segment import DeviceSegment
 from kvpool.storenode.extents import ExtentTable
@@ -54,16 +50,6 @@ log = logging.getLogger("kvpool.storenode")
 _NODE = StoreNodeConfig()  # the defaults, stated once (protocol/config.py)
 COPY_MAX = 64  # copy requests queued or running at once; more are answered Overloaded
 CTRL_MAX_MSG = 256 << 20  # bytes: the largest control message accepted (a batch of commit rows)
-
-
-class _MasterKey:
-    """ZAP credentials check: the one CURVE client key allowed (the master's, derived from the secret)."""
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return hmac.compare_digest(key, self.key)
 
 
 @dataclass(frozen=True)
@@ -130,6 +116,9 @@ class StoreNode:
         self.data = DataServer(self.segment, self.table, addrs, s.security, s.max_conns, s.data_workers,
                                s.frame_timeout_s)
         self._copies = 0  # copy requests queued or running (at most COPY_MAX)
+        self._copies_lock = threading.Lock()
+        self._copier = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvpool-copy")
+        self.control: ControlChannel | None = None
         self.host_id = s.host_id or transport.default_host_id()
         self._stop = asyncio.Event()
         self.stats = self.data.stats
@@ -160,30 +149,10 @@ class StoreNode:
             ops = OpsServer(self.s.host, self.s.metrics_port, node_registry(self), self.healthz, self.readyz)
             print(f"KVPOOL_METRICS storenode {self.node_id} {ops.url}", flush=True)
         self.data.start()
-        ctx = zmq.asyncio.Context()
-        zap = None
-        ctrl = ctx.socket(zmq.ROUTER)
-        ctrl.setsockopt(zmq.LINGER, 0)
-        ctrl.setsockopt(zmq.MAXMSGSIZE, CTRL_MAX_MSG)  # a larger message drops its peer's connection
-        if self.s.security.secret is not None:  # CURVE: only the master's derived key gets in
-            zap = AsyncioAuthenticator(ctx)
-            zap.start()
-            zap.configure_curve_callback("*", _MasterKey(auth.curve_client_public(self.s.security)))
-            auth.curve_server(ctrl, self.s.security)
-        bind = f"tcp://{transport.host_port(self.s.host, 0)}"[:-2]  # tcp://host (IPv6 in brackets)
-        if ":" in self.s.host:
-            ctrl.setsockopt(zmq.IPV6, 1)
-        if self.s.control_port:
-            try:
-                ctrl.bind(f"{bind}:{self.s.control_port}")
-            except zmq.ZMQError as e:
-                raise ConfigError(f"storenodes[].control_port: cannot bind {bind}:{self.s.control_port} ({e}); "
-                                  "pick a free port or 0 for any", key="storenodes[].control_port") from None
-            port = self.s.control_port
-        else:
-            port = ctrl.bind_to_random_port(bind)
-        ctrl_addr = f"{bind}:{port}"
-        ctrl_task = self._ctrl_task = asyncio.create_task(self._control(ctrl))
+        ctrl = self.control = ControlChannel(self.s.host, self.s.control_port, self.s.security, CTRL_MAX_MSG,
+                                             self._control)
+        ctrl.start()
+        ctrl_addr = ctrl.addr
         announced = registered = False
         term_task = None
         try:
@@ -227,14 +196,11 @@ class StoreNode:
             self.registered = False
             if ops is not None:
                 ops.close()
-            ctrl_task.cancel()
             if term_task is not None:
                 term_task.cancel()
             self.data.stop()
-            ctrl.close(0)
-            if zap is not None:
-                zap.stop()
-            ctx.term()
+            ctrl.close()
+            self._copier.shutdown(wait=False, cancel_futures=True)
             with contextlib.suppress(OSError):
                 os.unlink(self.unix_path)
             if self._own_run_dir:
@@ -253,9 +219,9 @@ class StoreNode:
             fut.result(timeout=2.0)
         except concurrent.futures.TimeoutError:
             return False, "the event loop did not answer within 2s"
-        task = getattr(self, "_ctrl_task", None)
-        if task is None or task.done():
-            return False, "the control loop is not running"
+        ctrl = getattr(self, "control", None)
+        if ctrl is None or not ctrl.alive():
+            return False, "the control channel is not running"
         return True, "registered" if self.registered else "not registered in etcd"
 
     def readyz(self) -> tuple[bool, str]:
@@ -301,22 +267,18 @@ class StoreNode:
                 pass
         return True
 
-    async def _control(self, ctrl) -> None:
-        while True:
-            frames = await ctrl.recv_multipart()
-            if len(frames) != 2:
-                continue  # not our framing (identity, body): drop it, keep serving
-            ident, body = frames
-            try:
-                req = M.decode_node_request(body)
-                self.stats.requests["control", type(req).__name__.removeprefix("Node").lower()] += 1
-                await self._control_one(ctrl, ident, req)
-            except (KVPoolError, ValueError, TypeError, OverflowError) as e:
-                err = e if isinstance(e, KVPoolError) else KVPoolError(f"bad control request: {e}")
-                self.stats.errors["control", err.code] += 1
-                await ctrl.send_multipart([ident, M.encode(M.Reply(error=err.to_wire()))])
+    def _control(self, ident: bytes, body: bytes) -> bytes | None:
+        """One master notice (on the control channel's thread): its reply's bytes, or None."""
+        try:
+            req = M.decode_node_request(body)
+            self.stats.requests["control", type(req).__name__.removeprefix("Node").lower()] += 1
+            return self._control_one(ident, req)
+        except (KVPoolError, ValueError, TypeError, OverflowError) as e:
+            err = e if isinstance(e, KVPoolError) else KVPoolError(f"bad control request: {e}")
+            self.stats.errors["control", err.code] += 1
+            return M.encode(M.Reply(error=err.to_wire()))
 
-    async def _control_one(self, ctrl, ident: bytes, req) -> None:
+    def _control_one(self, ident: bytes, req) -> bytes | None:
         self._see_term(req.term, type(req).__name__)  # raises StaleTerm: answered as an error Reply
         if isinstance(req, M.NodeCommit):
             for row in req.rows:
@@ -326,16 +288,17 @@ class StoreNode:
                 self.table.free(off, gen)
         elif isinstance(req, M.NodeList):
             rows = self.table.committed()
-            await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(
-                [self.segment.incarnation, rows, self.table.max_gen]))))])
+            return M.encode(M.Reply(msgspec.Raw(M.encode([self.segment.incarnation, rows, self.table.max_gen]))))
         elif isinstance(req, M.NodeCopy):
-            if self._copies >= COPY_MAX:  # bounded: a flood is refused, not queued
+            with self._copies_lock:
+                full = self._copies >= COPY_MAX
+                self._copies += not full
+            if full:  # bounded: a flood is refused, not queued
                 err = Overloaded(f"store node {self.node_id} has {COPY_MAX} copies queued; retry later")
                 self.stats.errors["control", err.code] += 1
-                await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err.to_wire()))])
-                return
-            self._copies += 1
-            asyncio.create_task(self._copy(ctrl, ident, req))
+                return M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err.to_wire()))
+            self._copier.submit(self._copy, ident, req)
+        return None
 
     def _see_term(self, term: int, what: str) -> None:
         """A master's notice of leader ``term``: refused (StaleTerm) when a newer term is
@@ -369,12 +332,15 @@ class StoreNode:
                         self._see_term(meta.create_revision, "etcd's leader key")
             await asyncio.sleep(every)
 
-    async def _copy(self, ctrl, ident: bytes, req: M.NodeCopy) -> None:
-        """Push one committed extent to another node (re-replication for repair/drain)."""
-        def push() -> None:
+    def _copy(self, ident: bytes, req: M.NodeCopy) -> None:
+        """Push one committed extent to another node (re-replication for repair/drain), on a
+        copier thread; the answer goes back through the control channel."""
+        err = None
+        try:
             row = self.table.check_read(req.src_offset, req.dst.size, req.src_gen)
             sock = transport.connect(req.dst.data_addr, 10.0, self.s.security)
             try:
+                sock.settimeout(self.s.frame_timeout_s)
                 sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,
                                                req.dst.gen, req.key, row.checksum, req.layout, req.dst.token)))
                 self.segment.send(sock, req.src_offset, req.dst.size)
@@ -383,15 +349,12 @@ class StoreNode:
                     raise KVPoolError(rep.error.message if rep.error else "copy failed")
             finally:
                 sock.close()
-
-        err = None
-        try:
-            await asyncio.to_thread(push)
         except (KVPoolError, OSError) as e:
             err = M.ErrorInfo("copy_failed", str(e))
         finally:
-            self._copies -= 1
-        await ctrl.send_multipart([ident, M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err))])
+            with self._copies_lock:
+                self._copies -= 1
+        self.control.reply_later(ident, M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err)))
 
 
 def main(s: NodeSettings) -> None:
