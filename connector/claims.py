@@ -55,49 +55,73 @@ class _SharedClaims:
 
     def claim_held(self, refs: Sequence[ExtentRef], timeout_s: float,
                    meanwhile: Callable[[], None] | None = None) -> list[KVPoolError | None]:
-        """Claim ``refs`` (keyless reservation grants, all on one same-host node) on the
-        shared stream; per ref None (claimed) or the node's refusal (PutRevoked, ExtentBusy,
-        StaleTerm) or NodeUnavailable when it did not answer within ``timeout_s``.
-        ``meanwhile()`` runs once the claims are sent, before their verdicts are read (a put
-        hashes its buffers there)."""
-        r0 = refs[0]
-        out: list[KVPoolError | None] = [None] * len(refs)
+        """:meth:`claim_held_many` for the refs of one node."""
+        return self.claim_held_many({refs[0].node_id: list(refs)}, timeout_s, meanwhile)[refs[0].node_id]
+
+    def claim_held_many(self, by_node: dict[str, Sequence[ExtentRef]], timeout_s: float,
+                        meanwhile: Callable[[], None] | None = None) -> dict[str, list[KVPoolError | None]]:
+        """Claim ``by_node[node_id]`` (keyless reservation grants on that same-host node) on
+        each node's shared stream: every node's claims are sent first, then the verdicts
+        read, so the round trips overlap. Per node and ref None (claimed) or the node's
+        refusal (PutRevoked, ExtentBusy, StaleTerm) or NodeUnavailable when it did not
+        answer within ``timeout_s``. ``meanwhile()`` runs once, after the claims are sent
+        and before their verdicts are read (a put hashes its buffers there)."""
+        out: dict[str, list[KVPoolError | None]] = {n: [None] * len(refs) for n, refs in by_node.items()}
         with self._claim_lock:
-            try:
-                s = self._claim_stream(r0.shm_path, r0.incarnation)
-                s.sock.settimeout(timeout_s)
-                frames = batch_frames("claims", r0.incarnation, [HeldExtent(r.offset, r.size, r.gen, r.token)
-                                                                 for r in refs])
-                sendv(s.sock, [b"".join(frames)])
-                if meanwhile is not None:
-                    meanwhile()
-                    meanwhile = None
-                self.spin.wait(s)
-                i = 0
-                for _ in frames:
-                    rep = s.reply()
-                    errs = rep.errors if rep.ok else [rep.error] * (len(refs) - i)
-                    for e in errs[:len(refs) - i]:
-                        out[i] = None if e is None else from_wire(e)
-                        i += 1
-                if i < len(refs):
-                    raise NodeUnavailable(f"store node {r0.node_id} answered {i} of {len(refs)} claims",
-                                          node=r0.node_id)
-                s.sock.settimeout(self.io_timeout_s)
-            except (OSError, KVPoolError) as e:
-                s = self._claim_streams.get(r0.shm_path)
-                if s is not None:  # claims the node grants late end here: a node owns claims per connection
-                    with contextlib.suppress(OSError, KVPoolError):
-                        s.sock.settimeout(_RELEASE_S)
-                        sendv(s.sock, batch_frames("written_all", r0.incarnation,
-                                                   [HeldExtent(r.offset, r.size, r.gen, r.token) for r in refs]))
-                self._drop_claim_stream(r0.shm_path)
-                err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
-                    f"store node {r0.node_id} did not answer a claim within {timeout_s:g}s: {e}", node=r0.node_id)
-                out = [o or err for o in out]
+            sent: list[tuple[str, Sequence[ExtentRef], _Stream, int]] = []
+            for nid, refs in by_node.items():
+                r0 = refs[0]
+                try:
+                    s = self._claim_stream(r0.shm_path, r0.incarnation)
+                    s.sock.settimeout(timeout_s)
+                    frames = batch_frames("claims", r0.incarnation, [HeldExtent(r.offset, r.size, r.gen, r.token)
+                                                                     for r in refs])
+                    sendv(s.sock, [b"".join(frames)])
+                    sent.append((nid, refs, s, len(frames)))
+                except (OSError, KVPoolError) as e:
+                    self._claims_failed(refs, e, timeout_s, out[nid])
+            if meanwhile is not None and sent:
+                meanwhile()
+                meanwhile = None
+            for nid, refs, s, n_frames in sent:
+                r0 = refs[0]
+                got = out[nid]
+                try:
+                    self.spin.wait(s)
+                    i = 0
+                    for _ in range(n_frames):
+                        rep = s.reply()
+                        errs = rep.errors if rep.ok else [rep.error] * (len(refs) - i)
+                        for e in errs[:len(refs) - i]:
+                            got[i] = None if e is None else from_wire(e)
+                            i += 1
+                    if i < len(refs):
+                        raise NodeUnavailable(f"store node {r0.node_id} answered {i} of {len(refs)} claims",
+                                              node=r0.node_id)
+                    s.sock.settimeout(self.io_timeout_s)
+                except (OSError, KVPoolError) as e:
+                    self._claims_failed(refs, e, timeout_s, got)
         if meanwhile is not None:  # the claims never went out: the work is still the caller's
             meanwhile()
         return out
+
+    def _claims_failed(self, refs: Sequence[ExtentRef], e: BaseException, timeout_s: float,
+                       out: list[KVPoolError | None]) -> None:
+        """The claims of ``refs`` (one node) got no verdict: ``written`` for them (claims the node
+        grants late end there: a node owns claims per connection), the stream dropped, and
+        every ref without a verdict failed with NodeUnavailable. Caller holds ``_claim_lock``."""
+        r0 = refs[0]
+        s = self._claim_streams.get(r0.shm_path)
+        if s is not None:
+            with contextlib.suppress(OSError, KVPoolError):
+                s.sock.settimeout(_RELEASE_S)
+                sendv(s.sock, batch_frames("written_all", r0.incarnation,
+                                           [HeldExtent(r.offset, r.size, r.gen, r.token) for r in refs]))
+        self._drop_claim_stream(r0.shm_path)
+        err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
+            f"store node {r0.node_id} did not answer a claim within {timeout_s:g}s: {e}", node=r0.node_id)
+        for i, o in enumerate(out):
+            out[i] = o or err
 
     def end_held(self, done: Sequence[ExtentRef], commits: Sequence[tuple[ExtentRef, str, int, bytes | None, int]]
                  ) -> None:

@@ -329,10 +329,10 @@ class KVPoolClient(ReservedPuts, HintedReads):
         if items:
             if self._ends_n:  # claims this client ended lately first: put_start may grant those ranges again
                 self._flush_ends()
-            for _ in range(PUT_ROUNDS):  # writes that hit a dead node or a busy extent are placed again
+            for round_ in range(PUT_ROUNDS):  # writes that hit a dead node or a busy extent are placed again
                 retry = self._put_round(items, bufs, idx, replicas, results, stored)
-                if not retry:
-                    break
+                if not retry or round_ == PUT_ROUNDS - 1:
+                    break  # (the last round's errors stand)
                 items, bufs, idx = [items[j] for j in retry], [bufs[j] for j in retry], [idx[j] for j in retry]
                 for i in idx:
                     results[i] = None

@@ -67,6 +67,7 @@ from kvpool.connector.dma import _CudaDirect, _stage
 from kvpool.connector.scatter_out import ScatterOut
 from kvpool.connector.segmap import _SegmentMaps
 from kvpool.connector.shmcopy import _CHUNK, _gone, _ShmCopies
+from kvpool.protocol import copyhash
 from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, sendv
 from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, LoadCancelled, NodeUnavailable, from_wire
@@ -197,8 +198,11 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             self._finish_writes(claim, deadline, claims=True)  # the node's verdicts, before any byte is copied
             claimed = [op for op in claim[2] if op.error is None] if claim else []
         try:
-            for op in claimed:
-                if isinstance(op.data, memoryview):
+            host = [op for op in claimed if isinstance(op.data, memoryview)]
+            if copyhash.NATIVE and len(host) > 1:  # one GIL-free call for the whole batch
+                self._write_shm_many(host)
+            else:
+                for op in host:
                     self._write_shm(op)
             self._dma(dma, into_segment=True)
         finally:

@@ -1,11 +1,11 @@
 """The writer's side of reserved extents: which reservations it holds, per object size.
 
 Slots are claimed at the node a little ahead of use, not when they are granted: a put
-claims, in one round trip, the slots it takes that are not claimed yet plus the next
-:data:`CLAIM_AHEAD` of that size, so a writer that stalls holds claims on at most its
-batch and that many extents per size (a claim outlives the writer's silence, and the
-master places in memory it has freed again), while the claim costs one node round trip
-per that many puts, or per batch.
+claims, in one round trip per node (all nodes at once), the slots it takes that are not
+claimed yet plus the next :data:`CLAIM_AHEAD` of that size, so a writer that stalls holds
+claims on at most its batch and that many extents per size (a claim outlives the writer's
+silence, and the master places in memory it has freed again), while the claim costs one
+node round trip per that many puts, or per batch.
 
 Pure bookkeeping, thread-safe, no I/O (the client moves the bytes and talks to the master
 and the nodes; the protocol is in :mod:`master.reservations`). Reservations are kept per

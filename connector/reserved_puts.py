@@ -112,7 +112,8 @@ class ReservedPuts:
         except BaseException:  # a bug or Ctrl-C mid-copy: the reservations are given back
             self._release(list(slot_of.values()))
             raise
-        done: list[Slot] = []  # copied (or failed) and settled: their claims end now
+        done: list[Slot] = []  # not committed and given up: their claims end now (a commit ends its own:
+        # the master's notice, or the commit copy sent below on the same claim stream, storenode/extents.py)
         failed: list[Slot] = []  # a replica write failed: given back, the object goes the long way
         commit_j, failed_j = [], []
         for j, ops in ops_of.items():
@@ -155,7 +156,6 @@ class ReservedPuts:
             s = slot_of[j]
             if res is None:
                 stored[idx[j]] = (len(ops_of[j]), s.wanted or len(ops_of[j]))
-                done.append(s)
                 checksum = ops_of[j][0].checksum or 0
                 for op, tok in zip(ops_of[j], toks):
                     ref = msgspec.structs.replace(op.ref, token=tok)
@@ -231,17 +231,15 @@ class ReservedPuts:
             self._flush_ends()  # our own ended claims first: a range freed since may come back to us
         timeout = self._write_deadline.timeout_s if self._write_deadline is not None else self.data.io_timeout_s
         bad: set[int] = set()
-        for pairs in local.values():
-            errs = self.data.claim_held([r for _, r in pairs], timeout, meanwhile)
-            meanwhile = None
-            for (i, r), err in zip(pairs, errs):
+        verdicts = self.data.claim_held_many({nid: [r for _, r in pairs] for nid, pairs in local.items()}, timeout,
+                                             meanwhile)
+        for nid, pairs in local.items():
+            for (i, r), err in zip(pairs, verdicts[nid]):
                 slots[i].local.append(r)  # refused too: a late verdict of an unanswered claim ends with written
                 if err is not None:
                     bad.add(i)
         for i, s in enumerate(slots):
             s.claimed = i not in bad
-        if meanwhile is not None:
-            meanwhile()
         refused = [slots[i] for i in sorted(bad)]
         self._end_claims(refused)  # the claims of their other replicas (or granted late) end
         return refused

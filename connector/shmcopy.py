@@ -105,6 +105,26 @@ class _ShmCopies:
         if op.checksum is None:
             op.checksum = digest
 
+    def _write_shm_many(self, ops: list[WriteOp]) -> None:
+        """:meth:`_write_shm` for many ops (host buffers, extents checked to fit), in one
+        native call: every object copied and hashed (checksums set where none was)."""
+        dsts, live = [], []
+        for op in ops:
+            r = op.ref
+            seg = self._segment(r)
+            if seg is None:
+                op.error = _gone(r)
+                continue
+            dsts.append(seg[r.offset:r.offset + r.size])
+            live.append(op)
+        if not live:
+            return
+        sums = copyhash.copy_hash_many(dsts, [op.data for op in live], any(op.checksum is None for op in live))
+        if sums is not None:
+            for op, h in zip(live, sums):
+                if op.checksum is None:
+                    op.checksum = h
+
     def _copy_in(self, ref: ExtentRef, dst: memoryview, data: memoryview, digest: bool) -> int | None:
         """Shared-memory write: caller buffer → extent, one copy (bounced in the 4K-aliasing
         case described in :meth:`_copy_out`). With ``digest``, returns the xxh3_64 of the

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from kvpool.master.allocator import align_up
 from kvpool.master.objects import COMMITTED, Obj
 from kvpool.master.placement import room
-from kvpool.master.repair import commit_row, grant as _grant
+from kvpool.master.repair import grant as _grant
 from kvpool.protocol import errors as E
 from kvpool.protocol.grants import grant_token
 from kvpool.protocol.keys import validate_key
-from kvpool.protocol.messages import ExtentRef, NodeCommit, NodeFree, Reservation, Reserved, ReservedPut
+from kvpool.protocol.messages import ExtentEntry, ExtentRef, NodeCommit, NodeFree, Reservation, Reserved, ReservedPut
 
 MAX_PER_CALL = 1024  # extents one Reserve may ask for
 MAX_BYTES_PER_CALL = 1 << 30  # bytes one Reserve may ask for
@@ -118,10 +118,14 @@ class ReservationMixin:
         return Reserved(out, self.s.put_timeout_s, wanted, None if out else error)
 
     def _res_id(self) -> int:
-        """A fresh reservation id: 63 random bits, so that a client cannot commit into a
-        reservation it was not given (ids are the only proof of ownership)."""
+        """A fresh reservation id: 63 random bits from the OS, so that a client cannot commit
+        into a reservation it was not given (ids are the only proof of ownership). Drawn 512
+        at a time (one ``getrandom`` call)."""
         while True:
-            rid = int.from_bytes(os.urandom(8), "little") >> 1
+            if not self._rid_pool:
+                raw = os.urandom(8 * 512)
+                self._rid_pool = [int.from_bytes(raw[i:i + 8], "little") >> 1 for i in range(0, len(raw), 8)]
+            rid = self._rid_pool.pop()
             if rid and rid not in self.reserved:
                 return rid
 
@@ -173,17 +177,20 @@ class ReservationMixin:
         other than the reservation's, NoSpace past ``max_objects``."""
         results: list = []
         tokens: list[list[bytes]] = []
+        rows: dict[str, list] = {}  # node id -> commit rows of this call: one notice per node
         for it in items:
             toks: list[bytes] = []
             try:
-                results.append(self._put_reserved_one(it, now, toks))
+                results.append(self._put_reserved_one(it, now, toks, rows))
             except E.KVPoolError as e:
                 results.append(e.to_wire())
             tokens.append(toks)
+        for node_id, r in rows.items():
+            self.outbox[node_id].append(NodeCommit(r))
         self.enforce_watermarks(now)
         return results, tokens
 
-    def _put_reserved_one(self, it: ReservedPut, now: float, toks: list[bytes]) -> str | None:
+    def _put_reserved_one(self, it: ReservedPut, now: float, toks: list[bytes], rows: dict[str, list]) -> str | None:
         key = validate_key(it.key)
         held = self.reserved.get(it.res_id)
         if held is None and (obj := self.objects.get(key)) is not None and obj.put_id == it.res_id:
@@ -215,20 +222,23 @@ class ReservationMixin:
                                 f"master.max_objects = {cap}, and none can be evicted; remove or unpin objects, "
                                 "or raise master.max_objects", key=key, max_objects=cap)
         del self.reserved[it.res_id]
-        self._count_held(held, -1)
-        obj = Obj.new(key, held.size, it.checksum, self._intern(it.layout), held.refs, COMMITTED, it.res_id, now, now,
+        layout = self._intern(it.layout)
+        obj = Obj.new(key, held.size, it.checksum, layout, held.refs, COMMITTED, it.res_id, now, now,
                       replicas_wanted=held.wanted)
         self.objects[key] = obj
-        for r in held.refs:
+        lay = self._layout_bytes(layout)
+        for r in held.refs:  # a fresh, plain object: the hot end of each of its nodes' LRU lists
             node = self.nodes[r.node_id]
+            node.reserved -= r.size
+            node.lru[key] = None
             d = node.desc
             toks.append(grant_token(d.grant_key, d.incarnation, r.offset, r.size, r.gen, key))
-            self.outbox[r.node_id].append(NodeCommit([commit_row(obj, r)]))
-        self._lru_add(obj)
+            rows.setdefault(r.node_id, []).append(ExtentEntry(key, r.offset, r.size, r.gen, it.checksum, lay, True,
+                                                              held.wanted))
         self.counters["puts_reserved"] += 1
         if key in self.waiting_pins or key in self.waiting_holds:
             self._settle_waiting(obj, now)
-        if len(obj.replicas) < obj.replicas_wanted:
+        if len(held.refs) < held.wanted:
             self._maybe_repair(obj)
         return None
 

@@ -131,6 +131,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         self.repair_timeout_s = 30.0
         self.rng = random.Random(seed)
         self._layouts: dict[LayoutSpec, LayoutSpec] = {}  # one instance per distinct layout
+        self._layout_enc: dict[int, tuple[LayoutSpec, bytes]] = {}  # id(interned layout) -> its encoding
+        self._rid_pool: list[int] = []  # random reservation ids drawn ahead (master/reservations.py)
 
     def _intern(self, layout: LayoutSpec | None) -> LayoutSpec | None:
         """The shared instance equal to ``layout`` (objects of one model share a few layouts)."""
@@ -143,6 +145,18 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         except TypeError:  # unhashable (a list inside): keep it as it is
             return layout
         return got or layout
+
+    def _layout_bytes(self, layout: LayoutSpec | None) -> bytes | None:
+        """``layout.encode()``, kept per interned layout (commit rows carry it per object)."""
+        if layout is None:
+            return None
+        got = self._layout_enc.get(id(layout))
+        if got is None or got[0] is not layout:
+            enc = layout.encode()
+            if len(self._layout_enc) < 4096:
+                self._layout_enc[id(layout)] = (layout, enc)
+            return enc
+        return got[1]
 
     # ---- membership ---------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ ROOT_HASH = bytes(16)
 
 def validate_key(key: str | bytes) -> str:
     """Return ``key`` as str; raise InvalidKey when empty, over 512 UTF-8 bytes, or not UTF-8."""
+    if type(key) is str and 0 < len(key) <= MAX_KEY_BYTES and key.isascii():  # one byte per character
+        return key
     if isinstance(key, (bytes, bytearray)):
         try:
             key = bytes(key).decode("utf-8")

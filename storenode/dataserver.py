@@ -252,6 +252,8 @@ class DataServer:
         errors: list = []
         for it in req.items:
             try:
+                if op == "commits" and table.settled(it.offset, it.gen, w):
+                    continue  # the master's notice came first: nothing to check or record (one-way)
                 table.check_bounds(it.offset, it.size)
                 if not check_token(seg.grant_key, seg.incarnation, it.offset, it.size, it.gen, it.key, it.token):
                     raise InvalidRequest(f"[{it.offset}, +{it.size}) gen {it.gen} carries no valid grant from the "
@@ -263,7 +265,7 @@ class DataServer:
                         raise InvalidRequest("commit names no object key")
                     table.check_write(it.offset, it.gen)
                     table.commit(ExtentEntry(it.key, it.offset, it.size, it.gen, it.checksum, it.layout, True,
-                                             it.replicas), writer=True)
+                                             it.replicas), writer=w)
                 errors.append(None)
             except KVPoolError as e:
                 self.stats.errors["data", e.code] += 1
@@ -323,7 +325,7 @@ class DataServer:
                 if not req.key:  # a reservation's keyless grant writes bytes but commits no object
                     raise InvalidRequest("commit names no object key")
                 self.table.commit(ExtentEntry(req.key, req.offset, req.size, req.gen, req.checksum, req.layout,
-                                              True, req.replicas), writer=True)
+                                              True, req.replicas), writer=w)
                 return 0
             elif req.op == "written":  # one-way, like commit
                 if seg.fd is not None:  # nobody can have copied into device memory from outside

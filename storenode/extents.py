@@ -222,22 +222,40 @@ class ExtentTable:
                               "look the key up again", offset=offset, gen=gen)
         return row
 
-    def commit(self, row: ExtentEntry, writer: bool = False) -> None:
+    def commit(self, row: ExtentEntry, writer: object | None = None) -> None:
         """Record the master's committed row (replacing what a network ``write`` recorded;
         same-host writers record nothing). A row of an older generation than the one held
-        at that offset is stale and ignored. ``writer``: the writer's copy of the commit,
-        which never replaces a row the master committed already. Raises InvalidRequest
-        outside the segment."""
+        at that offset is stale and ignored. ``writer``: the connection sending the writer's
+        own copy of the commit, which never replaces a row the master committed already.
+        A commit ends the write claim of its ``(offset, gen)``: the master's, whoever holds
+        it (a writer commits only after its copy returned, so no byte of that grant can
+        still be on its way); the writer's copy, the claim it holds itself. Raises
+        InvalidRequest outside the segment."""
         self.check_bounds(row.offset, row.size)
         with self._lock:
+            held = self._claims.get((row.offset, row.gen))
+            if held is not None and (writer is None or held[1] is writer):
+                self._unclaim(row.offset, row.gen)
             cur = self._rows.get(row.offset)
             if row.gen < self._floor.get(row.offset, 0):
                 return  # committed and already freed again (notices arrive in order)
-            if writer and cur is not None and cur.gen == row.gen and cur.committed:
+            if writer is not None and cur is not None and cur.gen == row.gen and cur.committed:
                 return
             if cur is None or cur.gen <= row.gen:
                 self._put_row(row if row.committed else msgspec.structs.replace(row, committed=True))
                 self.max_gen = max(self.max_gen, row.gen)
+
+    def settled(self, offset: int, gen: int, owner: object) -> bool:
+        """Whether ``(offset, gen)`` is committed already (the master's notice came first): a
+        writer's copy of that commit then only ends ``owner``'s claim of it, which this does."""
+        with self._lock:
+            cur = self._rows.get(offset)
+            if cur is None or cur.gen != gen or not cur.committed:
+                return False
+            held = self._claims.get((offset, gen))
+            if held is not None and held[1] is owner:
+                self._unclaim(offset, gen)
+            return True
 
     def free(self, offset: int, gen: int) -> None:
         """Drop the row of ``(offset, gen)``; from now on a write of that generation or an

@@ -386,14 +386,34 @@ def test_writer_commit_copy_never_replaces_the_masters_row():
     from kvpool.storenode.extents import ExtentTable
 
     t = ExtentTable(1 << 20)
+    me = object()  # the writer's connection
     t.record_write("k", 0, 100, 3, 7, None)
     t.commit(ExtentEntry("k", 0, 100, 3, 7, None, True, 2))
-    t.commit(ExtentEntry("k", 0, 100, 3, 7, None, True, 0), writer=True)
+    t.commit(ExtentEntry("k", 0, 100, 3, 7, None, True, 0), writer=me)
     assert [(r.key, r.replicas) for r in t.committed()] == [("k", 2)]
-    t.commit(ExtentEntry("j", 4096, 100, 4, 9, None, True, 0), writer=True)  # the master's notice was lost
+    t.commit(ExtentEntry("j", 4096, 100, 4, 9, None, True, 0), writer=me)  # the master's notice was lost
     assert sorted((r.key, r.replicas) for r in t.committed()) == [("j", 0), ("k", 2)]
     t.commit(ExtentEntry("j", 4096, 100, 4, 9, None, True, 3))  # ... or comes later: it wins
     assert sorted((r.key, r.replicas) for r in t.committed()) == [("j", 3), ("k", 2)]
+
+
+def test_a_commit_ends_the_claim_of_its_grant():
+    """The master's commit of a grant ends the claim on it, whoever holds it (the writer
+    committed only after its copy returned); the writer's own copy ends only its own claim,
+    and one arriving after the master's notice just does that (settled)."""
+    from kvpool.protocol.messages import ExtentEntry
+    from kvpool.storenode.extents import ExtentTable
+
+    t = ExtentTable(1 << 20)
+    a, b = object(), object()
+    t.claim(0, 100, 3, a)
+    t.commit(ExtentEntry("k", 0, 100, 3, 7, None, True, 1))
+    assert t.claims() == 0
+    t.claim(4096, 100, 4, a)
+    t.commit(ExtentEntry("j", 4096, 100, 4, 9, None, True, 1), writer=b)  # not b's claim: it stays
+    assert t.claims(a) == 1
+    assert t.settled(4096, 4, a) and t.claims() == 0
+    assert not t.settled(8192, 5, a)  # nothing committed there
 
 
 def test_put_ids_do_not_repeat_across_leaders():
