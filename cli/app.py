@@ -496,6 +496,8 @@ def proxy(prefill: Annotated[Optional[list[str]], typer.Option(
                                   ] = None,
           backend_api_key_file: Annotated[Optional[str], typer.Option(
               help="File with the vLLM servers' --api-key; else $KVPOOL_BACKEND_API_KEY")] = None,
+          allow_no_api_key: Annotated[Optional[bool], typer.Option(
+              "--allow-no-api-key", help="Serve a non-loopback --host without an API key (warns loudly)")] = None,
           config: ConfigOpt = None, log_level: LogLevelOpt = None) -> None:
     """OpenAI-compatible front for prefill/decode vLLM pools: prefill with max_tokens=1, then decode with its
     kv_transfer_params (docs/vllm.md: router contract). Serves /v1/completions, /v1/chat/completions, /v1/models,

@@ -24,11 +24,18 @@ returned. Failures:
 ``GET /health`` (200 when a prefill and a decode server are healthy, else 503 with the
 reason), ``GET /v1/models`` (from a decode server) and ``GET /metrics`` (Prometheus text,
 the proxy's own registry) complete the API. Every backend call has a deadline.
+
+No client, however slow or numerous, takes the proxy from the others: connections are
+capped with the oldest silent ones evicted first (:mod:`kvpool.cli.proxy_guard`), request
+heads and bodies have deadlines that do not reset per byte, a body announced over
+:data:`MAX_BODY_BYTES` is refused with 413 before it is read, and bodies are charged to
+:data:`BODY_BUDGET_BYTES` by the bytes actually received (:meth:`Proxy._read_body`).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
+from aiohttp import http_exceptions, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpool.cli.proxy_guard import ConnectionGuard
@@ -54,13 +61,16 @@ log = logging.getLogger("kvpool.proxy")
 MAX_BODY_BYTES = 32 << 20  # largest request body accepted (long prompts, inline images)
 BODY_BUDGET_BYTES = 128 << 20  # request bodies being received and handled at once (parsed JSON takes ~8x)
 _OFF_LOOP_BYTES = 256 << 10  # bodies this large are parsed and serialized on a worker thread
-MAX_CONNECTIONS = 4096  # open client connections; one more gets 503 and is closed
+MAX_CONNECTIONS = 4096  # open client connections; one more evicts the oldest silent one, else gets 503
+MAX_SILENT_PER_PEER = 1024  # connections of one peer address that sent no request yet; one more closes its oldest
 HEAD_TIMEOUT_S = 10.0  # a client's request head (line and headers) must arrive within this
 KEEPALIVE_S = 75.0  # aiohttp's idle keep-alive time between requests on one connection
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # visible ASCII, as a header value can carry it
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DONE = b"data: [DONE]\n\n"
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # metric labels: no client-made ones
+# what reading a request body raises when its client hung up or broke the body's framing
+_CLIENT_GONE = (ConnectionError, aiohttp.ClientPayloadError, http_exceptions.HttpProcessingError)
 
 
 @dataclass(frozen=True)
@@ -75,9 +85,10 @@ class ProxySettings:
     send ``Authorization: Bearer <api_key>`` on ``/v1/*`` (401 otherwise; ``/health`` and
     ``/metrics`` stay open for probes and scrapers); ``backend_api_key``: what the proxy
     sends to the vLLM servers (their ``--api-key``); without it a client's own
-    ``Authorization`` is passed on, unless it was the proxy's key. ``master`` / ``etcd`` +
-    ``cluster``: the kvpool cluster, used only to release the hand-off of a request no
-    decode server took (optional)."""
+    ``Authorization`` is passed on, unless it was the proxy's key. A proxy bound to an
+    address other than loopback needs ``api_key``, or ``allow_no_api_key`` (then it warns
+    at start). ``master`` / ``etcd`` + ``cluster``: the kvpool cluster, used only to release
+    the hand-off of a request no decode server took (optional)."""
 
     prefill: list[str]
     decode: list[str]
@@ -93,6 +104,7 @@ class ProxySettings:
     api_key: str | None = None
     backend_api_key: str | None = None
     connect_timeout_s: float = 10.0
+    allow_no_api_key: bool = False
 
     @classmethod
     def from_config(cls, p: ProxyConfig, etcd: str | None = None, cluster: str = "default") -> "ProxySettings":
@@ -102,7 +114,8 @@ class ProxySettings:
         return cls(list(p.prefill), list(p.decode), p.host, p.port, parse_duration(p.health_interval),
                    parse_duration(p.timeout), p.master, etcd, cluster, parse_duration(p.read_timeout),
                    p.max_in_flight, _key(p.api_key_file, "KVPOOL_PROXY_API_KEY", "proxy.api_key_file"),
-                   _key(p.backend_api_key_file, "KVPOOL_BACKEND_API_KEY", "proxy.backend_api_key_file"))
+                   _key(p.backend_api_key_file, "KVPOOL_BACKEND_API_KEY", "proxy.backend_api_key_file"),
+                   allow_no_api_key=p.allow_no_api_key)
 
     def check(self) -> None:
         """Raise ConfigError naming the bad option."""
@@ -116,6 +129,23 @@ class ProxySettings:
             raise ConfigError("--max-in-flight must be >= 1", key="max_in_flight")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: use 0 (any free port) to 65535", key="port")
+        if not self.api_key and not self.allow_no_api_key and not loopback(self.host):
+            raise ConfigError(f"the proxy would serve {self.host} without an API key, so anyone who reaches it could "
+                              "use the model servers behind it: give it a key with --api-key-file (config "
+                              "proxy.api_key_file, or KVPOOL_PROXY_API_KEY), bind 127.0.0.1, or pass "
+                              "--allow-no-api-key (proxy.allow_no_api_key) to serve it open anyway",
+                              key="api_key_file")
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this host's loopback only: ``127.0.0.0/8``,
+    ``::1`` or ``localhost``. A wildcard (``0.0.0.0``, ``::``) or any other name is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _key(path: str | None, env: str, key: str) -> str | None:
@@ -140,9 +170,9 @@ class ProxyMetrics:
     failed (/v1/models). Latency histograms in seconds: ``kvpool_proxy_prefill_seconds``,
     ``kvpool_proxy_decode_ttfb_seconds`` (until the decode server's first byte),
     ``kvpool_proxy_decode_seconds`` (until its last). ``kvpool_proxy_handoff_failures_total
-    {reason}``, ``kvpool_proxy_connections_refused_total{reason}`` (max_conns, head_timeout:
-    :mod:`kvpool.cli.proxy_guard`), ``kvpool_proxy_retries_total{role}``, ``kvpool_proxy_backend_healthy{role,
-    server}`` (1 or 0)."""
+    {reason}``, ``kvpool_proxy_connections_refused_total{reason}`` (max_conns, head_timeout,
+    evicted, peer_waiting: :mod:`kvpool.cli.proxy_guard`), ``kvpool_proxy_retries_total{role}``,
+    ``kvpool_proxy_backend_healthy{role, server}`` (1 or 0)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -161,7 +191,9 @@ class ProxyMetrics:
             "it)", ["reason"], registry=r)
         self.retries = Counter("kvpool_proxy_retries", "Requests retried on another server", ["role"], registry=r)
         self.refused = Counter("kvpool_proxy_connections_refused", "Client connections closed by the proxy: "
-                               "max_conns (over its connection cap), head_timeout (request head too slow)",
+                               "max_conns (over its connection cap, all busy), head_timeout (request head too "
+                               "slow), evicted (silent, closed for a newer one at the cap), peer_waiting (its "
+                               "peer's share of silent connections was full)",
                                ["reason"], registry=r)
         self.healthy = Gauge("kvpool_proxy_backend_healthy", "1 when the server passes its health check",
                              ["role", "server"], registry=r)
@@ -220,7 +252,7 @@ class Proxy:
         self._health: asyncio.Task | None = None
         self._kv = None  # AsyncKVPoolClient, when --master/--etcd is given
         self.in_flight = 0  # generate requests being served (event-loop thread only)
-        self.body_bytes = 0  # their request bodies' bytes (Content-Length, else MAX_BODY_BYTES)
+        self.body_bytes = 0  # request body bytes received and in hand (read or being handled)
         self.guard = None  # ConnectionGuard, set by serve()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -293,51 +325,94 @@ class Proxy:
     # ---- the generate path ----------------------------------------------------------------
 
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
+        """One generate request: its body is read (bounded, see :meth:`_read_body`) before it
+        takes one of the ``max_in_flight`` slots, so a slow sender holds a connection and the
+        bytes it really sent, nothing else."""
         chat = path == "/v1/chat/completions"
-        cost = min(request.content_length or MAX_BODY_BYTES, MAX_BODY_BYTES)
-        if self.in_flight >= self.s.max_in_flight or self.body_bytes + cost > BODY_BUDGET_BYTES:
-            self.metrics.requests.labels(path, "overloaded").inc()
-            return error_response(503, f"the proxy is serving {self.in_flight} requests with "
-                                  f"{self.body_bytes >> 20} MiB of bodies (--max-in-flight, {BODY_BUDGET_BYTES >> 20} "
-                                  "MiB); retry later", "overloaded")
-        self.in_flight += 1
-        self.body_bytes += cost
+        held = [0]  # body bytes in hand, charged to self.body_bytes
         try:
-            return await self._generate_one(request, path, chat)
+            try:
+                body = await self._parse(await self._read_body(request, held), chat)
+                if self.in_flight >= self.s.max_in_flight:
+                    raise _Answer(error_response(503, f"the proxy is serving {self.in_flight} requests "
+                                                 "(--max-in-flight); retry later", "overloaded"), "overloaded")
+                self.in_flight += 1
+                try:
+                    resp, outcome = await self._generate_one(request, path, body, chat)
+                finally:
+                    self.in_flight -= 1
+            except _Answer as a:
+                resp, outcome = a.response, a.outcome
         finally:
-            self.in_flight -= 1
-            self.body_bytes -= cost
-
-    async def _generate_one(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        try:
-            body = await self._parse(request, chat)
-            for pool in (self.prefill, self.decode):
-                if not pool.healthy():
-                    raise _Answer(error_response(503, pool.reason(), "service_unavailable"), "no_backend")
-            params = await self._run_prefill(request, path, body, chat)
-            resp, outcome = await self._run_decode(request, path, body, params)
-        except _Answer as a:
-            resp, outcome = a.response, a.outcome
+            self.body_bytes -= held[0]
         self.metrics.requests.labels(path, outcome).inc()
         return resp
 
-    async def _parse(self, request: web.Request, chat: bool) -> dict:
+    async def _generate_one(self, request: web.Request, path: str, body: dict,
+                            chat: bool) -> tuple[web.StreamResponse, str]:
+        for pool in (self.prefill, self.decode):
+            if not pool.healthy():
+                raise _Answer(error_response(503, pool.reason(), "service_unavailable"), "no_backend")
+        params = await self._run_prefill(request, path, body, chat)
+        return await self._run_decode(request, path, body, params)
+
+    async def _read_body(self, request: web.Request, held: list[int]) -> bytes:
+        """The request body, read as it arrives and charged to :attr:`body_bytes` by the bytes
+        actually received (``held[0]``: what this request holds). Raises _Answer (its
+        connection then closes, the rest of the body unread): 413 at once for a length
+        announced over :data:`MAX_BODY_BYTES`, or when that many bytes arrived; 503 when the
+        announced length, or the bytes received, would pass :data:`BODY_BUDGET_BYTES` with
+        the other requests' bodies in hand; 408 when the whole body has not arrived within
+        ``read_timeout_s`` of the request head (one deadline, however the bytes trickle)."""
+        def refuse(status: int, message: str, kind: str, outcome: str = "bad_request") -> _Answer:
+            resp = error_response(status, message, kind)
+            resp.force_close()  # the unread rest of the body must not be taken for a request
+            return _Answer(resp, outcome)
+
+        announced = request.content_length
+        if announced is not None and announced > MAX_BODY_BYTES:
+            raise refuse(413, f"request body of {announced} bytes is over {MAX_BODY_BYTES >> 20} MiB",
+                         "invalid_request_error")
+        if announced is not None and self.body_bytes + announced > BODY_BUDGET_BYTES:
+            raise refuse(503, f"the proxy holds {self.body_bytes >> 20} MiB of request bodies "
+                         f"({BODY_BUDGET_BYTES >> 20} MiB at most); retry later", "overloaded", "overloaded")
+        parts: list[bytes] = []
+
+        async def read() -> None:
+            while chunk := await request.content.readany():
+                n = len(chunk)
+                if held[0] + n > MAX_BODY_BYTES:
+                    raise refuse(413, f"request body over {MAX_BODY_BYTES >> 20} MiB", "invalid_request_error")
+                if self.body_bytes + n > BODY_BUDGET_BYTES:
+                    raise refuse(503, f"the proxy holds {self.body_bytes >> 20} MiB of request bodies "
+                                 f"({BODY_BUDGET_BYTES >> 20} MiB at most); retry later", "overloaded",
+                                 "overloaded")
+                self.body_bytes += n
+                held[0] += n
+                parts.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.s.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise refuse(408, f"request body not received within {self.s.read_timeout_s:g} s",
+                         "invalid_request_error") from None
+        except _CLIENT_GONE as e:  # the client hung up or broke the body's framing: nobody to answer
+            log.debug("request %s: client gone while sending its body (%s)", request["request_id"], describe(e))
+            raise refuse(400, "request body incomplete", "invalid_request_error", "client_gone") from None
+        raw = b"".join(parts)
+        request["body_len"] = len(raw)
+        return raw
+
+    async def _parse(self, raw: bytes, chat: bool) -> dict:
         """The request body as a dict; raises _Answer(400) for what no server could take."""
         def bad(msg: str) -> _Answer:
             return _Answer(error_response(400, msg, "invalid_request_error"), "bad_request")
 
         try:
-            raw = await asyncio.wait_for(request.read(), self.s.read_timeout_s)
             if len(raw) < _OFF_LOOP_BYTES:
                 body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
             else:
                 body = await asyncio.to_thread(json.loads, raw, parse_constant=_not_json, parse_float=_finite)
-        except asyncio.TimeoutError:
-            raise _Answer(error_response(408, f"request body not received within {self.s.read_timeout_s:g} s",
-                                         "invalid_request_error"), "bad_request") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise _Answer(error_response(413, f"request body over {MAX_BODY_BYTES >> 20} MiB",
-                                         "invalid_request_error"), "bad_request") from None
         except (ValueError, UnicodeDecodeError):
             raise bad("request body is not JSON") from None
         except RecursionError:  # nesting deeper than the JSON decoder's recursion limit
@@ -357,7 +432,7 @@ class Proxy:
     async def _dumps(self, obj: dict, request: web.Request) -> bytes:
         """``obj`` as JSON bytes; a large one is serialized on a worker thread so that the
         event loop keeps serving other clients."""
-        if (request.content_length or 0) < _OFF_LOOP_BYTES:
+        if request.get("body_len", 0) < _OFF_LOOP_BYTES:
             return json.dumps(obj).encode()
         return await asyncio.to_thread(lambda: json.dumps(obj).encode())
 
@@ -576,7 +651,7 @@ async def _listen(runner: web.AppRunner, proxy: Proxy, host: str, port: int):
     """Listen with aiohttp's server behind a :class:`ConnectionGuard`; returns the asyncio
     server and the guard's sweeper task."""
     guard = proxy.guard = ConnectionGuard(runner.server, MAX_CONNECTIONS, HEAD_TIMEOUT_S, KEEPALIVE_S,
-                                          proxy.metrics.refused)
+                                          proxy.metrics.refused, MAX_SILENT_PER_PEER)
     server = await asyncio.get_running_loop().create_server(guard.factory, host, port, reuse_address=True,
                                                             backlog=1024)
     return server, asyncio.create_task(guard.sweep())
@@ -616,6 +691,12 @@ def run_proxy(s: ProxySettings) -> None:
         from kvpool.protocol.logs import setup_logging
 
         setup_logging("info")
+
+    s.check()  # ConfigError before anything is logged or bound
+    if not s.api_key and not loopback(s.host):
+        log.warning("kvpool proxy: serving %s WITHOUT AN API KEY (--allow-no-api-key): anyone who reaches this port "
+                    "can use the model servers behind it; give it --api-key-file unless a gateway in front "
+                    "authenticates clients", s.host)
 
     def ready(url: str) -> None:
         log.info("kvpool proxy on %s: prefill %s, decode %s%s", url, ", ".join(s.prefill), ", ".join(s.decode),

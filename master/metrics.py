@@ -1,5 +1,7 @@
 """Prometheus metrics for the master (``/metrics``, beside ``/healthz`` and ``/readyz``:
-:mod:`protocol.opshttp`): one snapshot of the state per scrape, taken on the RPC thread.
+:mod:`protocol.opshttp`): one snapshot of the state per scrape, taken on the RPC thread
+(a copy of the index, :class:`~master.stats.StatsSnapshot`) and walked on the scrape's
+thread, so a scrape costs the RPC thread no walk of the index.
 
 The RPC latency histogram is kept in plain lists by the RPC thread and turned into a
 histogram family only when scraped: ``prometheus_client.Histogram.labels().observe``
@@ -69,10 +71,11 @@ class _StateCollector:
 class Metrics:
     """Owns a private registry: RPC latency histogram plus gauges/counters from the state.
 
-    A scrape never reads the state from the HTTP thread while the RPC thread changes it:
+    A scrape never iterates the state from the HTTP thread while the RPC thread changes it:
     ``ask(fn)`` runs ``fn`` on the RPC thread and returns its result (the server posts it
-    between two polls), so every scrape is one consistent snapshot. Without ``ask`` (a
-    state with no RPC thread, as in unit tests) the snapshot is taken in place.
+    between two polls): that takes the snapshot, which the scrape's thread then walks
+    (:mod:`master.stats`). Without ``ask`` (a state with no RPC thread, as in unit tests)
+    the snapshot is taken in place.
     """
 
     def __init__(self, state, ask=None) -> None:
@@ -84,11 +87,13 @@ class Metrics:
         self.rpc: dict[str, tuple[list[int], list[float]]] = {}  # op -> (per-bucket counts, [sum of seconds])
 
     def _take(self):
-        return self.state.stats(), {op: (list(c), t[0]) for op, (c, t) in self.rpc.items()}
+        return self.state.stats_snapshot(), {op: (list(c), t[0]) for op, (c, t) in self.rpc.items()}
 
     def snapshot(self):
-        """``(ClusterStats, {op: (bucket counts, seconds)})`` taken on the RPC thread."""
-        return self.ask(self._take) if self.ask is not None else self._take()
+        """``(ClusterStats, {op: (bucket counts, seconds)})`` from a snapshot taken on the RPC
+        thread, walked on the caller's."""
+        snap, hist = self.ask(self._take) if self.ask is not None else self._take()
+        return snap.finish(), hist
 
     def observe(self, op: str, seconds: float) -> None:
         """Count one request of ``op`` that took ``seconds`` (RPC thread only)."""

@@ -62,6 +62,7 @@ from kvpool.master.fencing import Fence
 from kvpool.master.metrics import Metrics
 from kvpool.master.nodes import _StoreNodes
 from kvpool.master.state import MasterSettings, MasterState
+from kvpool.master.stats import StatsWalks
 from kvpool.protocol import messages as M
 from kvpool.protocol import transport
 from kvpool.protocol.auth import OPEN, Security, curve_client_keys
@@ -178,6 +179,10 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         self.joins = self._join_queue()
         self._descs: dict[str, M.NodeDesc] = {}  # the store nodes published in etcd, as last polled
         self._join_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="join")
+        # Stats are walked on a thread of their own, from snapshots the RPC thread takes (master/stats.py)
+        self.stats = StatsWalks(lambda fn: self.events.append(("run", fn)), self._answer,
+                                lambda: (self.state.stats_snapshot(),
+                                         {"joining": self.joins.waiting(time.monotonic())}))
 
     # ---- process ------------------------------------------------------------------------
 
@@ -195,6 +200,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             self.stop.set()
             etcd_thread.join(10)
             self._join_pool.shutdown(wait=True, cancel_futures=True)  # fetches see ``stop`` within 0.1 s
+            self.stats.close()
             for _, sock in self.node_socks.values():
                 sock.close(0)
             self.conns.close_all()
@@ -261,7 +267,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         while not self.stop.is_set():
             self.rpc_beat = time.monotonic()  # /healthz: the loop turns
             served = set()
-            for sock, ev in self.poller.poll(0 if conns.busy else 5 if self.durable else 50):
+            for sock, ev in self.poller.poll(0 if conns.busy else 5 if self.durable or self.stats.walking else 50):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
                     c = conns.on_event(sock, ev)
                     if c is not None:
@@ -317,6 +323,8 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                         fut.set_result(fn())
                     except Exception as e:  # noqa: BLE001 - handed to the caller
                         fut.set_exception(e)
+            elif kind == "run":  # posted by a helper thread (a finished stats walk)
+                ev[1]()
             elif kind == "forget_failed":
                 self._forget_retry.add(ev[1])
             elif kind == "joined":
@@ -396,8 +404,8 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             return st.remove(req.keys, req.force, now)
         if isinstance(req, M.ListObjects):
             return st.list_objects(req.prefix, req.limit, now, time.time())  # wall: for display only
-        if isinstance(req, M.Stats):
-            return msgspec.structs.replace(st.stats(), joining=self.joins.waiting(now))
+        if isinstance(req, M.Stats):  # walked off this thread; answered when the walk is done
+            return self.stats.request()
         if isinstance(req, (M.Pin, M.Unpin)):  # durable first: an acknowledged (un)pin survives a failover
             ttl = req.ttl_s if isinstance(req, M.Pin) else None
             key = self.keys.pin(req.key)

@@ -35,13 +35,14 @@ from kvpool.master.handoffs import Handoff, HandoffMixin
 from kvpool.master.placement import spread
 from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
 from kvpool.master.reservations import Held, ReservationMixin
+from kvpool.master.stats import StatsSnapshot
 from kvpool.protocol import errors as E
 from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import LayoutSpec
 from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, NodeCommit,
-                               NodeDesc, NodeFree, NodeStats, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
+                               NodeDesc, NodeFree, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
                                WIRE_VERSION)
 
 MAX_REPLICAS = 16
@@ -698,23 +699,14 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         return ok, new
 
     def stats(self) -> ClusterStats:
-        per_node: dict[str, int] = defaultdict(int)
-        held = under = 0
-        for o in self.objects.values():
-            for nid in o.node_ids():
-                per_node[nid] += 1
-            if o.ext is not None and o.holds:
-                held += o.size * o.replica_count()
-            if o.replica_count() < o.replicas_wanted:
-                under += 1
-        nodes = [NodeStats(n.node_id, n.desc.data_addr, n.desc.host_id, n.alloc.capacity, n.alloc.used,
-                           per_node[n.node_id], True, n.draining, n.desc.incarnation, n.desc.device, n.reserved)
-                 for n in self.nodes.values()]
-        return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
-                            sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,
-                            self.s.high_watermark, self.s.low_watermark, under, dict(self.counters),
-                            dict(self.refused), repairs_in_flight=len(self.repairs),
-                            reserved_bytes=self.reserved_bytes())
+        """The cluster's statistics, walking the index here (O(objects)); the server takes a
+        :meth:`stats_snapshot` instead and walks it off its request thread."""
+        return self.stats_snapshot().finish()
+
+    def stats_snapshot(self) -> StatsSnapshot:
+        """A snapshot for :meth:`~master.stats.StatsSnapshot.finish` on another thread: one
+        C-level copy of the index, no per-object work here."""
+        return StatsSnapshot.take(self)
 
     def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the

@@ -170,7 +170,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request including a whole stream, ``read_timeout`` for a client's request body);
     ``max_in_flight`` generate requests served at once. ``master`` (or the cluster's etcd)
     is used only to release hand-offs no decode server took. ``api_key_file``: the key
-    clients must present on ``/v1/*``; ``backend_api_key_file``: the vLLM servers' key."""
+    clients must present on ``/v1/*`` (required when ``host`` is not loopback, unless
+    ``allow_no_api_key``); ``backend_api_key_file``: the vLLM servers' key."""
 
     prefill: list[str] = msgspec.field(default_factory=list)
     decode: list[str] = msgspec.field(default_factory=list)
@@ -183,6 +184,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     master: str | None = None
     api_key_file: str | None = None  # clients must send this key (else KVPOOL_PROXY_API_KEY)
     backend_api_key_file: str | None = None  # sent to the vLLM servers (else KVPOOL_BACKEND_API_KEY)
+    # bound beyond loopback, the proxy needs an API key unless this is true (it then warns)
+    allow_no_api_key: bool = False
 
 
 class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -63,13 +63,13 @@ class _Collector:
         for kind, v in (("capacity", cap), ("used", used), ("free", max(0, cap - used))):
             seg.add_metric([nid, kind], v)
         reg = GaugeMetricFamily("kvpool_storenode_registered", "1 while the node is published in etcd", labels=lab)
-        reg.add_metric([nid], 1 if n.registered else 0)
+        reg.add_metric([nid], 1 if n.registered and n.registration.published else 0)
         yield from (rx, tx, req, err, ext, seg, reg)
 
 
 def node_registry(node) -> CollectorRegistry:
     """A registry holding ``node``'s metrics (a :class:`~storenode.server.StoreNode`: its
-    ``node_id``, ``data``, ``table``, ``segment``, ``stats`` and ``registered``)."""
+    ``node_id``, ``data``, ``table``, ``segment``, ``stats``, ``registered`` and ``registration``)."""
     r = CollectorRegistry()
     r.register(_Collector(node))
     return r

@@ -6,7 +6,7 @@ memory served through staging (``cuda:N``, :mod:`storenode.device_segment`).
 Readiness is one line on stdout: ``KVPOOL_READY storenode <node_id> <data_addr>``. With a
 metrics port, ``KVPOOL_METRICS storenode <node_id> <url>`` comes first, and that HTTP
 server answers ``/metrics`` (:mod:`storenode.metrics`), ``/healthz`` (the event loop turns)
-and ``/readyz`` (registered in etcd, segment mapped).
+and ``/readyz`` (registered in etcd, etcd answering, segment mapped).
 The node keeps the newest leader term it knows (the masters' notices and etcd's ``leader``
 key, :meth:`StoreNode._follow_term`) and refuses notices and write grants of older terms
 with StaleTerm (:mod:`protocol.terms`).
@@ -14,7 +14,8 @@ If the etcd lease is lost (an etcd outage or a pause), the node registers again 
 same segment and extent table (while etcd is full, every 5 s until it has room; a node
 starting on a full etcd stops with :class:`~protocol.errors.EtcdFull`); a master that
 dropped it meanwhile re-indexes its committed extents and grants only generations above
-any it has seen, so nothing the cluster removed in between comes back.
+any it has seen, so nothing the cluster removed in between comes back. A key that vanishes
+under a live lease is published again (:mod:`storenode.registration`).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from kvpool.storenode.control import ControlChannel
 from kvpool.storenode.dataserver import DataServer
 from kvpool.storenode.device_segment import DeviceSegment
 from kvpool.storenode.extents import ExtentTable
+from kvpool.storenode.registration import Registration
 from kvpool.storenode.segment import Segment
 
 log = logging.getLogger("kvpool.storenode")
@@ -123,6 +125,8 @@ class StoreNode:
         self._stop = asyncio.Event()
         self.stats = self.data.stats
         self.registered = False  # the descriptor is published under a live etcd lease
+        # its key watched (published again when it vanishes) and etcd's answers (storenode/registration.py)
+        self.registration = Registration(self.node_id, max(0.2, min(1.0, s.node_ttl_s / 3)))
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def published(self, addr: str) -> str:
@@ -171,10 +175,12 @@ class StoreNode:
                                 announced = True
                             stop_wait = asyncio.create_task(self._stop.wait())
                             lost_wait = asyncio.create_task(lost.wait())
+                            watch = asyncio.create_task(self.registration.watch(etcd, self.keys.node(self.node_id),
+                                                                                desc, lease))
                             await asyncio.wait({stop_wait, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
-                            stop_wait.cancel()
-                            lost_wait.cancel()
-                            self.registered = False
+                            for task in (stop_wait, lost_wait, watch):
+                                task.cancel()
+                            self.registered = self.registration.published = False
                     except EtcdFull as e:
                         if not announced:
                             raise  # at start-up: stop with the error, which says how to free space
@@ -225,13 +231,19 @@ class StoreNode:
         return True, "registered" if self.registered else "not registered in etcd"
 
     def readyz(self) -> tuple[bool, str]:
-        """Ready: the descriptor is published in etcd under a live lease and the segment is
+        """Ready: the descriptor is published in etcd under a live lease, etcd answered within
+        :meth:`~storenode.registration.Registration.stale_after` seconds, and the segment is
         mapped. ``(ok, detail or reason)``."""
         mm = getattr(self.segment, "mm", None)
         if mm is not None and mm.closed:
             return False, "the segment is unmapped"
         if not self.registered:
             return False, "not registered in etcd (starting, the name is held, or the etcd lease was lost)"
+        reg = self.registration
+        if not reg.etcd_ok():
+            return False, f"etcd has not answered for {time.monotonic() - reg.seen_at:.1f}s"
+        if not reg.published:
+            return False, "its etcd registration is gone (deleted, or taken by another process); registering again"
         return True, f"registered as {self.node_id}, {self.segment.capacity} bytes of {self.s.device} memory"
 
     async def _register(self, etcd: Etcd, lease, desc: M.NodeDesc) -> bool:

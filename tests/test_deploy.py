@@ -199,3 +199,25 @@ def test_grafana_dashboard_queries_only_exported_metrics():
             assert metric in exported or base in exported, f"dashboard queries {metric}, which nothing exports"
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
+
+
+def test_every_proxy_beyond_loopback_has_an_api_key():
+    """A proxy the manifests bind beyond loopback is given an API key file (the proxy would
+    refuse to start without one), and the k8s one reads it from a mounted Secret."""
+    from kvpool.cli.proxy import loopback
+
+    proxies = [(where, argv) for where, argv in _kvpool_command_lines() if argv[0] == "proxy"]
+    assert proxies
+    for where, argv in proxies:
+        host = next((a.split("=", 1)[1] for a in argv if a.startswith("--host=")), "127.0.0.1")
+        if not loopback(host):
+            assert any(a.startswith("--api-key-file=") for a in argv), f"{where}: open proxy on {host}"
+            assert "--allow-no-api-key" not in argv, where
+    kinds = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    assert ("Secret", "kvpool-proxy-api-key") in kinds
+    pod = kinds[("Deployment", "kvpool-proxy")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    key_file = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--api-key-file="))
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mount = next(m for m in c["volumeMounts"] if key_file.startswith(m["mountPath"] + "/"))
+    assert vols[mount["name"]]["secret"]["secretName"] == "kvpool-proxy-api-key"
