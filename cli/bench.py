@@ -179,7 +179,7 @@ class _Run:
             if s.family == "kvpool":
                 raise
             self.dropped[s.id] = str(e)
-            self.skipped.append({"system": s.id, "round": st.round, "cell": cell.key,
+            self.skipped.append({"system": s.id, "round": st.round, "cell": cell.label,
                                  "why": f"{s.name} failed and is left out from here on: {e}"})
             if any(p.p.poll() is not None for p in procs):  # a worker died: start fresh ones for the others
                 for p in self.workers.pop(s.family, []):
@@ -292,7 +292,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                 elif b * size * nc * nrep > share:
                     why = "one batch per client does not fit 40% of the cluster"
                 if why:
-                    report["skipped"].append({"cell": cell.key, "why": why})
+                    report["skipped"].append({"cell": cell.label, "why": why})
                     continue
                 cells.append(cell)
                 counts[cell] = max(b, min(max_objects, min(total_bytes, share) // (size * nrep)) // nc // b * b)

@@ -73,14 +73,28 @@ class CeilingPeer:
     """One peer process for every socket ceiling of a run (started once, not per round)."""
 
     def __init__(self, log_dir: str | None = None) -> None:
-        self.proc = Proc(log_dir=log_dir, name="ceiling-peer")
-        self.proc.call({"cmd": "ping"})
+        self.log_dir = log_dir
+        self.proc = self._start()
+
+    def _start(self) -> Proc:
+        p = Proc(log_dir=self.log_dir, name="ceiling-peer")
+        p.call({"cmd": "ping"}, timeout_s=60)
+        return p
 
     def measure(self, kind: str, shape: str, chunk: int, total: int, reps: int = 2) -> float:
         """Best-of-``reps`` GB/s of ``total`` bytes over a raw ``kind`` ("tcp" | "unix" |
         "ucx") connection in ``chunk``-byte pieces; ``shape``: "stream" (one request for
         everything), "get" (ask for each piece and wait for it) or "put" (send each piece,
         wait for its answer)."""
+        try:
+            return self._measure(kind, shape, chunk, total, reps)
+        except Exception:
+            self.proc.p.kill()  # out of step with this process: the next measurement gets a fresh peer
+            self.proc.stop()
+            self.proc = self._start()
+            raise
+
+    def _measure(self, kind: str, shape: str, chunk: int, total: int, reps: int) -> float:
         from kvpool.protocol import transport
 
         tmp = tempfile.mkdtemp(prefix="kvpool-bench-")
@@ -102,7 +116,7 @@ class CeilingPeer:
                 try:
                     conn.sendall(_head(_STOP, 0))
                 finally:
-                    self.proc.recv()
+                    self.proc.recv(timeout_s=60)
                     conn.close()
         finally:
             lst.close()

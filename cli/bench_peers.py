@@ -139,7 +139,7 @@ class MooncakeCluster:
                         "segment": int(seg), "local_buffer": local_buffer})
             for p in self.stores:
                 try:
-                    p.recv()
+                    p.recv(max(1.0, deadline + READY_TIMEOUT_S - time.monotonic()))
                 except RuntimeError as e:
                     hint = " (Debian: apt-get install libibverbs1)" if "libibverbs" in str(e) else ""
                     raise PeerUnavailable(f"a Mooncake store process failed: {e}{hint}") from None

@@ -7,7 +7,7 @@ that round: the same-size TCP request→reply ceilings (get-shaped and put-shape
 size and round, inside the cells' rotation, and the size-free ceilings (memcpy, raw
 streams) as one block whose place among the cells rotates too. Ratios are then taken
 within a round (kvpool ÷ peer, kvpool ÷ ceiling), so each compares moments seconds apart,
-not minutes, on a machine whose load swings (issue #27).
+not minutes, on a machine whose load swings.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ TRANSPORTS = ("auto", "tcp", "unix", "ucx")
 BASELINES = ("redis", "mooncake")
 # Mooncake Store's two client paths: Python buffers (put/put_batch, get/get_batch) and
 # buffers registered with its transfer engine (put_from/batch_put_from, get_into/batch_get_into);
-# its row per round is the faster of the two ("best put path", issue #27)
+# its row per round is the faster of the two (its best put path, and its best get path)
 MOONCAKE_VARIANTS = ("py", "reg")
 RR_SHAPES = ("tcp_rr_get", "tcp_rr_put")  # request→reply ceilings at a cell's object size
 META_BATCHES = (1, 64, 256)  # keys per metadata call
@@ -40,6 +40,10 @@ class Cell:
     @property
     def key(self) -> str:
         return f"{self.size}/{self.clients}/{self.batch}/{self.replicas}"
+
+    @property
+    def label(self) -> str:
+        return f"{_fmt(self.size)} ×{self.clients} b{self.batch} r{self.replicas}"
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,7 @@ class Step:
     @property
     def label(self) -> str:
         if self.kind == "system":
-            c = self.cell
-            return f"{self.name} {_fmt(c.size)} ×{c.clients} b{c.batch} r{c.replicas}"
+            return f"{self.name} {self.cell.label}"
         if self.kind == "metadata":
             return f"metadata ×{self.clients} b{self.batch}"
         return f"ceiling {self.name}" + (f" {_fmt(self.size)}" if self.size else "")

@@ -58,8 +58,23 @@ def _title(report: dict) -> str:
             f"load average {la[0]:.1f} at the start on {m['cpus']} CPUs")
 
 
-def render_bench(report: dict, console=None) -> None:
-    """Rich tables: ceilings, per-system results, ratios, metadata ops, what was left out."""
+def _shown_ratios(report: dict, all_ratios: bool) -> list[dict]:
+    """kvpool's ratios (and, with ``all_ratios``, the peers' ratios to the ceilings) in table order."""
+    xs = [x for x in report["ratios"] if all_ratios or x["system"] in _kvpool_ids(report)]
+    return sorted(xs, key=lambda x: (*_cell_sort({**x, "family": "kvpool"}), x["kind"], x["target"]))
+
+
+def _kvpool_ids(report: dict) -> set[str]:
+    return {s["id"] for s in report.get("systems", []) if s["family"] == "kvpool"}
+
+
+def _left_out(s: dict) -> str:
+    return f"{s.get('system') or s.get('cell') or s.get('ceiling')}: {s['why']}"
+
+
+def render_bench(report: dict, console=None, all_ratios: bool = False) -> None:
+    """Rich tables: ceilings, per-system results, ratios (kvpool's; ``all_ratios``: the
+    peers' to the ceilings too), metadata ops, what was left out."""
     from rich.console import Console
     from rich.markup import escape as e
     from rich.table import Table
@@ -88,7 +103,7 @@ def render_bench(report: dict, console=None) -> None:
     t = Table(title="ratios within a round (median (min–max) over the rounds)")
     for col in ("op", "size", "batch", "clients", "replicas", "system", "path", "÷", "ratio"):
         t.add_column(col, justify="left" if col in ("op", "system", "path", "÷") else "right")
-    for x in sorted(report["ratios"], key=lambda x: (*_cell_sort({**x, "family": "kvpool"}), x["kind"], x["target"])):
+    for x in _shown_ratios(report, all_ratios):
         t.add_row(x["op"], fmt_size(x["size"]), str(x["batch"]), str(x["clients"]), str(x["replicas"]), e(x["name"]),
                   x["path"], e(_CEILING_NAMES.get(x["target"], x["target"])), _mmm(x))
     console.print(t)
@@ -101,13 +116,13 @@ def render_bench(report: dict, console=None) -> None:
                       _mmm(r["calls_per_s"], "{:,.0f}"), _mmm(r["p50_ms"], "{:.3f}"), _mmm(r["p99_ms"], "{:.3f}"))
         console.print(t)
     for s in report.get("skipped", []):
-        console.print(f"[yellow]left out[/]: {e(str(s.get('system') or s.get('cell') or s.get('ceiling')))}: "
-                      f"{e(s['why'])}")
+        console.print(f"[yellow]left out[/]: {e(_left_out(s))}")
 
 
-def render_markdown(report: dict) -> str:
+def render_markdown(report: dict, all_ratios: bool = False) -> str:
     """The report as Markdown tables (for benchmarks/RESULTS.md and the README): ceilings,
-    per-system figures and every ratio, each as median (min–max) over the rounds."""
+    per-system figures and kvpool's ratios (``all_ratios``: the peers' to the ceilings
+    too), each as median (min–max) over the rounds."""
     lines = [f"{_title(report)}.", "", "| ceiling | object size | GB/s |", "|---|---:|---:|"]
     for c in sorted(report["ceilings"], key=lambda c: (c["name"], c["size"])):
         lines.append(f"| {_CEILING_NAMES.get(c['name'], c['name'])} | {fmt_size(c['size']) if c['size'] else ''} "
@@ -122,7 +137,7 @@ def render_markdown(report: dict) -> str:
                      f"{_mmm(r['p99_ms'], '{:.3f}')} |")
     lines += ["", "| op | size | batch | clients | replicas | system | path | ÷ | ratio |",
               "|---|---:|---:|---:|---:|---|---|---|---:|"]
-    for x in sorted(report["ratios"], key=lambda x: (*_cell_sort({**x, "family": "kvpool"}), x["kind"], x["target"])):
+    for x in _shown_ratios(report, all_ratios):
         lines.append(f"| {x['op']} | {fmt_size(x['size'])} | {x['batch']} | {x['clients']} | {x['replicas']} | "
                      f"{x['name']} | {x['path']} | {_CEILING_NAMES.get(x['target'], x['target'])} | {_mmm(x)} |")
     if report.get("metadata"):
@@ -132,6 +147,6 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {r['op']} | {r['clients']} | {r['batch']} | {_mmm(r['keys_per_s'], '{:,.0f}')} | "
                          f"{_mmm(r['calls_per_s'], '{:,.0f}')} | {_mmm(r['p50_ms'], '{:.3f}')} | "
                          f"{_mmm(r['p99_ms'], '{:.3f}')} |")
-    for s in report.get("skipped", []):
-        lines.append(f"\nLeft out: {s.get('system') or s.get('cell') or s.get('ceiling')}: {s['why']}")
+    if report.get("skipped"):
+        lines += ["", "Left out:", *(f"- {_left_out(s)}" for s in report["skipped"])]
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import os
+import selectors
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ from typing import Any
 from kvpool.cli.bench_buffers import POOL_BYTES, aligned, pool_slots, slot_views
 
 SAMPLE = 4  # objects per get phase whose bytes are compared with what was put
+REPLY_TIMEOUT_S = 900.0  # the longest a worker may take to answer one command (a whole phase)
 _names = itertools.count()
 
 
@@ -42,6 +44,7 @@ class Proc:
     whose tail an error names; None: this process's stderr."""
 
     def __init__(self, mode: str = "--worker", log_dir: str | None = None, name: str = "worker") -> None:
+        self._buf = b""
         # UCX variables set in this process by an imported ucx transport would make the
         # child's UCX warn about them; the child sets its own when it needs UCX
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
@@ -55,22 +58,39 @@ class Proc:
                 err.close()
 
     def send(self, msg: dict) -> None:
-        self.p.stdin.write(json.dumps(msg).encode() + b"\n")
-        self.p.stdin.flush()
+        try:
+            self.p.stdin.write(json.dumps(msg).encode() + b"\n")
+            self.p.stdin.flush()
+        except OSError as e:  # it exited: a closed pipe
+            raise RuntimeError(f"bench worker {self.p.pid} exited (code {self.p.wait()}): {e}" + self.tail()) from None
 
-    def recv(self) -> dict:
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"bench worker {self.p.pid} exited (code {self.p.wait()}) without a reply"
-                               + self.tail())
+    def recv(self, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
+        """The next reply; RuntimeError when the worker exits first, answers with an error,
+        or gives no reply within ``timeout_s`` (then it is killed: it is out of step)."""
+        deadline = time.monotonic() + timeout_s
+        fd = self.p.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.p.kill()
+                    self.p.wait(5)
+                    raise RuntimeError(f"bench worker {self.p.pid} gave no reply within {timeout_s:g} s" + self.tail())
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    raise RuntimeError(f"bench worker {self.p.pid} exited (code {self.p.wait()}) without a reply"
+                                       + self.tail())
+                self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
         msg = json.loads(line)
         if "error" in msg:
             raise RuntimeError(f"bench worker: {msg['error']}")
         return msg
 
-    def call(self, msg: dict) -> dict:
+    def call(self, msg: dict, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
         self.send(msg)
-        return self.recv()
+        return self.recv(timeout_s)
 
     def tail(self, n: int = 600) -> str:
         if not self.log:

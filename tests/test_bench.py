@@ -242,5 +242,23 @@ def test_cli_names_a_bad_option():
     assert res.exit_code != 0 and "spin-wait" in res.output
 
 
+def test_a_silent_or_dead_worker_is_an_error_within_its_deadline():
+    from kvpool.cli.bench_worker import Proc
+
+    w = Proc()
+    assert w.call({"cmd": "ping"}) == {"ok": True}
+    with pytest.raises(RuntimeError, match="no reply within 0.3 s"):
+        w.recv(timeout_s=0.3)  # nothing asked: nothing comes
+    assert w.p.poll() is not None  # killed: it would be out of step
+    with pytest.raises(RuntimeError, match="exited"):
+        w.call({"cmd": "ping"})
+    w.stop()
+    w = Proc()
+    with pytest.raises(RuntimeError, match="unknown worker command"):
+        w.call({"cmd": "fly"})
+    assert w.call({"cmd": "ping"}) == {"ok": True}  # an error reply keeps it in step
+    w.stop()
+
+
 def test_memcpy_ceiling_positive():
     assert memcpy_gbps(4 << 20, reps=2) > 0
