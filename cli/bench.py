@@ -320,7 +320,7 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                 except PeerUnavailable as e:
                     _drop(run, report, "mooncake", str(e))
             run.peer = CeilingPeer(log_dir)
-            global_ceilings = ["memcpy", "tcp"] + [p for p in ("unix", "ucx") if p in paths]
+            global_ceilings = ["memcpy", "tcp", "unix"] + (["ucx"] if "ucx" in paths else [])
             plan = plan_rounds(cells, [s for s in systems if s.id not in run.dropped], rounds, global_ceilings,
                                rr_ceilings=any(s.path == "tcp" for s in systems),
                                metadata=[(nc, b) for nc in clients for b in META_BATCHES] if metadata else [])

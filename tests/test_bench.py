@@ -141,7 +141,7 @@ def test_quick_bench_against_redis_and_mooncake(cluster):
     assert {(x["system"], x["op"], x["batch"]) for x in rep["results"]} == {
         (s, op, b) for s in reported | {"mooncake[py]", "mooncake[reg]"} for op in ("put", "get") for b in (1, 4)}
     assert {(c["name"], c["size"]) for c in rep["ceilings"]} == {
-        ("memcpy", 0), ("tcp", 0), ("tcp_rr_get", 64 * KiB), ("tcp_rr_put", 64 * KiB)}
+        ("memcpy", 0), ("tcp", 0), ("unix", 0), ("tcp_rr_get", 64 * KiB), ("tcp_rr_put", 64 * KiB)}
     assert all(c["gbps"]["n"] == 2 and c["gbps"]["min"] > 0 for c in rep["ceilings"])
     targets = {(x["system"], x["op"], x["batch"], x["target"]): x for x in rep["ratios"]}
     for s in kv:
