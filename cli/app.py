@@ -552,43 +552,64 @@ def demo(json_: JsonOpt = False, quick: Annotated[bool, typer.Option(help="A few
     _run(go)
 
 
+def _csv(text: str, key: str, parse=int) -> list:
+    """A comma-separated option as a list; ConfigError naming ``--key`` for a bad item."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(parse(item))
+        except (ValueError, E.ConfigError) as e:
+            raise E.ConfigError(f"--{key.replace('_', '-')} {item!r}: {e}", key=key) from None
+    return out
+
+
 @app.command()
 def bench(sizes: Annotated[str, typer.Option(help="Object sizes, comma separated")] = "64KiB,1MiB,4MiB",
           clients: Annotated[str, typer.Option(help="Concurrent client processes, comma separated")] = "1",
           batches: Annotated[str, typer.Option(help="Objects per batch call, comma separated")] = "1",
           replicas: Annotated[str, typer.Option(help="Replica counts, comma separated")] = "1",
-          total: Annotated[str, typer.Option(help="Bytes moved per cell")] = "256MiB",
+          total: Annotated[str, typer.Option(help="Bytes one phase of a cell moves")] = "256MiB",
           transport: Annotated[str, typer.Option(
-              help="Data paths, comma separated: auto (shared memory on the same host), tcp, unix")] = "auto",
+              help="kvpool paths, comma separated: auto (shared memory on the same host), tcp, unix, ucx")] = "auto",
           metadata: Annotated[bool, typer.Option(help="Also measure master metadata ops/s")] = False,
-          baseline: Annotated[Optional[str], typer.Option(help="Peer to run the same workload against: redis")] = None,
-          repeat: Annotated[int, typer.Option(help="Repeats per cell (best kept)")] = 1,
+          baseline: Annotated[Optional[str], typer.Option(
+              help="Peers run in the same rounds, comma separated: redis, mooncake")] = None,
+          rounds: Annotated[int, typer.Option(help="Rounds; each runs every cell on every system, "
+                                                   "in an order that rotates")] = 5,
           streams: Annotated[int, typer.Option(help="Network connections per store node per batch (1-16)")] = 1,
           reserve: Annotated[Optional[str], typer.Option(
-              help="Bytes of extents each client reserves ahead of need (0: off; default: the client's)")] = None,
+              help="Bytes of extents each client reserves ahead of need (0: off; default: the client's); "
+                   "several, comma separated, run as separate systems")] = None,
           spin_wait: Annotated[Optional[str], typer.Option(
               help="How long each client polls for a reply before sleeping, e.g. 100us (0: off; default: "
-                   "the client's)")] = None,
+                   "the client's); several, comma separated (0,100us), run as separate systems")] = None,
+          max_batch_bytes: Annotated[Optional[str], typer.Option(
+              help="Leave out batches (of more than one object) holding more bytes, e.g. 4MiB")] = None,
+          load: Annotated[int, typer.Option(help="CPU-burning processes running during the rounds")] = 0,
+          markdown: Annotated[bool, typer.Option(help="Print Markdown tables instead of rich ones")] = False,
           json_: JsonOpt = False, config: ConfigOpt = None) -> None:
-    """Throughput and latency of put/get beside the memcpy and raw-socket ceilings."""
-    from kvpool.cli.bench import render_bench, run_bench
+    """kvpool's put/get beside redis, Mooncake Store and the memcpy and raw-socket ceilings,
+    interleaved round by round; ratios per round, min / median / max over the rounds."""
+    from kvpool.cli.bench import render_bench, render_markdown, run_bench
 
     def go() -> None:
-        if baseline not in (None, "redis"):
-            raise E.ConfigError(f"--baseline {baseline!r}; accepted: redis", key="baseline")
-        if not 1 <= streams <= 16:
-            raise E.ConfigError(f"--streams {streams}; accepted: 1 to 16", key="streams")
-        if repeat < 1:
-            raise E.ConfigError(f"--repeat {repeat}; at least 1 run per cell", key="repeat")
         cfg = build_config(config)
-        rep = run_bench(cfg, [parse_size(s.strip()) for s in sizes.split(",")],
-                        [int(c) for c in clients.split(",")], parse_size(total), transport, metadata,
-                        progress=not json_, batches=[int(b) for b in batches.split(",")],
-                        replicas=[int(r) for r in replicas.split(",")], baseline=baseline, repeat=repeat,
-                        streams=streams, reserve=None if reserve is None else parse_size(reserve, key="reserve"),
-                        spin_wait=None if spin_wait is None else parse_duration(spin_wait, key="spin_wait"))
+        spins = None if spin_wait is None else _csv(spin_wait, "spin_wait",
+                                                      lambda v: parse_duration(v, key="spin_wait"))
+        reserves = None if reserve is None else _csv(reserve, "reserve", lambda v: parse_size(v, key="reserve"))
+        rep = run_bench(cfg, _csv(sizes, "sizes", parse_size), _csv(clients, "clients"),
+                        parse_size(total, key="total"),
+                        transport, metadata, progress=not json_, batches=_csv(batches, "batches"),
+                        replicas=_csv(replicas, "replicas"), baseline=baseline, rounds=rounds, streams=streams,
+                        reserve=reserves, spin_wait=spins, load=load,
+                        max_batch_bytes=None if max_batch_bytes is None else parse_size(max_batch_bytes,
+                                                                                         key="max_batch_bytes"))
         if json_:
             print(json.dumps(rep, indent=2))
+        elif markdown:
+            print(render_markdown(rep), end="")
         else:
             render_bench(rep)
 

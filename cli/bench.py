@@ -1,345 +1,108 @@
-"""``kvpool bench``: put/get throughput and latency beside the ceilings measured in the same run.
+"""``kvpool bench``: kvpool beside its peers and the hardware's ceilings, in one run, the
+systems interleaved round by round.
 
-What one run measures, in this order:
+A run is ``rounds`` rounds (:mod:`cli.bench_plan` gives the order). In every round, every
+cell (object size × client processes × batch × replicas) runs every system once: a put
+phase of fresh keys (a new prefix per round, system and cell), then a get phase of those
+keys into preallocated buffers, then a forced removal of them, so memory never fills.
+The systems: kvpool over each requested path (``auto`` = same-host shared memory, ``tcp``,
+``unix``, ``ucx``) and client setting (e.g. ``spin_wait_s`` 0 and 100 µs), redis-server
+(``baseline`` "redis") and Mooncake Store over its TCP transfer engine ("mooncake", both
+client paths, the faster one per round reported). The ceilings are measured in the same
+rounds (:mod:`cli.bench_ceilings`): memcpy, raw TCP and Unix streams, raw TCP request→reply
+shaped as a get and as a put at each cell's object size.
 
-* **ceilings**: memcpy bandwidth of large (cold, 64 MiB) buffers in this process; raw
-  loopback TCP and Unix-socket throughput between two processes (``sendall`` of object-
-  sized chunks in one, ``recv_into`` a preallocated buffer in the other, same socket
-  buffer sizes as the data plane); the same TCP stream asked for 4 MiB at a time
-  (request → reply, the shape of a get; informative); a raw ``ucx://`` stream when the
-  extra is installed. Best of three, measured again at the end (best of both kept).
-* **the matrix**: for each path (``auto`` = same-host shared memory, ``tcp``, ``unix``,
-  ``ucx``) ×
-  object size × concurrent client *processes* × batch size: a put phase (every client
-  writes its own keys) and a get phase (``get_into_batch`` into preallocated buffers),
-  started together; GB/s and objects/s over the wall time from the first client's start to
-  the last one's end, p50/p99 of per-call latency, and the ratio to the path's ceiling
-  (shm → memcpy, tcp → raw TCP, unix → raw Unix socket, ucx → raw UCX). Sources and destinations rotate
-  over ≥ 64 MiB pools, so neither side is cache-hot (the memcpy ceiling is cold too).
-* ``metadata=True``: master metadata ops/s through the real RPC (lookup,
-  put_start+put_end, remove), single-key and batched (64 and 256 keys per call).
-* ``baseline="redis"``: the same put/get workload against a local ``redis-server`` on a free
-  loopback port (SET/GET, pipelined for batches), ratio to raw TCP.
-
-Client processes are ``python -m cli.bench --worker``: commands and results are JSON lines
-over their stdin/stdout (no pickle). The report is a plain dict (``--json`` prints it).
+Per cell and op the report gives each system's GB/s, objects/s and p50/p99 latency per round,
+and per round the ratios kvpool ÷ peer, kvpool ÷ other kvpool setting and system ÷ ceiling,
+each summarised as min / median / max over the rounds (:mod:`cli.bench_stats`). Workers are
+separate processes, one set per system family (:mod:`cli.bench_worker`), speaking JSON lines
+over stdin/stdout. ``load``: that many CPU-burning processes run during the rounds.
 """
 from __future__ import annotations
 
-import contextlib
-import json
+import itertools
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+from kvpool.cli.bench_buffers import POOL_BYTES, aligned, pool_slots, slot_views
+from kvpool.cli.bench_ceilings import CeilingPeer, memcpy_gbps, socket_gbps
+from kvpool.cli.bench_plan import (
+    BASELINES,
+    META_BATCHES,
+    TRANSPORTS,
+    Cell,
+    Step,
+    System,
+    kvpool_systems,
+    peer_systems,
+    plan_rounds,
+)
+from kvpool.cli.bench_report import render_bench, render_markdown
+from kvpool.cli.bench_stats import (
+    ceiling_summary,
+    group_rows,
+    metadata_summary,
+    ratio_summary,
+    results,
+    round_ratios,
+    summarise,
+)
+from kvpool.cli.bench_worker import Proc, broadcast, stop_all
 
-POOL_BYTES = 64 << 20  # rotate sources/destinations over this much memory (> L3)
-META_BATCHES = (1, 64, 256)  # keys per metadata call
-CEILING_OF = {"shm": "memcpy", "tcp": "tcp", "unix": "unix", "ucx": "ucx"}
-PATH_OF = {"auto": "shm", "shm": "shm", "tcp": "tcp", "unix": "unix", "ucx": "ucx", "redis": "tcp"}
+_aligned = aligned  # the name benchmarks/vllm_load.py imports
+__all__ = ["POOL_BYTES", "memcpy_gbps", "pool_slots", "render_bench", "render_markdown", "run_bench",
+           "slot_views", "socket_gbps"]
 
-
-# ---- ceilings ---------------------------------------------------------------------------------
-
-def memcpy_gbps(nbytes: int = POOL_BYTES, reps: int = 5) -> float:
-    """Best-of-``reps`` bandwidth of ``numpy.copyto`` between two cold ``nbytes`` buffers."""
-    import numpy as np
-
-    src, dst = _aligned(nbytes), _aligned(nbytes)
-    src[:] = 1
-    dst[:] = 0
-    pair = [src, dst]
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(pair[1], pair[0])
-        best = min(best, time.perf_counter() - t0)
-        pair.reverse()
-    return nbytes / best / 1e9
-
-
-def socket_gbps(kind: str, chunk: int, total: int, reps: int = 3, per_request: bool = False) -> float:
-    """Best-of-``reps`` throughput of a raw ``kind`` ("tcp" | "unix" | "ucx") stream from a sender
-    process into this one: ``recv_into`` a rotating preallocated pool, ``chunk``-byte sends.
-    ``per_request``: ask for each chunk separately and wait for it (request → reply, the
-    shape of a one-object get) instead of one request for the whole stream."""
-    from kvpool.protocol import transport
-
-    tmp = tempfile.mkdtemp(prefix="kvpool-bench-")
-    addr = f"unix://{tmp}/ceil.sock" if kind == "unix" else f"{kind}://127.0.0.1:0"
-    lst = transport.listen(addr)
-    if kind == "tcp":
-        addr = "tcp://%s:%d" % lst.getsockname()[:2]
-    elif hasattr(lst, "bound_addr"):
-        addr = lst.bound_addr
-    proc = _spawn_worker()
-    try:
-        _send(proc, {"cmd": "sender", "addr": addr, "chunk": chunk})
-        lst.settimeout(30)
-        conn, _ = lst.accept()
-        conn.settimeout(60)
-        pool = _aligned(max(chunk, min(POOL_BYTES, total)))  # like the bench's buffers (see _aligned)
-        pool[:] = 0
-        view = memoryview(pool)
-        slots = max(1, len(pool) // chunk)
-        best = float("inf")
-        total = max(chunk, total // chunk * chunk)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            if not per_request:
-                conn.sendall(total.to_bytes(8, "little"))
-            left, i = total, 0
-            while left:
-                off = (i % slots) * chunk
-                if per_request:
-                    conn.sendall(chunk.to_bytes(8, "little"))
-                got = 0
-                while got < chunk:
-                    n = conn.recv_into(view[off + got:off + chunk], chunk - got)
-                    if n == 0:
-                        raise ConnectionError("ceiling sender closed early")
-                    got += n
-                left -= chunk
-                i += 1
-            best = min(best, time.perf_counter() - t0)
-        conn.sendall((0).to_bytes(8, "little"))
-        _recv(proc)
-        conn.close()
-        return total / best / 1e9
-    finally:
-        lst.close()
-        _stop(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
+CAPACITY_SHARE = 0.4  # a cell moves at most this share of the cluster's capacity per phase
 
 
-# ---- worker processes ------------------------------------------------------------------------
-
-def _spawn_worker() -> subprocess.Popen:
-    # UCX variables set in this process by an imported ucx transport would make the child's
-    # UCX warn about them; the child sets its own when it needs UCX
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    return subprocess.Popen([sys.executable, "-m", "kvpool.cli.bench", "--worker"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
+def _listify(v) -> list:
+    """None, one value or a sequence of values (None = the client's default)."""
+    if v is None:
+        return [None]
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def _send(proc: subprocess.Popen, msg: dict) -> None:
-    proc.stdin.write(json.dumps(msg).encode() + b"\n")
-    proc.stdin.flush()
+def _validate(paths: list[str], baselines: list[str], sizes, clients, batches, replicas, rounds: int,
+              streams: int, load: int, spins: list, reserves: list, max_batch_bytes) -> None:
+    from kvpool.protocol.errors import ConfigError
 
-
-def _recv(proc: subprocess.Popen) -> dict:
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"bench worker {proc.pid} exited (code {proc.wait()}) without a reply")
-    msg = json.loads(line)
-    if "error" in msg:
-        raise RuntimeError(f"bench worker: {msg['error']}")
-    return msg
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        proc.stdin.close()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-def _all(procs: Sequence[subprocess.Popen], msg: dict) -> list[dict]:
-    """Send ``msg`` to every worker (so they start together), then collect every reply."""
-    for p in procs:
-        _send(p, msg)
-    return [_recv(p) for p in procs]
-
-
-class _Worker:
-    """The worker side: one KVPoolClient per transport (or one redis client), key lists kept
-    between the put and get phases of a cell."""
-
-    def __init__(self) -> None:
-        self.clients: dict[str, Any] = {}
-        self.keys: list[str] = []
-        self.src = self.dst = None
-
-    def client(self, msg: dict):
-        name = msg["transport"]
-        c = self.clients.get(name)
-        if c is None:
-            if name == "redis":
-                import redis
-
-                c = redis.Redis(host="127.0.0.1", port=msg["redis_port"])
-            else:
-                from kvpool.connector.client import KVPoolClient
-
-                extra = {} if msg.get("reserve") is None else {"reserve_bytes": msg["reserve"]}
-                if msg.get("spin_wait") is not None:
-                    extra["spin_wait_s"] = msg["spin_wait"]
-                c = KVPoolClient(msg["master"], transport=name, streams_per_node=msg.get("streams", 1), **extra)
-            self.clients[name] = c
-        return c
-
-    def pools(self, size: int, count: int):
-        """Rotating source/destination views: ≥ POOL_BYTES (or ``count`` objects) each,
-        page-aligned like an engine's KV-cache pages (and written once, so no page faults
-        are timed)."""
-        import numpy as np
-
-        slots = pool_slots(size, count)
-        if self.src is None or len(self.src) < slots * size:
-            rng = np.random.default_rng(os.getpid())
-            self.src = _aligned(slots * size)
-            self.src[:] = rng.integers(0, 256, slots * size, dtype=np.uint8)
-            self.dst = _aligned(slots * size)
-            self.dst[:] = 1
-        return slot_views(self.src, size, slots), slot_views(self.dst, size, slots)
-
-    def handle(self, msg: dict) -> dict:
-        cmd = msg["cmd"]
-        if cmd == "sender":
-            return self.sender(msg)
-        if cmd == "cell":
-            self.keys = [f"{msg['prefix']}/{i}" for i in range(msg["count"])]
-            self.cell = msg
-            c = self.client(msg)
-            self.srcs, self.dsts = self.pools(msg["size"], msg["count"])
-            self.warm(c, msg)
-            return {"ok": True}
-        if cmd in ("put", "get"):
-            return self.run(cmd)
-        if cmd == "cleanup":
-            self.cleanup()
-            return {"ok": True}
-        if cmd == "meta":
-            return self.meta(msg)
-        raise ValueError(f"unknown worker command {cmd!r}")
-
-    def warm(self, c, msg: dict) -> None:
-        """Open connections and map segments (both nodes) before the clock starts."""
-        keys = [f"{msg['prefix']}/warm/{i}" for i in range(4)]
-        data = bytes(min(msg["size"], 1 << 16))
-        if msg["transport"] == "redis":
-            c.ping()
-            return
-        c.put_batch(keys, [data] * len(keys))
-        out = [bytearray(len(data)) for _ in keys]
-        c.get_into_batch(keys, out)
-        c.remove_batch(keys, force=True)
-
-    def run(self, op: str) -> dict:
-        msg = self.cell
-        c = self.client(msg)
-        redis = msg["transport"] == "redis"
-        b, keys, srcs, dsts = msg["batch"], self.keys, self.srcs, self.dsts
-        lat: list[float] = []
-        misses = errors = 0
-        first_err = ""
-        t_start = time.monotonic()
-        for i in range(0, len(keys), b):
-            ks = keys[i:i + b]
-            t0 = time.perf_counter()
-            if redis:
-                if op == "put":
-                    if b == 1:
-                        c.set(ks[0], srcs[i % len(srcs)])
-                    else:
-                        c.mset({k: srcs[(i + j) % len(srcs)] for j, k in enumerate(ks)})
-                else:
-                    res = [c.get(ks[0])] if b == 1 else c.mget(ks)
-                    misses += sum(r is None for r in res)
-            elif op == "put":
-                res = c.put_batch(ks, [srcs[(i + j) % len(srcs)] for j in range(len(ks))],
-                                  replicas=msg.get("replicas", 1))
-                bad = [r for r in res if r is not None]
-                errors += len(bad)
-                first_err = first_err or (str(bad[0]) if bad else "")
-            else:
-                res = c.get_into_batch(ks, [dsts[(i + j) % len(dsts)] for j in range(len(ks))])
-                misses += sum(r is None for r in res)
-                bad = [r for r in res if r is not None and not isinstance(r, int)]
-                errors += len(bad)
-                first_err = first_err or (str(bad[0]) if bad else "")
-            lat.append(time.perf_counter() - t0)
-        t_end = time.monotonic()
-        return {"start": t_start, "end": t_end, "lat": lat, "objects": len(keys), "misses": misses,
-                "errors": errors, "first_error": first_err}
-
-    def cleanup(self) -> None:
-        c = self.client(self.cell)
-        for i in range(0, len(self.keys), 1024):
-            if self.cell["transport"] == "redis":
-                c.delete(*self.keys[i:i + 1024])
-            else:
-                c.remove_batch(self.keys[i:i + 1024], force=True)
-
-    def meta(self, msg: dict) -> dict:
-        """Metadata ops through the real RPC: per op, keys/s over the wall time and latency."""
-        from kvpool.protocol import messages as M
-
-        c = self.client(msg)
-        rpc, b, n = c.rpc, msg["batch"], msg["count"]
-        keys = [f"{msg['prefix']}/{i}" for i in range(n)]
-        out: dict[str, dict] = {}
-
-        def timed(name: str, fn) -> None:
-            lat = []
-            t_start = time.monotonic()
-            for i in range(0, n, b):
-                t0 = time.perf_counter()
-                fn(keys[i:i + b])
-                lat.append(time.perf_counter() - t0)
-            out[name] = {"start": t_start, "end": time.monotonic(), "lat": lat, "keys": n}
-
-        def put(ks: list[str]) -> None:
-            grants = rpc.call(M.PutStart([M.PutItem(k, 1, 0) for k in ks], c.host_id, 1))
-            ok = [g for g in grants if isinstance(g, M.PutGrant) and g.status == "write"]
-            rpc.call(M.PutEnd([g.key for g in ok], [g.put_id for g in ok]))
-
-        timed("put_start+put_end", put)
-        timed("lookup", lambda ks: rpc.call(M.Lookup(ks, lease=False)))
-        timed("remove", lambda ks: rpc.call(M.Remove(ks, True)))
-        return out
-
-    def sender(self, msg: dict) -> dict:
-        """Ceiling sender: connect, then for each 8-byte request send that many bytes."""
-        from kvpool.protocol import transport
-
-        chunk = msg["chunk"]
-        pool = _aligned(max(chunk, POOL_BYTES))
-        pool[:] = 1
-        view = memoryview(pool)
-        slots = len(pool) // chunk
-        s = transport.connect(msg["addr"], 30.0)
-        s.settimeout(60)
-        head = bytearray(8)
-        try:
-            while True:
-                got = 0
-                while got < 8:
-                    n = s.recv_into(memoryview(head)[got:], 8 - got)
-                    if n == 0:
-                        return {"ok": True}
-                    got += n
-                left = int.from_bytes(head, "little")
-                if left == 0:
-                    return {"ok": True}
-                i = 0
-                while left > 0:
-                    s.sendall(view[(i % slots) * chunk:(i % slots + 1) * chunk])
-                    left -= chunk
-                    i += 1
-        finally:
-            s.close()
+    for t in paths:
+        if t not in TRANSPORTS and t != "shm":
+            raise ConfigError(f"bench --transport: {t!r}; accepted: {', '.join(TRANSPORTS)} (comma separated)",
+                              key="transport")
+    if not paths:
+        raise ConfigError(f"bench --transport: none given; accepted: {', '.join(TRANSPORTS)}", key="transport")
+    if "ucx" in paths and not _has_ucx():
+        raise ConfigError("bench --transport ucx needs the ucx extra: pip install 'kvpool[ucx]'", key="transport")
+    for b in baselines:
+        if b not in BASELINES:
+            raise ConfigError(f"bench --baseline: {b!r}; accepted: {', '.join(BASELINES)} (comma separated)",
+                              key="baseline")
+    for name, vals in (("sizes", sizes), ("clients", clients), ("batches", batches), ("replicas", replicas)):
+        if not vals or min(vals) <= 0:
+            raise ConfigError(f"bench --{name}: {list(vals)!r}; accepted: positive integers", key=name)
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"bench --rounds: {rounds!r}; accepted: an integer >= 1", key="rounds")
+    if not 1 <= streams <= 16:
+        raise ConfigError(f"bench --streams: {streams!r}; accepted: 1 to 16", key="streams")
+    if not isinstance(load, int) or not 0 <= load <= 64:
+        raise ConfigError(f"bench --load: {load!r}; accepted: 0 to 64 processes", key="load")
+    for s in spins:
+        if s is not None and not (isinstance(s, (int, float)) and 0 <= s <= 0.01):
+            raise ConfigError(f"bench --spin-wait: {s!r}; accepted: durations from 0 to 10ms", key="spin_wait")
+    for r in reserves:
+        if r is not None and not (isinstance(r, int) and r >= 0):
+            raise ConfigError(f"bench --reserve: {r!r}; accepted: sizes >= 0", key="reserve")
+    if max_batch_bytes is not None and max_batch_bytes <= 0:
+        raise ConfigError(f"bench --max-batch-bytes: {max_batch_bytes!r}; accepted: a positive size",
+                          key="max_batch_bytes")
 
 
 def _has_ucx() -> bool:
@@ -350,186 +113,162 @@ def _has_ucx() -> bool:
     return True
 
 
-def pool_slots(size: int, count: int) -> int:
-    """How many ``size``-byte buffers a rotating pool holds: enough for POOL_BYTES (more
-    than the L3 cache), at most ``count`` (the objects moved)."""
-    return max(1, min(count, -(-POOL_BYTES // max(size, 1))))
+class _Run:
+    """The state of one run: cluster, peers, workers, rows; :meth:`step` runs one step."""
 
+    def __init__(self, master: str, run_id: str, log_dir: str, systems: list[System], counts: dict[Cell, int],
+                 args: dict) -> None:
+        self.master, self.run_id, self.log_dir = master, run_id, log_dir
+        self.systems = {s.id: s for s in systems}
+        self.counts = counts
+        self.a = args
+        self.workers: dict[str, list[Proc]] = {}
+        self.dropped: dict[str, str] = {}  # system id -> why it stopped being measured
+        self.rows: list[dict] = []
+        self.ceilings: list[dict] = []
+        self.meta: list[dict] = []
+        self.skipped: list[dict] = []
+        self.peer: CeilingPeer | None = None
+        self.redis_port = 0
+        self.mooncake: dict = {}
 
-def slot_views(buf, size: int, slots: int) -> list[memoryview]:
-    """The first ``slots`` consecutive ``size``-byte views of ``buf``."""
-    mv = memoryview(buf)
-    return [mv[i * size:(i + 1) * size] for i in range(slots)]
+    def procs(self, family: str, n: int) -> list[Proc]:
+        ws = self.workers.setdefault(family, [])
+        while len(ws) < n:
+            ws.append(Proc(log_dir=self.log_dir, name=f"{family}-worker"))
+        return ws[:n]
 
+    def step(self, st: Step) -> None:
+        if st.kind == "ceiling":
+            self.ceiling(st)
+        elif st.kind == "metadata":
+            self.metadata(st)
+        elif st.name not in self.dropped:
+            self.system(st)
 
-def _aligned(n: int):
-    """A page-aligned numpy uint8 array of ``n`` bytes.
-
-    Every buffer of the bench and of its ceilings is page-aligned, because alignment changes
-    the results on x86 machines: a copy (user-space ``memcpy`` or the kernel's copy into a
-    ``recv_into`` buffer) whose destination lies 1–63 bytes past its source modulo 4 KiB
-    runs several times slower (4K aliasing; benchmarks/RESULTS.md, "Measurements behind
-    choices in the code"), and numpy's own allocations sit at page offset 16."""
-    import numpy as np
-
-    raw = np.empty(n + 4096, dtype=np.uint8)
-    start = -raw.ctypes.data % 4096
-    return raw[start:start + n]
-
-
-def _worker_main() -> None:
-    # replies go to the parent on the original stdout; anything else a library prints
-    # there (UCX logs to fd 1) goes to stderr instead of corrupting the JSON lines
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    w = _Worker()
-    for line in sys.stdin.buffer:
+    def ceiling(self, st: Step) -> None:
+        a = self.a
         try:
-            reply = w.handle(json.loads(line))
-        except Exception as e:  # noqa: BLE001 - reported to the parent as one JSON line
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    for c in w.clients.values():
-        with contextlib.suppress(Exception):
-            c.close()
+            if st.name == "memcpy":
+                g = memcpy_gbps()
+            elif st.name in ("tcp", "unix", "ucx"):
+                g = self.peer.measure(st.name, "stream", a["chunk"], a["ceiling_bytes"], reps=2)
+            else:  # tcp_rr_get / tcp_rr_put at the cell's object size, as many objects as one client's phase
+                objs = max(1, min(a["max_objects"], a["total_bytes"] // st.size))
+                g = self.peer.measure("tcp", st.name.rsplit("_", 1)[1], st.size,
+                                      min(a["ceiling_bytes"], objs * st.size), reps=2)
+        except (OSError, RuntimeError) as e:
+            self.skipped.append({"ceiling": st.name, "size": st.size, "round": st.round,
+                                 "why": f"{type(e).__name__}: {e}"})
+            return
+        self.ceilings.append({"round": st.round, "name": st.name, "size": st.size, "gbps": g})
 
+    def system(self, st: Step) -> None:
+        s, cell = self.systems[st.name], st.cell
+        procs = self.procs(s.family, cell.clients)
+        prefix = st.prefix(self.run_id)
+        base = {"cmd": "cell", "system": s.to_dict(), "size": cell.size, "count": self.counts[cell],
+                "batch": cell.batch, "replicas": cell.replicas, "master": self.master, "streams": self.a["streams"],
+                "redis_port": self.redis_port, "mooncake": self.mooncake}
+        try:
+            broadcast(procs, [{**base, "prefix": f"{prefix}/w{i}"} for i in range(len(procs))])
+            put = broadcast(procs, {"cmd": "put", "system": s.id})
+            get = broadcast(procs, {"cmd": "get", "system": s.id})
+            clean = broadcast(procs, {"cmd": "cleanup", "system": s.id})
+        except RuntimeError as e:
+            if s.family == "kvpool":
+                raise
+            self.dropped[s.id] = str(e)
+            self.skipped.append({"system": s.id, "round": st.round, "cell": cell.label,
+                                 "why": f"{s.name} failed and is left out from here on: {e}"})
+            if any(p.p.poll() is not None for p in procs):  # a worker died: start fresh ones for the others
+                for p in self.workers.pop(s.family, []):
+                    p.stop()
+            return
+        for op, parts in (("put", put), ("get", get)):
+            row = {"round": st.round, "system": s.id, "name": s.name, "group": s.group or s.id,
+                   "family": s.family, "path": s.path, "op": op, "size": cell.size, "clients": cell.clients,
+                   "batch": cell.batch, "replicas": cell.replicas, **summarise(parts, cell.size)}
+            for k in ("errors", "misses", "not_fresh", "stale", "corrupt", "verified"):
+                row[k] = sum(p.get(k, 0) for p in parts)
+            row["first_error"] = next((p["first_error"] for p in parts if p.get("first_error")), "")
+            if op == "get":
+                row["cleanup_failed"] = sum(c["failed"] for c in clean)
+            self.rows.append(row)
 
-# ---- aggregation -----------------------------------------------------------------------------
-
-def _pct(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
-        return 0.0
-    i = min(len(sorted_vals) - 1, max(0, int(round(q * (len(sorted_vals) - 1)))))
-    return sorted_vals[i]
-
-
-def _summarise(parts: list[dict], nbytes_per_obj: int, count_key: str = "objects") -> dict:
-    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
-    wall = max(wall, 1e-9)
-    objs = sum(p[count_key] for p in parts)
-    lat = sorted(x for p in parts for x in p["lat"])
-    return {"seconds": round(wall, 6), "objects": objs, "bytes": objs * nbytes_per_obj,
-            "gbps": objs * nbytes_per_obj / wall / 1e9, "objects_per_s": objs / wall,
-            "p50_ms": _pct(lat, 0.50) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3, "calls": len(lat)}
-
-
-# ---- redis baseline ------------------------------------------------------------------------
-
-class _Redis:
-    """A throwaway redis-server on a free loopback port, no persistence."""
-
-    def __init__(self, maxmemory: int) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        from kvpool.cli.cluster import free_port
-
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.dir, "--maxmemory", str(maxmemory),
-                                      "--proto-max-bulk-len", str(max(512 << 20, 2 * maxmemory))],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+    def metadata(self, st: Step) -> None:
+        nc, b = st.clients, st.batch
+        procs = self.procs("kvpool", nc)
+        n = max(b, self.a["meta_keys"] // nc // b * b) if b > 1 else max(1, self.a["meta_keys"] // 8 // nc)
+        parts = broadcast(procs, [{"cmd": "meta", "master": self.master, "batch": b, "count": n,
+                                   "prefix": f"bench/{self.run_id}/r{st.round}/meta/{nc}/{b}/w{i}"}
+                                  for i in range(nc)])
+        for op in ("put_start+put_end", "lookup", "remove"):
+            s = summarise([p[op] for p in parts], 0, count_key="keys")
+            self.meta.append({"round": st.round, "op": op, "clients": nc, "batch": b,
+                              "keys_per_s": s["objects_per_s"], "calls_per_s": s["calls"] / s["seconds"],
+                              "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"], "keys": s["objects"]})
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        procs = [p for ws in self.workers.values() for p in ws]
+        if self.peer is not None:
+            procs.append(self.peer.proc)
+        stop_all(procs)
 
-
-# ---- the run -----------------------------------------------------------------------------------
 
 def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: int, transport: str = "auto",
               metadata: bool = False, progress: bool = True, *, batches: Sequence[int] = (1,),
-              replicas: Sequence[int] = (1,),
-              baseline: str | None = None, master: str | None = None, max_objects: int = 4096,
-              meta_keys: int = 4096, ceiling_bytes: int | None = None, repeat: int = 1, streams: int = 1,
-              reserve: int | None = None, spin_wait: float | None = None) -> dict:
-    """Run the benchmark and return the report dict (see the module docstring).
+              replicas: Sequence[int] = (1,), baseline: str | None = None, master: str | None = None,
+              max_objects: int = 4096, meta_keys: int = 4096, ceiling_bytes: int | None = None, rounds: int = 5,
+              streams: int = 1, reserve=None, spin_wait=None, max_batch_bytes: int | None = None,
+              load: int = 0) -> dict:
+    """Run the benchmark and return the report dict (see the module docstring and
+    :mod:`cli.bench_report`).
 
-    ``transport``: comma-separated paths among ``auto`` (same-host shared memory), ``tcp``,
-    ``unix``. ``total_bytes``: bytes moved per cell (split over the clients, at most
-    ``max_objects`` objects and 40% of the cluster's capacity). ``master``: reuse a running
-    cluster; else a LocalCluster is started from ``cfg`` and stopped at the end.
-    ``baseline="redis"`` adds the same workload against a local redis-server.
-    ``meta_keys``: keys per metadata op and client count; ``ceiling_bytes``: bytes per raw
-    socket ceiling run (default 256 MiB). Small values of these make a quick run for tests.
-    ``repeat``: run each cell's put+get that many times and keep the best (shared machines).
-    ``streams``: the clients' ``streams_per_node`` (network connections per node per batch).
-    ``reserve``: the clients' ``reserve_bytes`` (extents reserved ahead of need; 0: every
-    put asks the master first; None: the client's default). ``spin_wait``: the clients'
-    ``spin_wait_s`` (seconds a wait for a reply polls before it sleeps; None: the default).
-    """
+    ``transport``: comma-separated kvpool paths among auto, tcp, unix, ucx. ``baseline``:
+    comma-separated peers among redis, mooncake (None: none). ``total_bytes``: bytes one
+    phase of a cell moves (split over its clients; at most ``max_objects`` objects and 40%
+    of the cluster's capacity). ``master``: a running cluster to use; else a LocalCluster is
+    started from ``cfg`` and stopped at the end. ``rounds``: rounds of every cell × system
+    (≥ 1). ``spin_wait`` (seconds) and ``reserve`` (bytes): the kvpool clients' setting, or a
+    list of settings, each measured as a system of its own (None: the client's default).
+    ``streams``: the clients' ``streams_per_node``. ``max_batch_bytes``: leave out cells
+    whose batch (> 1 object) holds more bytes. ``meta_keys``: keys per metadata op and
+    client count; ``ceiling_bytes``: bytes per raw-socket ceiling repetition (default
+    256 MiB). ``load``: CPU-burning processes during the rounds. Raises ConfigError naming
+    the option for a bad value; a peer that cannot start or fails is left out with its
+    reason in ``report["skipped"]``."""
+    from kvpool.cli.bench_peers import MooncakeCluster, PeerUnavailable, RedisServer
+    from kvpool.connector.client import KVPoolClient
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvpool.protocol.errors import ConfigError
-
     paths = [t.strip() for t in transport.split(",") if t.strip()]
-    for t in paths:
-        if t not in ("auto", "shm", "tcp", "unix", "ucx"):
-            raise ConfigError(f"bench --transport: {t!r}; accepted: auto, tcp, unix, ucx (comma separated)",
-                              key="transport")
-    if "ucx" in paths and not _has_ucx():
-        raise ConfigError("bench --transport ucx needs the ucx extra: pip install 'kvpool[ucx]'", key="transport")
-    if baseline not in (None, "", "redis"):
-        raise ConfigError(f"bench --baseline: {baseline!r}; accepted: redis", key="baseline")
-    if not sizes or not clients or min(sizes) <= 0 or min(clients) <= 0 or min(batches) <= 0 \
-            or not replicas or min(replicas) <= 0:
-        raise ConfigError("bench: sizes, clients, batches and replicas must be positive", key="sizes")
-    systems = [("kvpool", p) for p in paths] + ([("redis", "redis")] if baseline == "redis" else [])
-    cells = [(sysname, t, s, c, b, r) for sysname, t in systems for s in sizes for c in clients for b in batches
-             for r in (replicas if sysname == "kvpool" else (1,))]
-    n_steps = 4 + len(cells) + (len(clients) * len(META_BATCHES) if metadata else 0)
+    baselines = [b.strip() for b in (baseline or "").split(",") if b.strip()]
+    spins, reserves = _listify(spin_wait), _listify(reserve)
+    _validate(paths, baselines, sizes, clients, batches, replicas, rounds, streams, load, spins, reserves,
+              max_batch_bytes)
+    paths = ["auto" if t == "shm" else t for t in paths]
+    settings = [{"spin_wait_s": s, "reserve_bytes": r} for s, r in itertools.product(spins, reserves)]
+    systems = kvpool_systems(paths, settings) + peer_systems(baselines)
     chunk = max(min(max(sizes), 16 << 20), 1 << 20)
-
-    lc = None
-    workers: list[subprocess.Popen] = []
-    red: _Redis | None = None
+    run_id = uuid.uuid4().hex[:8]
+    log_dir = tempfile.mkdtemp(prefix="kvpool-bench-")
+    report: dict[str, Any] = {
+        "config": {"sizes": list(sizes), "clients": list(clients), "batches": list(batches),
+                   "replicas": list(replicas), "total_bytes": total_bytes, "transports": paths,
+                   "baselines": baselines, "rounds": rounds, "ceiling_chunk_bytes": chunk, "streams_per_node": streams,
+                   "spin_wait_s": spins, "reserve_bytes": reserves, "max_batch_bytes": max_batch_bytes,
+                   "max_objects": max_objects, "load_procs": load},
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "loadavg_start": os.getloadavg()},
+        "systems": [s.to_dict() for s in systems], "skipped": []}
+    lc = red = mc = None
+    run: _Run | None = None
+    burners: list[Proc] = []
     prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                     TimeElapsedColumn(), transient=True, disable=not progress)
-    run_id = uuid.uuid4().hex[:8]
-    report: dict[str, Any] = {"ceilings": {}, "results": [], "metadata": [], "skipped": [],
-                              "config": {"sizes": list(sizes), "clients": list(clients), "batches": list(batches),
-                                         "replicas": list(replicas), "total_bytes": total_bytes, "transports": paths,
-                                         "baseline": baseline, "repeat": repeat, "ceiling_chunk_bytes": chunk,
-                                         "streams_per_node": streams, "reserve_bytes": reserve,
-                                         "spin_wait_s": spin_wait},
-                              "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     try:
         with prog:
-            task = prog.add_task("ceilings: memcpy", total=n_steps)
-            ceil = report["ceilings"]
-            ceil["memcpy_gbps"] = memcpy_gbps()
-            prog.update(task, advance=1, description="ceilings: raw TCP")
-            cbytes = ceiling_bytes or max(256 << 20, 8 * chunk)
-            ceil["tcp_gbps"] = socket_gbps("tcp", chunk, cbytes)
-            # informative: the same bytes asked for one 4 MiB chunk at a time, as gets do
-            ceil["tcp_rr_gbps"] = socket_gbps("tcp", 4 << 20, cbytes, per_request=True)
-            prog.update(task, advance=1, description="ceilings: raw Unix socket")
-            ceil["unix_gbps"] = socket_gbps("unix", chunk, cbytes)
-            if _has_ucx():  # informative: what the optional ucx:// transport moves between processes
-                with contextlib.suppress(Exception):
-                    ceil["ucx_gbps"] = socket_gbps("ucx", chunk, cbytes)
-            prog.update(task, advance=1, description="starting cluster")
+            task = prog.add_task("starting cluster", total=None)
             if master is None:
                 from kvpool.cli.cluster import LocalCluster
 
@@ -539,160 +278,94 @@ def run_bench(cfg, sizes: Sequence[int], clients: Sequence[int], total_bytes: in
                 lc = LocalCluster(cfg)
                 lc.__enter__()
                 master = lc.master_addr
-            from kvpool.connector.client import KVPoolClient
-
             with KVPoolClient(master) as probe:
-                capacity = probe.stats().capacity
-            if baseline == "redis":
-                red = _Redis(maxmemory=int(capacity))
-            workers = [_spawn_worker() for _ in range(max(clients))]
-            for sysname, t, size, nc, b, nrep in cells:
-                prog.update(task, description=f"{sysname} {PATH_OF[t]} {_fmt_size(size)} ×{nc} batch {b} "
-                                              f"replicas {nrep}")
-                budget = min(total_bytes, int(0.4 * capacity))
-                if b * size * nc * nrep > int(0.4 * capacity):
-                    report["skipped"].append({"system": sysname, "transport": t, "size": size, "clients": nc,
-                                              "batch": b, "replicas": nrep,
-                                              "why": "one batch per client does not fit 40% of the cluster"})
-                    prog.update(task, advance=1)
+                st = probe.stats()
+            capacity = st.capacity
+            segments = [n.capacity for n in st.nodes if n.alive]
+            share = int(CAPACITY_SHARE * capacity)
+            cells, counts = [], {}
+            for size, nc, b, nrep in itertools.product(sizes, clients, batches, replicas):
+                cell = Cell(size, nc, b, nrep)
+                why = ""
+                if b > 1 and max_batch_bytes and b * size > max_batch_bytes:
+                    why = "its batch holds more than --max-batch-bytes"
+                elif b * size * nc * nrep > share:
+                    why = "one batch per client does not fit 40% of the cluster"
+                if why:
+                    report["skipped"].append({"cell": cell.label, "why": why})
                     continue
-                per = max(b, min(max_objects, budget // (size * nrep)) // nc // b * b)
-                base = {"transport": t, "master": master, "size": size, "count": per, "batch": b, "replicas": nrep,
-                        "redis_port": red.port if red else 0, "streams": streams, "reserve": reserve,
-                        "spin_wait": spin_wait}
-                procs = workers[:nc]
-                for w_i, p in enumerate(procs):
-                    _send(p, {**base, "cmd": "cell", "prefix": f"bench/{run_id}/{t}/{size}/{nc}/{b}/{nrep}/{w_i}"})
-                for p in procs:
-                    _recv(p)
-                best: dict[str, dict] = {}
-                for _ in range(max(1, repeat)):
-                    for op in ("put", "get"):
-                        parts = _all(procs, {"cmd": op})
-                        row = {"system": sysname, "transport": t, "path": PATH_OF[t], "op": op, "size": size,
-                               "clients": nc, "batch": b, "replicas": nrep, **_summarise(parts, size),
-                               "misses": sum(p["misses"] for p in parts),
-                               "errors": sum(p["errors"] for p in parts),
-                               "first_error": next((p["first_error"] for p in parts if p["first_error"]), "")}
-                        row["ceiling"] = CEILING_OF[row["path"]]
-                        if op not in best or row["gbps"] > best[op]["gbps"] or row["errors"] or row["misses"]:
-                            best[op] = row
-                    _all(procs, {"cmd": "cleanup"})
-                report["results"] += [best["put"], best["get"]]
-                prog.update(task, advance=1)
-            if metadata:
-                for nc in clients:
-                    for b in META_BATCHES:
-                        prog.update(task, description=f"metadata ×{nc} batch {b}")
-                        n = max(b, meta_keys // nc // b * b) if b > 1 else max(1, meta_keys // 8 // nc)
-                        mbest: dict[str, dict] = {}
-                        for _ in range(max(1, repeat)):
-                            parts = _all(workers[:nc], {"cmd": "meta", "transport": "auto", "master": master,
-                                                        "batch": b, "count": n,
-                                                        "prefix": f"bench/{run_id}/meta/{nc}/{b}"})
-                            for op in ("put_start+put_end", "lookup", "remove"):
-                                s = _summarise([p[op] for p in parts], 0, count_key="keys")
-                                row = {"op": op, "clients": nc, "batch": b, "keys_per_s": s["objects_per_s"],
-                                       "calls_per_s": s["calls"] / s["seconds"], "p50_ms": s["p50_ms"],
-                                       "p99_ms": s["p99_ms"], "keys": s["objects"]}
-                                if op not in mbest or row["keys_per_s"] > mbest[op]["keys_per_s"]:
-                                    mbest[op] = row
-                        report["metadata"] += list(mbest.values())
-                        prog.update(task, advance=1)
-            # ceilings again at the end (the machine may be shared): keep the best of both
-            prog.update(task, description="ceilings again")
-            ceil["memcpy_gbps"] = max(ceil["memcpy_gbps"], memcpy_gbps())
-            ceil["tcp_gbps"] = max(ceil["tcp_gbps"], socket_gbps("tcp", chunk, cbytes))
-            ceil["tcp_rr_gbps"] = max(ceil["tcp_rr_gbps"], socket_gbps("tcp", 4 << 20, cbytes, per_request=True))
-            ceil["unix_gbps"] = max(ceil["unix_gbps"], socket_gbps("unix", chunk, cbytes))
-            prog.update(task, advance=1)
-            for row in report["results"]:
-                c = ceil.get(f"{row['ceiling']}_gbps", 0.0)
-                row["ratio"] = row["gbps"] / c if c else 0.0
+                cells.append(cell)
+                counts[cell] = max(b, min(max_objects, min(total_bytes, share) // (size * nrep)) // nc // b * b)
+            for s in systems:
+                if any(c.replicas > s.max_replicas for c in cells):
+                    report["skipped"].append({"system": s.id, "why": f"{s.name} keeps one copy: cells of more "
+                                                                     "replicas run without it"})
+            args = {"chunk": chunk, "ceiling_bytes": ceiling_bytes or max(256 << 20, 8 * chunk),
+                    "total_bytes": total_bytes, "max_objects": max_objects, "meta_keys": meta_keys,
+                    "streams": streams}
+            run = _Run(master, run_id, log_dir, systems, counts, args)
+            prog.update(task, description="starting peers")
+            if "redis" in baselines:
+                try:
+                    red = RedisServer(maxmemory=int(capacity))
+                    run.redis_port = red.port
+                except PeerUnavailable as e:
+                    _drop(run, report, "redis", str(e))
+            if "mooncake" in baselines:
+                try:
+                    mc = MooncakeCluster(segments, log_dir)
+                    big = max((c.batch * c.size for c in cells), default=0)
+                    run.mooncake = {"metadata_url": mc.metadata_url, "master_addr": mc.master_addr,
+                                    "local_buffer": max(32 << 20, -(-2 * big // (1 << 20)) << 20)}
+                except PeerUnavailable as e:
+                    _drop(run, report, "mooncake", str(e))
+            run.peer = CeilingPeer(log_dir)
+            global_ceilings = ["memcpy", "tcp", "unix"] + (["ucx"] if "ucx" in paths else [])
+            plan = plan_rounds(cells, [s for s in systems if s.id not in run.dropped], rounds, global_ceilings,
+                               rr_ceilings=any(s.path == "tcp" for s in systems),
+                               metadata=[(nc, b) for nc in clients for b in META_BATCHES] if metadata else [])
+            report["plan"] = [[s.label for s in steps] for steps in plan]
+            burners = [Proc("--burn", log_dir, "load") for _ in range(load)]
+            prog.update(task, total=sum(len(p) for p in plan), completed=0)
+            for r, steps in enumerate(plan):
+                for s in steps:
+                    prog.update(task, description=f"round {r + 1}/{rounds}: {s.label}")
+                    run.step(s)
+                    prog.advance(task)
     finally:
-        for p in workers:
-            _stop(p)
+        stop_all(burners)
+        if run is not None:
+            run.close()
+        if mc is not None:
+            mc.close()
         if red is not None:
             red.close()
         if lc is not None:
             lc.__exit__(None, None, None)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    rows = run.rows + group_rows(run.rows)
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    report["skipped"] += run.skipped
+    report["rounds"] = {"rows": run.rows, "ceilings": run.ceilings, "metadata": run.meta}
+    report["results"] = results(rows)
+    report["ceilings"] = ceiling_summary(run.ceilings)
+    report["ratios"] = ratio_summary(round_ratios(rows, run.ceilings))
+    report["metadata"] = metadata_summary(run.meta)
     return report
 
 
-# ---- rendering ---------------------------------------------------------------------------------
-
-def _fmt_size(n: int) -> str:
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= f and n % f == 0:
-            return f"{n // f} {unit}"
-    return f"{n} B"
-
-
-def render_bench(report: dict, console=None) -> None:
-    """Rich tables: ceilings, put/get results with ratios, metadata ops."""
-    from rich.console import Console
-    from rich.table import Table
-
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=140)  # a pipe or file: do not squeeze the table to 80 columns
-    c = report["ceilings"]
-    t = Table(title="ceilings (same run)")
-    cols = [("memcpy", "memcpy_gbps"), ("raw TCP", "tcp_gbps"), ("raw TCP 4 MiB req→reply", "tcp_rr_gbps"),
-            ("raw Unix socket", "unix_gbps"), ("raw UCX stream", "ucx_gbps")]
-    cols = [(name, k) for name, k in cols if k in c]
-    for name, _ in cols:
-        t.add_column(name, justify="right")
-    t.add_row(*[f"{c[k]:.2f} GB/s" for _, k in cols])
-    console.print(t)
-    t = Table(title="put / get")
-    for col in ("system", "op", "path", "size", "clients", "batch", "replicas", "GB/s", "objects/s", "p50 ms",
-                "p99 ms", "× ceiling"):
-        t.add_column(col, justify="right" if col not in ("system", "op", "path") else "left")
-    for r in report["results"]:
-        flag = f" [red]{r['errors']} err / {r['misses']} miss[/]" if r["errors"] or r["misses"] else ""
-        t.add_row(r["system"], r["op"], r["path"], _fmt_size(r["size"]), str(r["clients"]), str(r["batch"]),
-                  str(r.get("replicas", 1)),
-                  f"{r['gbps']:.2f}", f"{r['objects_per_s']:,.0f}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}",
-                  f"{r['ratio']:.2f} {r['ceiling']}{flag}")
-    console.print(t)
-    if report.get("metadata"):
-        t = Table(title="master metadata (real RPC)")
-        for col in ("op", "clients", "batch", "keys/s", "calls/s", "p50 ms", "p99 ms"):
-            t.add_column(col, justify="left" if col == "op" else "right")
-        for r in report["metadata"]:
-            t.add_row(r["op"], str(r["clients"]), str(r["batch"]), f"{r['keys_per_s']:,.0f}",
-                      f"{r['calls_per_s']:,.0f}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}")
-        console.print(t)
-
-
-def render_markdown(report: dict) -> str:
-    """The report as Markdown tables (for the README and release notes)."""
-    c = report["ceilings"]
-    names = [("memcpy", "memcpy_gbps"), ("raw TCP", "tcp_gbps"), ("raw TCP 4 MiB req→reply", "tcp_rr_gbps"),
-             ("raw Unix socket", "unix_gbps"), ("raw UCX stream", "ucx_gbps")]
-    names = [(n, k) for n, k in names if k in c]
-    lines = ["| " + " | ".join(n for n, _ in names) + " |", "|" + "---:|" * len(names),
-             "| " + " | ".join(f"{c[k]:.2f} GB/s" for _, k in names) + " |", "",
-             "| system | op | path | size | clients | batch | replicas | GB/s | objects/s | p50 ms | p99 ms "
-             "| × ceiling |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in report["results"]:
-        lines.append(f"| {r['system']} | {r['op']} | {r['path']} | {_fmt_size(r['size'])} | {r['clients']} | "
-                     f"{r['batch']} | {r.get('replicas', 1)} | {r['gbps']:.2f} | {r['objects_per_s']:,.0f} | "
-                     f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['ratio']:.2f} {r['ceiling']} |")
-    if report.get("metadata"):
-        lines += ["", "| metadata op | clients | batch | keys/s | calls/s | p50 ms | p99 ms |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for r in report["metadata"]:
-            lines.append(f"| {r['op']} | {r['clients']} | {r['batch']} | {r['keys_per_s']:,.0f} | "
-                         f"{r['calls_per_s']:,.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
-    return "\n".join(lines) + "\n"
+def _drop(run: _Run, report: dict, family: str, why: str) -> None:
+    for sid, s in run.systems.items():
+        if s.family == family:
+            run.dropped[sid] = why
+    report["skipped"].append({"system": family, "why": f"{family} left out: {why}"})
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
-        _worker_main()
+        from kvpool.cli.bench_worker import main
+
+        main()
     else:
         print("usage: kvpool bench (this module's --worker mode is internal)", file=sys.stderr)
         sys.exit(2)
