@@ -35,6 +35,7 @@ from kvpool.master.handoffs import Handoff, HandoffMixin
 from kvpool.master.placement import spread
 from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
 from kvpool.master.reservations import Held, ReservationMixin
+from kvpool.master.tiers import DiskTier, TierMixin
 from kvpool.protocol import errors as E
 from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
@@ -77,13 +78,16 @@ class Node:
     # keys removed or evicted while this incarnation was away (see MasterState.departed):
     # its rows for them are stale and are not indexed again when it comes back
     gone: set[str] | None = field(default_factory=set)  # None: too much changed, index nothing
+    disk: DiskTier | None = None  # its disk tier, if it has one (master/tiers.py)
 
     @property
     def node_id(self) -> str:
         return self.desc.node_id
 
     def all_keys(self) -> list[str]:
-        """Every key with a replica (pending or committed) on this node."""
+        """Every key with a replica (pending or committed, in memory or on disk) on this node."""
+        if self.disk is not None:
+            return [*self.lru, *self.soft_lru, *self.fixed, *self.disk.keys()]
         return [*self.lru, *self.soft_lru, *self.fixed]
 
     def drop_key(self, key: str) -> None:
@@ -91,12 +95,15 @@ class Node:
         self.lru.pop(key, None)
         self.soft_lru.pop(key, None)
         self.fixed.discard(key)
+        if self.disk is not None:
+            self.disk.lru.pop(key, None)
+            self.disk.soft_lru.pop(key, None)
 
     def usage(self) -> float:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
 
 
-class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
+class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
     """All master decisions. Not thread-safe: the server calls it from one event loop.
     ``seed``: of placement's random choices (:mod:`master.placement`); None: from the OS."""
 
@@ -131,6 +138,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         self.repair_timeout_s = 30.0
         self.rng = random.Random(seed)
         self._layouts: dict[LayoutSpec, LayoutSpec] = {}  # one instance per distinct layout
+        self._init_tiers()
 
     def _intern(self, layout: LayoutSpec | None) -> LayoutSpec | None:
         """The shared instance equal to ``layout`` (objects of one model share a few layouts)."""
@@ -158,6 +166,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         away = self.departed.pop(desc.incarnation, None)
         if away is not None:  # the same memory is back (its etcd lease lapsed in an etcd stall)
             node.gone = away[1]
+        self._tier_node_up(node)
         self.counters["node_joins"] += 1
         self._unpark()  # a new place for what could not be re-replicated
 
@@ -186,6 +195,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                 self._maybe_repair(obj)
         self._cancel_repairs(node_id)
         self.drop_reservations_on(node_id, now)
+        self._tier_node_down(node)
         # after the drops above: what the node alone held may come back with it
         self.departed[node.desc.incarnation] = [now + DEPARTED_KEEP_S, set()]
         return lost
@@ -472,6 +482,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         out: list[ObjectInfo | ErrorInfo] = []
         ttl = self.s.lease_ttl_s if lease else 0.0
         until = now + ttl
+        tiered = lease and self.disk_nodes  # reads of disk-resident objects may promote them (master/tiers.py)
         for key in keys:
             obj = self.objects.get(key)
             if lease:  # a read; lease-free lookups are metadata queries and are not counted
@@ -489,6 +500,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                 if obj.lease_until < until:
                     obj.lease_until = until  # one float per call, shared by its objects
             size, checksum, refs = obj.read_view()
+            if tiered:
+                self._disk_access(obj, refs, now)
             out.append(ObjectInfo(key, size, checksum, obj.layout, refs, ttl))
         return out
 
@@ -507,6 +520,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
 
     def _touch(self, obj: Obj, now: float) -> None:
         obj.last_access = now
+        if self.disk_nodes:
+            self._touch_tiered(obj)
+            return
         kind = obj.evictable_kind()
         if kind == "none":
             return
@@ -565,6 +581,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         self.counters[f"evictions_{reason}"] += 1
 
     def _free_extent(self, r: ExtentRef) -> None:
+        if r.tier:  # a disk file (master/tiers.py)
+            self._free_disk_extent(r)
+            return
         node = self.nodes.get(r.node_id)
         if node is None:
             return
@@ -643,6 +662,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                     if h.status != "open" and h.deadline + 3600 <= now]:
             del self.handoffs[rid]
         self.enforce_watermarks(now)
+        if self.disk_nodes:
+            self._tier_tick(now)
         self.pump_repairs(now)
         return expired
 
@@ -660,10 +681,11 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         for o in self.objects.values():
             if o.key.startswith(prefix):
                 pin = o.pin if (o.pin != "soft" or o.pin_until > now) else ""
+                tiers = [_TIER_NAMES[t] for _, t in o.tiers()] if self.disk_nodes else []
                 out.append(ObjectMeta(o.key, o.size, o.layout.kind if o.layout else "raw",
                                       o.node_ids(), o.created + to_wall, o.last_access + to_wall,
                                       o.lease_until > now, pin, bool(o.holds), o.replicas_wanted,
-                                      now - o.created, now - o.last_access))
+                                      now - o.created, now - o.last_access, tiers))
                 if len(out) >= limit:
                     break
         return out
@@ -693,14 +715,17 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                 held += o.size * o.replica_count()
             if o.replica_count() < o.replicas_wanted:
                 under += 1
+        on_disk = self.tier_counts() if self.disk_nodes else {}
         nodes = [NodeStats(n.node_id, n.desc.data_addr, n.desc.host_id, n.alloc.capacity, n.alloc.used,
-                           per_node[n.node_id], True, n.draining, n.desc.incarnation, n.desc.device, n.reserved)
+                           per_node[n.node_id] - on_disk.get(n.node_id, 0), True, n.draining, n.desc.incarnation,
+                           n.desc.device, n.reserved, *_disk_stats(n, on_disk.get(n.node_id, 0)))
                  for n in self.nodes.values()]
         return ClusterStats(self.leader_addr, self.cluster, nodes, len(self.objects), len(self.pending),
                             sum(n.used for n in nodes), sum(n.capacity for n in nodes), held,
                             self.s.high_watermark, self.s.low_watermark, under, dict(self.counters),
                             dict(self.refused), repairs_in_flight=len(self.repairs),
-                            reserved_bytes=self.reserved_bytes())
+                            reserved_bytes=self.reserved_bytes(), disk_capacity=sum(n.disk_capacity for n in nodes),
+                            disk_used=sum(n.disk_used for n in nodes), disk_objects=sum(on_disk.values()))
 
     def restore_pin(self, rec: PinRecord, now: float) -> bool:
         """Rebuild after failover from the etcd record; False when the record is stale (the
@@ -732,3 +757,15 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
     def take_outbox(self) -> dict[str, list]:
         out, self.outbox = self.outbox, defaultdict(list)
         return out
+
+
+_TIER_NAMES = ("memory", "disk")  # by ExtentRef.tier
+
+
+def _disk_stats(node: Node, objects: int) -> tuple:
+    """NodeStats' disk fields of ``node`` (zeros without a disk tier)."""
+    d = node.disk
+    if d is None:
+        return ()
+    return (d.capacity, d.used, objects, d.demotions, d.demotion_s, d.promotions, d.promotion_s,
+            d.jobs + d.promoting)
