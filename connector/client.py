@@ -692,7 +692,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
             for i, (info, order) in pending.items():
                 op = self.replica_reads.op(order, views[i])
                 op_of[i] = op
-                by_node[op.ref.node_id].append(op)
+                by_node[op.ref.data_addr].append(op)  # per stream: a node's disk tier has sockets of its own
             self._parallel(self.replica_reads.read, by_node)  # with replica deadlines and hedges
             nxt = {}
             for i, op in op_of.items():
