@@ -6,7 +6,7 @@ with a :class:`~protocol.messages.TierDone` once done.
 **Demotion.** One writer thread takes queued demotions in groups (up to
 :data:`GROUP_MAX` of them, or :data:`GROUP_BYTES`): each object is written from the
 segment straight into its file (no staging copy; :meth:`DiskTier.write` hashes it as it
-goes and refuses bytes that changed), every file is ``fsync``'ed, then all are renamed
+goes and refuses bytes that changed), then the group's files are ``fsync``'ed and renamed
 into place with one directory ``fsync`` (:meth:`DiskTier.publish`), and only then answered:
 an answer means the file is durable. The memory extent is never touched: the master frees
 it after the answer, so a demotion that fails or is cut short (a crash) leaves the object
@@ -35,7 +35,7 @@ import time
 
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, Overloaded, StaleExtent, StaleTerm
 from kvpool.protocol.messages import ExtentEntry, NodeDemote, NodePromote, TierDone
-from kvpool.storenode.disk_tier import DiskTier
+from kvpool.storenode.disk_tier import DiskTier, Written
 from kvpool.storenode.extents import ExtentTable
 from kvpool.storenode.metrics import Hist
 
@@ -151,7 +151,7 @@ class TierMover:
                     self._queued -= len(group)
 
     def _write_group(self, group: list) -> None:
-        written: list[tuple[int, ExtentEntry, str]] = []
+        written: list[tuple[int, ExtentEntry, Written]] = []
         done: list = []  # (request, future, disk id, seconds)
         for req, fut in group:
             if not fut.set_running_or_notify_cancel():

@@ -21,7 +21,11 @@ header checksum       xxh3_64 of every header byte before it, then key and layou
 A file is written under a temporary name (``.tmp``), hashed as its payload is written
 (a payload whose hash is not the object's checksum is never renamed into place),
 ``fsync``'ed, renamed and the directory ``fsync``'ed: so after any crash a ``.kvd`` name
-holds a whole file or none. The page cache is told to drop the file's pages
+holds a whole file or none. Writes come in groups (:meth:`DiskTier.write` each, then one
+:meth:`DiskTier.publish`): the group's files are ``fsync``'ed one after the other once all
+are written, so the filesystem's journal commits them together (on ext4 in its default
+``data=ordered`` mode the first ``fsync`` flushes them all), then renamed, with one
+directory ``fsync``. The page cache is told to drop the file's pages
 (``POSIX_FADV_DONTNEED``) after the sync and after a read: the memory tier is the cache of
 hot objects, the disk tier must not double it in page cache.
 
@@ -124,6 +128,15 @@ def decode_header(buf: bytes) -> FileHeader:
         raise InvalidRequest("key is not UTF-8") from None
     layout = bytes(body[klen:]) or None
     return FileHeader(disk_id, size, checksum, replicas, key, layout, fp, hlen)
+
+
+@dataclass(slots=True)
+class Written:
+    """A file :meth:`DiskTier.write` wrote and :meth:`DiskTier.publish` has not made
+    durable yet: its temporary path and open descriptor."""
+
+    tmp: str
+    fd: int | None
 
 
 _MAX_HEADER = _HEAD.size + _SUM.size + 512 + (1 << 20)  # a key is <= 512 bytes; a layout far below 1 MiB
@@ -261,13 +274,13 @@ class DiskTier:
             self._writing.add(disk_id)
             return disk_id
 
-    def write(self, disk_id: int, row: ExtentEntry, payload: memoryview, pace=None) -> str:
+    def write(self, disk_id: int, row: ExtentEntry, payload: memoryview, pace=None) -> Written:
         """Write ``payload`` as file ``disk_id`` of object ``row`` (its key, checksum, layout,
         replicas) under a temporary name, hashing each piece after it is written; on a
         hash other than ``row.checksum`` (the bytes changed under the write) the file is
-        deleted and ChecksumMismatch raised. The file is fsync'ed but not yet renamed:
-        :meth:`publish` does that. ``pace(nbytes)``: called before each piece (a rate
-        bound). Returns the temporary path. Raises OSError on I/O errors (the file removed)."""
+        deleted and ChecksumMismatch raised. The file is neither synced nor renamed yet:
+        :meth:`publish` does both (or :meth:`abandon` drops it). ``pace(nbytes)``: called
+        before each piece (a rate bound). Raises OSError on I/O errors (the file removed)."""
         tmp = self._file(disk_id) + ".tmp"
         head = encode_header(disk_id, len(payload), row.checksum, row.replicas, row.key, row.layout)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -283,21 +296,26 @@ class DiskTier:
             if h.intdigest() != row.checksum:
                 raise ChecksumMismatch(f"bytes of {row.key!r} changed while they were written to disk; not kept",
                                        key=row.key)
-            os.fsync(fd)
-            _drop_cache(fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        os.close(fd)
-        return tmp
+        return Written(tmp, fd)
 
-    def publish(self, written: list[tuple[int, ExtentEntry, str]]) -> None:
-        """Rename fsync'ed temporary files into place, fsync the directory once, and index
-        them: from now on each is durable and served. ``written``: (disk id, row, temp path)."""
-        for disk_id, _, tmp in written:
-            os.rename(tmp, self._file(disk_id))
+    def publish(self, written: list[tuple[int, ExtentEntry, Written]]) -> None:
+        """Make written files durable and serve them: fsync each, rename it into place,
+        fsync the directory once, and index them. ``written``: (disk id, row, what
+        :meth:`write` returned). Raises OSError (the files not renamed yet stay temporary:
+        :meth:`abandon` them)."""
+        for _, _, w in written:
+            if w.fd is not None:
+                os.fsync(w.fd)
+                _drop_cache(w.fd)
+                os.close(w.fd)
+                w.fd = None
+        for disk_id, _, w in written:
+            os.rename(w.tmp, self._file(disk_id))
         os.fsync(self._dir_fd)
         with self._lock:
             for disk_id, row, _ in written:
@@ -307,11 +325,15 @@ class DiskTier:
         self.writes += len(written)
         self.written_bytes += sum(r.size for _, r, _ in written)
 
-    def abandon(self, disk_id: int, size: int, tmp: str | None = None) -> None:
+    def abandon(self, disk_id: int, size: int, written: Written | None = None) -> None:
         """A write that will not be published: its bytes leave ``used``, its file goes."""
-        if tmp is not None:
+        if written is not None:
+            if written.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(written.fd)
+                written.fd = None
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(written.tmp)
         with self._lock:
             if disk_id in self._writing:
                 self._writing.discard(disk_id)

@@ -12,7 +12,7 @@ from kvpool.protocol.errors import ConfigError, PutRevoked, StaleExtent, StaleTe
 from kvpool.protocol.layout import LayoutSpec, TensorSpec
 from kvpool.protocol.messages import DISK, ExtentEntry, ExtentRef, NodeDemote, NodePromote
 from kvpool.storenode import disk_tier
-from kvpool.storenode.demotion import TierMover
+from kvpool.storenode.demotion import TierMover, _BufferReader
 from kvpool.storenode.disk_tier import DiskTier, decode_header
 from kvpool.storenode.extents import ExtentTable
 from kvpool.storenode.segment import Segment
@@ -173,3 +173,24 @@ def test_header_round_trip():
     h = decode_header(hb + b"payload")
     assert (h.disk_id, h.size, h.checksum, h.replicas, h.key, h.header_len) == (7, 100, 42, 2, "key/ä", len(hb))
     assert msgspec.msgpack.decode(h.layout, type=LayoutSpec) == LAYOUT
+
+
+def test_mover_on_a_device_segment_stages_through_host_memory(tmp_path):
+    from kvpool.storenode.device_segment import DeviceSegment
+
+    seg = DeviceSegment(2 * MiB, "cpu")  # the same code as cuda:N, with pageable staging
+    table = ExtentTable(2 * MiB)
+    disk = DiskTier(str(tmp_path), 16 * MiB)
+    mover = TierMover(seg, table, disk)
+    try:
+        data = os.urandom(300 * 1024)
+        seg.recv(_BufferReader(bytearray(data)), 0, len(data))
+        table.commit(ExtentEntry("k", 0, len(data), 4, xxhash.xxh3_64_intdigest(data), None, True, 1))
+        done = mover.demote(NodeDemote(0, 4, len(data), "k")).result(10)
+        dst = ExtentRef("n", seg.incarnation, "", "", "", MiB, len(data), 9)
+        mover.promote(NodePromote(done.disk_id, dst, "k")).result(10)
+        assert seg.read(MiB, len(data)) == data
+    finally:
+        mover.close()
+        disk.close()
+        seg.close()
