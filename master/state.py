@@ -482,7 +482,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         out: list[ObjectInfo | ErrorInfo] = []
         ttl = self.s.lease_ttl_s if lease else 0.0
         until = now + ttl
-        tiered = lease and self.disk_nodes  # reads of disk-resident objects may promote them (master/tiers.py)
+        # with disk tiers (master/tiers.py), LRU order spans both, and reads may promote
+        touch = self._touch_tiered if self.disk_nodes else self._touch
+        tiered = lease and self.disk_nodes
         for key in keys:
             obj = self.objects.get(key)
             if lease:  # a read; lease-free lookups are metadata queries and are not counted
@@ -492,7 +494,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
                 out.append(E.NotFound(f"key {key!r} is not stored", key=key).to_wire())
                 continue
             self.counters["hits"] += lease
-            self._touch(obj, now)
+            touch(obj, now)
             if lease:
                 if obj.lease_until <= now:
                     obj.lease_count = 0
@@ -520,9 +522,6 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
 
     def _touch(self, obj: Obj, now: float) -> None:
         obj.last_access = now
-        if self.disk_nodes:
-            self._touch_tiered(obj)
-            return
         kind = obj.evictable_kind()
         if kind == "none":
             return

@@ -164,7 +164,9 @@ class TierMixin:
                     or (d is not None and (d.lru.pop(key, 0) is None or d.soft_lru.pop(key, 0) is None))):
                 node.fixed.add(key)
 
-    def _touch_tiered(self, obj: Obj) -> None:
+    def _touch_tiered(self, obj: Obj, now: float) -> None:
+        """``MasterState._touch`` with both tiers' LRU lists."""
+        obj.last_access = now
         key = obj.key
         for nid in obj.node_ids():
             node = self.nodes.get(nid)
