@@ -184,6 +184,8 @@ def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOp
                        "restarts)")] = None,
               disk_capacity: Annotated[Optional[str], typer.Option(
                   help="Bytes of objects the disk tier may hold, e.g. 100GiB")] = None,
+              disk_port: Annotated[Optional[int], typer.Option(
+                  help="Port of the disk tier's reads, with --disk-dir (0 = any free port)")] = None,
               secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None,
               tls_ca: _TlsCa = None, tls_client_certs: _TlsClientCerts = None) -> None:
     """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N).

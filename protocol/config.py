@@ -177,6 +177,7 @@ class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # bytes per second on average (0: as fast as the disk takes them)
     disk_readers: int = 4
     disk_write_rate: str | int = 0
+    disk_port: int = 0  # the disk tier's TCP read port (0: any free port)
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -306,7 +307,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ports = [("master.metrics_port", m.metrics_port), ("master.rpc_port", m.rpc_port),
                  ("proxy.port", self.proxy.port)]
         ports += [(f"storenodes[{i}].{k}", getattr(n, k)) for i, n in enumerate(self.storenodes)
-                  for k in ("metrics_port", "data_port", "control_port", "ucx_port")]
+                  for k in ("metrics_port", "data_port", "control_port", "ucx_port", "disk_port")]
         for key, port in ports:
             if port is not None and not 0 <= port <= 65535:
                 raise ConfigError(f"{key}: {port}; accepted: 0 (any free port) to 65535", key=key)

@@ -341,10 +341,12 @@ class DiskTier:
 
     # ---- reads and deletes ----------------------------------------------------------------
 
-    def open(self, disk_id: int, size: int) -> tuple[int, ExtentEntry, int]:
-        """An open descriptor on file ``disk_id`` with its row and payload offset. Raises
-        StaleExtent when the file is not (or no longer) indexed, or its size is not
-        ``size``; the caller closes the descriptor."""
+    def open(self, disk_id: int, size: int, first: memoryview | None = None) -> tuple[int, ExtentEntry, int]:
+        """An open descriptor on file ``disk_id`` with its row and payload offset, its header
+        checked against the table. ``first``: a buffer the payload's first bytes are read
+        into together with the header (one read for a small file). Raises StaleExtent when
+        the file is not (or no longer) indexed, or its size is not ``size``, or it is
+        damaged (then deleted); the caller closes the descriptor."""
         with self._lock:
             row = self._rows.get(disk_id)
         if row is None or row.size != size:
@@ -356,7 +358,9 @@ class DiskTier:
             raise StaleExtent(f"disk object {disk_id} was deleted from this node's disk tier; look the key up "
                               "again", gen=disk_id) from None
         try:
-            h = decode_header(os.pread(fd, min(_MAX_HEADER, os.fstat(fd).st_size), 0))
+            head = memoryview(bytearray(_HEAD.size + _SUM.size + len(row.key.encode()) + len(row.layout or b"")))
+            _read_exact(fd, head, 0, [] if first is None else [first])
+            h = decode_header(head)
             if h.disk_id != disk_id or h.size != size or h.checksum != row.checksum or h.key != row.key:
                 raise InvalidRequest("header differs from the table")
         except (InvalidRequest, OSError) as e:
@@ -369,13 +373,14 @@ class DiskTier:
     def read_into(self, disk_id: int, view: memoryview) -> ExtentEntry:
         """Read file ``disk_id``'s payload into ``view`` (exactly its size) and verify its
         checksum. Raises StaleExtent when the file is gone, or damaged (then it is
-        deleted, one log line)."""
-        fd, row, off = self.open(disk_id, len(view))
+        deleted, one log line). The header and the first CHUNK of payload come in one read."""
+        fd, row, off = self.open(disk_id, len(view), view[:CHUNK])
         try:
             h = xxhash.xxh3_64()
             for a in range(0, len(view), CHUNK):
                 piece = view[a:a + CHUNK]
-                _read_exact(fd, piece, off + a)
+                if a:
+                    _read_exact(fd, piece, off + a)
                 h.update(piece)
             _drop_cache(fd)
         except OSError as e:
@@ -421,12 +426,19 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[n:]
 
 
-def _read_exact(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.preadv(fd, [view], offset)
+def _read_exact(fd: int, view: memoryview, offset: int, more: list[memoryview] = ()) -> None:
+    """Fill ``view`` and then the buffers ``more`` from ``fd`` at ``offset`` (one ``preadv``
+    when the file gives them at once); OSError when the file ends first."""
+    bufs = [v for v in (view, *more) if len(v)]
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
         if n == 0:
-            raise OSError(f"file ended {len(view)} bytes early")
-        view, offset = view[n:], offset + n
+            raise OSError(f"file ended {sum(len(b) for b in bufs)} bytes early")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs.pop(0))
+        if n:
+            bufs[0] = bufs[0][n:]
 
 
 def _hash_file(fd: int, offset: int, size: int) -> int:

@@ -106,6 +106,7 @@ class NodeSettings:
     disk_low_watermark: float = _NODE.disk_low_watermark
     disk_readers: int = _NODE.disk_readers
     disk_write_rate: int = parse_size(_NODE.disk_write_rate)
+    disk_port: int = _NODE.disk_port  # 0: any free port
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig, node: StoreNodeConfig, run_dir: str | None = None) -> "NodeSettings":
@@ -122,7 +123,7 @@ class NodeSettings:
                    node.control_port, node.ucx_port, EtcdAuth.from_config(cfg.etcd), node.data_workers,
                    parse_duration(cfg.security.frame_timeout), node.disk_dir, parse_size(node.disk_capacity),
                    node.disk_high_watermark, node.disk_low_watermark, node.disk_readers,
-                   parse_size(node.disk_write_rate))
+                   parse_size(node.disk_write_rate), node.disk_port)
 
 
 class StoreNode:
@@ -170,7 +171,8 @@ class StoreNode:
                  disk.path, kept, used, disk.capacity, time.monotonic() - t0,
                  f"; {dropped} bad file(s) dropped" if dropped else "")
         self.mover = TierMover(self.segment, self.table, disk, s.disk_write_rate)
-        addrs = [f"tcp://{transport.host_port(s.host, 0)}", f"unix://{os.path.join(run_dir, self.node_id)}.disk.sock"]
+        addrs = [f"tcp://{transport.host_port(s.host, s.disk_port)}",
+                 f"unix://{os.path.join(run_dir, self.node_id)}.disk.sock"]
         self.disk_reads = DiskReadServer(disk, self.segment, self.table, addrs, s.security, s.max_conns,
                                          s.disk_readers, s.frame_timeout_s)
 

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 import xxhash
 
+from kvpool.protocol.config import load_config
 from kvpool.protocol.errors import ConfigError, PutRevoked, StaleExtent, StaleTerm
 from kvpool.protocol.layout import LayoutSpec, TensorSpec
 from kvpool.protocol.messages import DISK, ExtentEntry, ExtentRef, NodeDemote, NodePromote
@@ -175,6 +176,7 @@ def test_header_round_trip():
     assert msgspec.msgpack.decode(h.layout, type=LayoutSpec) == LAYOUT
 
 
+@pytest.mark.slow  # imports torch
 def test_mover_on_a_device_segment_stages_through_host_memory(tmp_path):
     from kvpool.storenode.device_segment import DeviceSegment
 
@@ -194,3 +196,16 @@ def test_mover_on_a_device_segment_stages_through_host_memory(tmp_path):
         mover.close()
         disk.close()
         seg.close()
+
+
+def test_bad_disk_settings_are_config_errors_naming_the_key(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("not a directory")
+    with pytest.raises(ConfigError, match="disk_dir"):
+        DiskTier(str(f / "sub"), MiB)
+    for node, key in (({"disk_capacity": "1KiB"}, "disk_capacity"), ({"disk_readers": 0}, "disk_readers"),
+                      ({"disk_low_watermark": 0.99}, "disk_high_watermark"), ({"disk_dir": " "}, "disk_dir"),
+                      ({"disk_port": 70000}, "disk_port"), ({"disk_write_rate": "fast"}, "disk_write_rate")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, {"storenodes": [{"name": "n", **node}]}, environ={})
+        assert key in str(e.value), (node, e.value)
