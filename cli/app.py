@@ -392,14 +392,14 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
 
 def _tier_line(st: M.ClusterStats) -> str:
     """One line on the disk tiers' moves: demotions and promotions (done, in flight, failed,
-    given up) with the nodes' mean seconds per move, and disk evictions."""
+    given up) with their mean latency on the nodes, and disk evictions."""
     c = st.counters
     dem = sum(n.demotions for n in st.nodes)
     pro = sum(n.promotions for n in st.nodes)
     dem_s = sum(n.demotion_s for n in st.nodes)
     pro_s = sum(n.promotion_s for n in st.nodes)
     moving = sum(n.tier_moves for n in st.nodes)
-    mean = lambda s, n: f" (mean {1000 * s / n:.1f} ms)" if n else ""  # noqa: E731
+    mean = lambda s, n: f" (mean latency {1000 * s / n:.1f} ms)" if n else ""  # noqa: E731
     return (f"tiers: {dem} demotions to disk{mean(dem_s, dem)} ({format_bytes(c.get('demoted_bytes', 0))}), "
             f"{pro} promotions to memory{mean(pro_s, pro)} ({format_bytes(c.get('promoted_bytes', 0))}), "
             f"{moving} in flight, {c.get('demotions_failed', 0) + c.get('promotions_failed', 0)} failed, "

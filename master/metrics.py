@@ -27,9 +27,9 @@ def _disk_families(st):
         ("moves_in_flight", "Demotions and promotions under way on a store node"))}
     done = {name: CounterMetricFamily(f"kvpool_node_{name}", doc, labels=lab) for name, doc in (
         ("demotions", "Replicas demoted from memory to a store node's disk tier"),
-        ("demotion_seconds", "Seconds store nodes spent in demotions (write, fsync, rename)"),
+        ("demotion_seconds", "Sum of demotions' latencies on store nodes (write to publish, fsync included)"),
         ("promotions", "Replicas promoted from a store node's disk tier to memory"),
-        ("promotion_seconds", "Seconds store nodes spent in promotions (read, check, copy)"))}
+        ("promotion_seconds", "Sum of promotions' latencies on store nodes (read, check, copy)"))}
     for n in st.nodes:
         if not n.disk_capacity:
             continue

@@ -140,9 +140,11 @@ class NodeStats(msgspec.Struct, frozen=True):
     incarnation: str = ""
     device: str = "cpu"  # where the segment lives: cpu (shared memory) or cuda:N
     reserved: int = 0  # bytes of ``used`` reserved ahead of need for writers (master/reservations.py)
-    # the disk tier (0 capacity: none): bytes, files (objects) and the master's tier moves
-    # to and from it: demotions (memory -> disk) and promotions (disk -> memory) done, and
-    # the node's seconds spent in them (the disk write or read and its fsync)
+    # the disk tier (0 capacity: none): bytes, files (objects; ``objects`` counts those in
+    # memory) and the master's tier moves to and from it: demotions (memory -> disk) and
+    # promotions (disk -> memory) done, and the sums of their latencies on the node
+    # (seconds from the start of a move's write or read to its publish, a demotion group's
+    # fsync included)
     disk_capacity: int = 0
     disk_used: int = 0
     disk_objects: int = 0
@@ -586,7 +588,9 @@ class TierDone(msgspec.Struct, frozen=True, array_like=True, tag="tier"):
     """A store node's answer to :class:`NodeDemote` / :class:`NodePromote` (the ``result``
     of its Reply, also beside an error): ``op`` "demote" or "promote", the object ``key``,
     the memory extent's generation (the demoted source, or the promoted destination), the
-    disk file's id (0 when a demotion wrote none) and the seconds the node spent on it."""
+    disk file's id (0 when a demotion wrote none) and the move's latency on the node in
+    seconds (from the start of its write or read to its publish: a demotion's includes its
+    group's fsync)."""
 
     op: str
     key: str
