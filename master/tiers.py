@@ -22,7 +22,8 @@ flight; what is left waits for the next enforcement (each answer, put and tick).
 disk tier cannot take an object (it is larger than the tier's high watermark, or every
 disk object is leased, pinned or held) or the node failed a demotion in the last
 :data:`TIER_RETRY_S` seconds, the watermark evicts on that node as it does without a
-disk tier. An allocation that fails (a put that finds memory full) evicts as before too:
+disk tier. A move the node has not answered within :data:`TIER_TIMEOUT_S` counts as
+failed (a late answer finds no move: its file is deleted, its commit refused). An allocation that fails (a put that finds memory full) evicts as before too:
 a demotion cannot free memory at once.
 
 **Disk eviction.** Above a disk tier's high watermark the least recently used disk
@@ -63,6 +64,7 @@ DEMOTE_BYTES_IN_FLIGHT = 256 << 20  # ... and at most this many bytes of them
 PROMOTE_IN_FLIGHT = 16  # promotions in flight per node, at most (the node queues up to 64)
 PROMOTE_AFTER = 2  # the read of a disk-resident object that promotes it (the 2nd)
 TIER_RETRY_S = 5.0  # after a failed demotion, the node's memory watermark evicts for this long
+TIER_TIMEOUT_S = 60.0  # a move the node has not answered in this long is counted failed (its answer was lost)
 DISK_READS_MAX = 100_000  # disk-resident keys whose reads are counted (the oldest forgotten first)
 # failures of a demotion that are not the disk's fault (the source went, or a leader changed)
 _MOVE_ERRORS = ("stale_extent", "checksum_mismatch", "stale_term", "not_leader", "invalid_request")
@@ -102,8 +104,8 @@ class TierMixin:
         self.disk_nodes = 0  # nodes with a disk tier: 0 keeps every hook off the memory-only path
         # (node id, key) -> (memory replica, started (monotonic), object)
         self.demotions: dict[tuple[str, str], tuple[ExtentRef, float, Obj]] = {}
-        # (node id, key) -> (memory extent granted, disk replica, object)
-        self.promotions: dict[tuple[str, str], tuple[ExtentRef, ExtentRef, Obj]] = {}
+        # (node id, key) -> (memory extent granted, disk replica, object, started (monotonic))
+        self.promotions: dict[tuple[str, str], tuple[ExtentRef, ExtentRef, Obj, float]] = {}
         self._disk_reads: dict[str, int] = {}  # key -> reads while disk-resident (see PROMOTE_AFTER)
         self._last_inc: dict[str, str] = {}  # node id -> its incarnation that went down last
 
@@ -335,7 +337,7 @@ class TierMixin:
             if off is None:
                 continue
             dst = grant(node, off, size, key)
-            self.promotions[(ref.node_id, key)] = (dst, ref, obj)
+            self.promotions[(ref.node_id, key)] = (dst, ref, obj, now)
             node.disk.promoting += 1
             self.outbox[ref.node_id].append(NodePromote(ref.gen, dst, key))
             self.counters["promotions_started"] += 1
@@ -348,7 +350,7 @@ class TierMixin:
         if job is None or job[0].gen != done.gen or node is None:
             return  # not ours: a deposed leader's move commits nothing (storenode/demotion.py)
         del self.promotions[(node_id, done.key)]
-        dst, dref, obj = job
+        dst, dref, obj, _ = job
         node.disk.promoting -= 1
         current = self.objects.get(obj.key) is obj and dref in obj.replicas
         if error is not None or not current:
@@ -427,8 +429,15 @@ class TierMixin:
             self._maybe_repair(obj)
 
     def _tier_tick(self, now: float) -> None:
-        """Delete promoted files whose readers' leases lapsed; keep disk tiers under their
-        high watermarks."""
+        """Count moves unanswered for TIER_TIMEOUT_S as failed; delete promoted files whose
+        readers' leases lapsed; keep disk tiers under their high watermarks."""
+        late = ErrorInfo("timeout", f"no answer within {TIER_TIMEOUT_S:g}s")
+        for (nid, key), (ref, t0, _) in list(self.demotions.items()):
+            if now - t0 > TIER_TIMEOUT_S:  # a late answer finds no job: its file is deleted
+                self._demote_done(nid, TierDone("demote", key, ref.gen), late, now)
+        for (nid, key), (dst, dref, _, t0) in list(self.promotions.items()):
+            if now - t0 > TIER_TIMEOUT_S:  # its extent is freed: the node refuses a late commit there
+                self._promote_done(nid, TierDone("promote", key, dst.gen, dref.gen), late, now)
         for node in self.nodes.values():
             d = node.disk
             if d is None:

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from kvpool.cli.cluster import LocalCluster, free_port, kvpool_argv
+from kvpool.connector.client import KVPoolClient
 from kvpool.protocol.config import load_config
 from kvpool.protocol.messages import EvictSelector
 from tests.conftest import _Started, wait_for
@@ -19,10 +20,10 @@ KiB, MiB = 1 << 10, 1 << 20
 OBJ = 256 * KiB
 
 
-def disk_config(tmp, nodes=2, memory="8MiB", disk="256MiB", replicas=1, **node):
+def disk_config(tmp, nodes=2, memory="8MiB", disk="256MiB", replicas=1, master=None, **node):
     entries = [{"name": f"node-{i}", "memory": memory, "disk_dir": str(tmp / f"disk-{i}"), "disk_capacity": disk,
                 **node} for i in range(nodes)]
-    return load_config(None, {"storenodes": entries, "master": {"replicas": replicas}}, environ={})
+    return load_config(None, {"storenodes": entries, "master": {"replicas": replicas, **(master or {})}}, environ={})
 
 
 @pytest.fixture
@@ -138,6 +139,29 @@ def test_whole_cluster_restart_keeps_what_is_on_disk(started, tmp_path):
         read_back(c, data, on_disk)
         c.put("new", b"x" * 1000)  # and the restarted cluster takes new objects beside them
         assert c.get("new") == b"x" * 1000
+
+
+@pytest.mark.slow
+def test_disk_objects_survive_a_master_failover_and_a_drain_copies_from_disk(started, tmp_path):
+    lc = start(started, disk_config(tmp_path, master={"node_ttl": "1s"}))
+    standby = lc.start_master(wait_leader=False)
+    with lc.client() as c:
+        data = {f"fo/{i}": os.urandom(OBJ) for i in range(2 * 16 * MiB // OBJ)}
+        write(c, data)
+        before = {r.key: list(zip(r.nodes, r.tiers)) for r in c.ls(limit=100000)}
+        pinned = next(k for k, w in before.items() if w == [("node-0", "disk")])
+        c.pin(pinned)
+    lc.masters[0].kill()
+    standby.wait_line("KVPOOL_LEADER", 20)
+    with KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20) as c:
+        # the new leader indexed every node's memory and disk rows: same objects, same tiers
+        wait_for(lambda: c.stats().objects == len(data), 20, what="the rebuilt index")
+        assert {r.key: list(zip(r.nodes, r.tiers)) for r in c.ls(limit=100000)} == before
+        read_back(c, data)
+        # a drain moves the pinned object off node-0: copied from its file to node-1
+        c.drain("node-0")
+        wait_for(lambda: c.ls(pinned)[0].nodes == ["node-1"], 20, what="the pinned object to move")
+        assert c.stats().counters.get("repairs_done", 0) >= 1 and c.get(pinned) == data[pinned]
 
 
 def test_pins_and_holds_keep_their_meaning_across_tiers(started, tmp_path):

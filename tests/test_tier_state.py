@@ -217,3 +217,29 @@ def test_without_a_disk_tier_nothing_changes():
     assert st.disk_nodes == 0 and not sent(st, NodeDemote)
     assert st.counters["evictions_watermark"] == 2
     assert st.list_objects("", 10, 11.0)[0].tiers == []
+
+
+def test_an_unanswered_move_times_out_and_its_late_answer_is_cleaned_up():
+    st = make()
+    for i in range(10):
+        put(st, f"k{i}", now=float(i))
+    st.take_outbox()
+    gen = st.demotions[("n0", "k0")][0].gen
+    st.tick(100.0)  # no answer within TIER_TIMEOUT_S
+    assert not st.demotions and st.counters["demotions_failed"] == 2
+    assert tiers(st, "k0") == [("n0", MEMORY)] and st.nodes["n0"].disk.jobs == 0
+    st.take_outbox()
+    st.tier_done("n0", TierDone("demote", "k0", gen, 42), None, 101.0)  # the lost answer arrives after all
+    assert [m.ids for m in sent(st, NodeDiskFree)] == [[42]] and tiers(st, "k0") == [("n0", MEMORY)]
+
+
+def test_max_objects_evicts_disk_objects_first():
+    st = make(max_objects=11)
+    for i in range(10):
+        put(st, f"k{i}", now=float(i))
+    st.take_outbox()
+    answer_demotions(st, 10.0)  # k0, k1 on disk
+    st.lookup(["k0"], lease=False, now=11.0)  # the most recently used, but on disk
+    put(st, "k10", now=12.0)
+    put(st, "k11", now=13.0)  # past max_objects: the least recently used disk object goes first
+    assert "k1" not in st.objects and "k0" in st.objects and "k2" in st.objects
