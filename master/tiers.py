@@ -201,7 +201,8 @@ class TierMixin:
                     skipped.append(key)
                     continue
                 ref = next((r for r in obj.replicas if r.node_id == nid and r.tier == MEMORY), None)
-                if ref is None:
+                if ref is None:  # not in memory here after all: back to the lists its replicas belong in
+                    self._lru_add(obj)
                     continue
                 n += 1
                 if not self._disk_room(node, ref.size, now):
