@@ -179,6 +179,13 @@ def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOp
               ] = None,
               metrics_port: Annotated[Optional[int], typer.Option(
                   help="Serve /metrics, /healthz, /readyz here (0 = any free port)")] = None,
+              disk_dir: Annotated[Optional[str], typer.Option(
+                  help="Directory of a disk tier under the memory segment (one node per directory; kept across "
+                       "restarts)")] = None,
+              disk_capacity: Annotated[Optional[str], typer.Option(
+                  help="Bytes of objects the disk tier may hold, e.g. 100GiB")] = None,
+              disk_port: Annotated[Optional[int], typer.Option(
+                  help="Port of the disk tier's reads, with --disk-dir (0 = any free port)")] = None,
               secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None,
               tls_ca: _TlsCa = None, tls_client_certs: _TlsClientCerts = None) -> None:
     """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N).
@@ -278,7 +285,8 @@ def ls_(prefix: Annotated[str, typer.Option("--prefix", "-p")] = "",
         for r in rows:
             state = ",".join(s for s in (("leased" if r.leased else ""), (f"pin:{r.pin}" if r.pin else ""),
                                          ("held" if r.held else "")) if s) or "-"
-            extra = (r.kind, ",".join(r.nodes), f"{r.age_s:.0f}s", f"{r.idle_s:.0f}s ago",
+            where = [f"{n}:{t}" if t == "disk" else n for n, t in zip(r.nodes, r.tiers)] if r.tiers else r.nodes
+            extra = (r.kind, ",".join(where), f"{r.age_s:.0f}s", f"{r.idle_s:.0f}s ago",
                      state) if long else ()
             t.add_row(r.key, format_bytes(r.size), *extra)
         console.print(t)
@@ -341,16 +349,26 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
         if urls:
             console.print("metrics (/metrics, /healthz, /readyz): " + ", ".join(f"{k} {v}" for k, v in urls.items()),
                           soft_wrap=True, highlight=False)
-        t = Table("node", "address", "host", "device", "capacity", "used", "use %", "objects", "alive")
+        disk = st.disk_capacity > 0
+        t = Table("node", "address", "host", "device", "capacity", "used", "use %", "objects",
+                  *(("disk", "disk used", "disk %", "disk objects") if disk else ()), "alive")
         for n in st.nodes:
             pct = 100 * n.used / n.capacity if n.capacity else 0
             mark = "[red]" if pct > 100 * st.high_watermark else ""
+            cols = ((format_bytes(n.disk_capacity), format_bytes(n.disk_used),
+                     f"{100 * n.disk_used / n.disk_capacity:.1f}", str(n.disk_objects)) if n.disk_capacity
+                    else ("-", "-", "-", "-")) if disk else ()
             t.add_row(n.node_id + (" (draining)" if n.draining else ""), n.data_addr, n.host_id, n.device,
                       format_bytes(n.capacity), format_bytes(n.used), f"{mark}{pct:.1f}",
-                      str(n.objects), "yes" if n.alive else "no")
+                      str(n.objects), *cols, "yes" if n.alive else "no")
+        mem_objects = st.objects - st.disk_objects if disk else st.objects
         t.add_row("[bold]total", "", "", "", format_bytes(st.capacity), format_bytes(st.used),
-                  f"{100 * st.used / st.capacity if st.capacity else 0:.1f}", str(st.objects), "")
+                  f"{100 * st.used / st.capacity if st.capacity else 0:.1f}", str(mem_objects),
+                  *((format_bytes(st.disk_capacity), format_bytes(st.disk_used),
+                     f"{100 * st.disk_used / st.disk_capacity:.1f}", str(st.disk_objects)) if disk else ()), "")
         console.print(t)
+        if disk:
+            console.print(_tier_line(st), soft_wrap=True, highlight=False)
         for nid, wire in sorted(st.refused.items()):
             console.print(f"[red]store node {nid} is not used: it speaks kvpool wire version {wire}, this "
                           f"cluster's master {M.WIRE_VERSION}; install this release there and restart it")
@@ -370,6 +388,23 @@ def status(json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt =
                           + f", {st.under_replicated} object(s) under-replicated")
 
     _run(go)
+
+
+def _tier_line(st: M.ClusterStats) -> str:
+    """One line on the disk tiers' moves: demotions and promotions (done, in flight, failed,
+    given up) with their mean latency on the nodes, and disk evictions."""
+    c = st.counters
+    dem = sum(n.demotions for n in st.nodes)
+    pro = sum(n.promotions for n in st.nodes)
+    dem_s = sum(n.demotion_s for n in st.nodes)
+    pro_s = sum(n.promotion_s for n in st.nodes)
+    moving = sum(n.tier_moves for n in st.nodes)
+    mean = lambda s, n: f" (mean latency {1000 * s / n:.1f} ms)" if n else ""  # noqa: E731
+    return (f"tiers: {dem} demotions to disk{mean(dem_s, dem)} ({format_bytes(c.get('demoted_bytes', 0))}), "
+            f"{pro} promotions to memory{mean(pro_s, pro)} ({format_bytes(c.get('promoted_bytes', 0))}), "
+            f"{moving} in flight, {c.get('demotions_failed', 0) + c.get('promotions_failed', 0)} failed, "
+            f"{c.get('demotions_aborted', 0)} demotions given up (read meanwhile); "
+            f"disk evictions {c.get('evictions_disk', 0)}")
 
 
 # config-file names (seconds fields without their ``_s``) -> ClusterSettings fields

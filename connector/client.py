@@ -57,6 +57,7 @@ SPIN_WAIT_S = parse_duration(ClientConfig().spin_wait)  # seconds; see protocol/
 PIPELINE_KEYS = 64  # a batch get of more keys looks up each slice of this many while reading the one before
 _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
 PUT_ROUNDS = 3  # placements a put_start/put_end put gets at most (a dead node, a busy extent, a revoked grant)
+DISK_STREAMS = 4  # streams one batch's reads of a node's disk tier use at most (storenodes[].disk_readers: 4)
 
 
 def as_buffer(x: Any, writable: bool) -> tuple[Any, Callable[[], None] | None]:
@@ -449,8 +450,8 @@ class KVPoolClient(ReservedPuts, HintedReads):
                     fn(ops)
                 else:
                     units.append(ops)
-            else:
-                units.extend(lanes(ops, self.streams_per_node))
+            else:  # (a node's disk reads: several streams, so the node's disk readers work in parallel)
+                units.extend(disk_lanes(ops) if ops[0].ref.tier else lanes(ops, self.streams_per_node))
         if not units:
             return
         futs = [self._pool.submit(fn, g) for g in units[1:]]
@@ -693,7 +694,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
             for i, (info, order) in pending.items():
                 op = self.replica_reads.op(order, views[i])
                 op_of[i] = op
-                by_node[op.ref.node_id].append(op)
+                by_node[op.ref.data_addr].append(op)  # per stream: a node's disk tier has sockets of its own
             self._parallel(self.replica_reads.read, by_node)  # with replica deadlines and hedges
             nxt = {}
             for i, op in op_of.items():
@@ -838,6 +839,15 @@ def lanes(ops: Sequence, k: int) -> list[list]:
         load[j] += ops[i].ref.size
         member[i] = j
     return [g for g in ([op for op, m in zip(ops, member) if m == j] for j in range(k)) if g]
+
+
+def disk_lanes(ops: Sequence) -> list[list]:
+    """Reads of one node's disk tier split round-robin into at most :data:`DISK_STREAMS`
+    lanes: each is a stream of its own, served by one of the node's disk-read threads, so
+    the files are read in parallel (a disk answers a few reads at once faster than one
+    after the other)."""
+    k = min(DISK_STREAMS, len(ops))
+    return [list(ops[j::k]) for j in range(k)]
 
 
 def _seconds_or_none(v) -> float | None:

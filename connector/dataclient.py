@@ -36,6 +36,9 @@ Paths, chosen per replica (``transport="auto"``):
   one or a later one by then, so a torn read fails the check unless the extent was
   rewritten with the very bytes it held). Other paths stage through a pinned host buffer
   (one DMA + the host path's copy). ``cuda_direct=False`` stages always.
+* **disk tier** (an ExtentRef of ``tier`` DISK): read like a network replica, with the
+  ``dread`` op, from the node's disk-read socket the ref names (its Unix socket on the same
+  host, else TCP); never through the mapping.
 * **UCX** (``transport="ucx"``, nodes started with ``--ucx``): the same frames over a
   ``ucx://`` stream (:mod:`protocol.ucx_transport`); UCX moves the payload (shared memory
   or TCP) straight into the caller's buffer when it fits.
@@ -80,6 +83,7 @@ _BIG = 64 << 10         # payloads at least this big are read without greedy buf
 _NET_ASIDE_MIN = 1 << 20  # network writes at least this big, not hashed yet, are hashed beside the send
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _RELEASE_S = 0.5  # seconds the release of unanswered claims may wait to be sent
+_READ_OP = ("read", "dread")  # by ExtentRef.tier: a memory extent, a disk-tier file (storenode/disk_reads.py)
 
 
 class WriteOp:
@@ -395,8 +399,8 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                 if len(op.out) < op.ref.size:
                     raise InvalidRequest(f"output buffer of {len(op.out)} bytes is smaller than the "
                                          f"{op.ref.size}-byte extent")
-            sendv(s.sock, [b"".join([frame(DataRequest("read", op.ref.incarnation, op.ref.offset, op.ref.size,
-                                                        op.ref.gen)) for op in net])])
+            sendv(s.sock, [b"".join([frame(DataRequest(_READ_OP[op.ref.tier], op.ref.incarnation, op.ref.offset,
+                                                        op.ref.size, op.ref.gen)) for op in net])])
         except (OSError, KVPoolError) as e:  # the stream is dropped
             self._stream_failed(addr, net, e, "read")
             return None

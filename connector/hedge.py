@@ -84,13 +84,14 @@ class ReplicaReads:
     # ---- order and memory -----------------------------------------------------------------
 
     def order(self, replicas: Sequence[M.ExtentRef]) -> list[M.ExtentRef]:
-        """``replicas`` in read order: nodes not remembered as slow first, then same host first."""
+        """``replicas`` in read order: nodes not remembered as slow first, then memory replicas
+        before disk ones, then same host first."""
         slow = self._slow
         if slow:
             now = time.monotonic()
             for nid in [n for n, until in slow.items() if until <= now]:
                 slow.pop(nid, None)
-        return sorted(replicas, key=lambda r: (r.node_id in slow, r.host_id != self.host_id))
+        return sorted(replicas, key=lambda r: (r.node_id in slow, r.tier, r.host_id != self.host_id))
 
     def is_slow(self, node_id: str) -> bool:
         """``node_id`` missed a deadline lately (see :meth:`failed`)."""
@@ -178,7 +179,7 @@ class ReplicaReads:
             scratch = bytearray(ref.size)
             hop = ReadOp(ref, memoryview(scratch), digest=True)
             op.hedge = (hop, scratch)
-            by_node[ref.node_id].append(hop)
+            by_node[ref.data_addr].append(hop)  # per stream (a node's disk tier has sockets of its own)
         if not by_node:
             return []
         with self._pool_lock:

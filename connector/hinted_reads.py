@@ -44,8 +44,8 @@ class HintedReads:
     def _remember(self, key: str, ref: M.ExtentRef) -> None:
         """``key`` lives at ``ref``, a network replica (same-host ones and big objects are
         skipped; the caller skips keys that also have a same-host replica)."""
-        if ref.size > HINT_MAX_BYTES or self.data.uses_shm(ref):
-            return
+        if ref.size > HINT_MAX_BYTES or ref.tier or self.data.uses_shm(ref):
+            return  # (a disk replica is not read ahead: a wasted read would cost disk I/O)
         where = self._where
         where.pop(key, None)  # re-inserted last: the oldest-first eviction forgets cold keys
         where[key] = msgspec.structs.replace(ref, token=b"") if ref.token else ref

@@ -40,7 +40,10 @@ class _SegmentMaps:
     ``io_timeout_s`` and ``security``)."""
 
     def uses_shm(self, ref: ExtentRef) -> bool:
-        return self.mode in ("auto", "shm") and ref.host_id == self.host_id and self._segment(ref) is not None
+        """Whether ``ref`` is copied through the mapped segment (a same-host memory replica;
+        a disk replica never is: it is read over its node's disk-read socket)."""
+        return (self.mode in ("auto", "shm") and ref.host_id == self.host_id and not ref.tier
+                and self._segment(ref) is not None)
 
     def same_host(self, ref: ExtentRef) -> bool:
         """Whether ``ref``'s node proved to share this host: it publishes this client's host

@@ -3,7 +3,9 @@ and admin eviction by key, prefix, model, node, age or all.
 
 A mixin of :class:`master.state.MasterState`; it uses the state's index and ``_drop`` and
 does no I/O. LRU order: each node keeps two lists, plain objects and soft-pinned ones
-(evicted last); held, hard-pinned and pending objects are on neither.
+(evicted last); held, hard-pinned and pending objects are on neither. A node with a disk
+tier keeps two more for its disk-resident objects, and its memory watermark demotes
+instead of evicting (:mod:`master.tiers`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,19 @@ from kvpool.protocol.messages import EvictReport, EvictSelector
 
 if TYPE_CHECKING:
     from kvpool.master.state import Node, Obj
+
+
+_LISTS = ("lru", "soft_lru")
+_LISTS_TIERED = ("disk.lru", "lru", "disk.soft_lru", "soft_lru")  # disk objects are the colder ones
+_NONE: dict = {}
+
+
+def _lru_of(node: Node, attr: str):
+    """The LRU list ``attr`` of ``node`` ("disk.<list>": of its disk tier; an empty dict
+    for a node without one)."""
+    if attr.startswith("disk."):
+        return getattr(node.disk, attr[5:]) if node.disk is not None else _NONE
+    return getattr(node, attr)
 
 
 class EvictionMixin:
@@ -31,6 +46,9 @@ class EvictionMixin:
     def _lru_add(self, obj: Obj) -> None:
         """Put ``obj`` at the hot end of its LRU list on each of its nodes (or, when it is
         never evicted, in their ``fixed`` sets)."""
+        if self.disk_nodes:
+            self._lru_add_tiered(obj)
+            return
         kind, key = obj.evictable_kind(), obj.key
         for nid in obj.node_ids():
             node = self.nodes.get(nid)
@@ -49,6 +67,9 @@ class EvictionMixin:
 
     def _lru_remove(self, obj: Obj) -> None:
         """Take ``obj`` off its nodes' LRU lists (into their ``fixed`` sets)."""
+        if self.disk_nodes:
+            self._lru_remove_tiered(obj)
+            return
         key = obj.key
         for nid in obj.node_ids():
             node = self.nodes.get(nid)
@@ -65,7 +86,11 @@ class EvictionMixin:
         return n
 
     def _evict_node(self, node: Node, target_used: int | None, need: int, now: float, reason: str) -> int:
-        """Evict from ``node`` until used <= target_used, or until a ``need``-byte range is free."""
+        """Evict from ``node`` until used <= target_used, or until a ``need``-byte range is free.
+        The watermark of a node with a disk tier demotes instead (:mod:`master.tiers`)."""
+        d = node.disk
+        if d is not None and reason == "watermark" and target_used is not None and d.paused_until <= now:
+            return self._demote_node(node, target_used, now)
 
         def done() -> bool:
             if target_used is not None:
@@ -98,12 +123,12 @@ class EvictionMixin:
         then of their soft-pin lists), skipping leased objects as :meth:`_evict_node` does.
         Returns how many went. Cost per object: one look at each node's cold end."""
         evicted = 0
-        for attr in ("lru", "soft_lru"):
+        for attr in (_LISTS_TIERED if self.disk_nodes else _LISTS):
             skipped: list[tuple[Node, list[str]]] = []
             while evicted < count:
                 best = None
                 for node in self.nodes.values():
-                    lru, held = getattr(node, attr), []
+                    lru, held = _lru_of(node, attr), []
                     while lru:
                         obj = self.objects.get(next(iter(lru)))
                         if obj is None or obj.lease_until > now:
@@ -119,7 +144,7 @@ class EvictionMixin:
                 self._drop(best, reason="max_objects")
                 evicted += 1
             for node, keys in skipped:  # leased objects stay, at the cold end, for next time
-                lru = getattr(node, attr)
+                lru = _lru_of(node, attr)
                 for key in reversed(keys):
                     if key in self.objects and node.node_id in self.nodes and key not in lru:
                         lru[key] = None

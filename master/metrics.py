@@ -18,6 +18,32 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0)  # seconds (upper bounds; +Inf added)
 
 
+def _disk_families(st):
+    """Per store node with a disk tier: its capacity, bytes and objects on disk, tier moves
+    in flight, and the demotions and promotions done with the node's seconds spent in them."""
+    lab = ["node"]
+    fams = {name: GaugeMetricFamily(f"kvpool_node_disk_{name}", doc, labels=lab) for name, doc in (
+        ("capacity_bytes", "Disk tier bytes per store node"),
+        ("used_bytes", "Bytes of object files in a store node's disk tier"),
+        ("objects", "Replicas on a store node's disk tier"),
+        ("moves_in_flight", "Demotions and promotions under way on a store node"))}
+    done = {name: CounterMetricFamily(f"kvpool_node_{name}", doc, labels=lab) for name, doc in (
+        ("demotions", "Replicas demoted from memory to a store node's disk tier"),
+        ("demotion_seconds", "Sum of demotions' latencies on store nodes (write to publish, fsync included)"),
+        ("promotions", "Replicas promoted from a store node's disk tier to memory"),
+        ("promotion_seconds", "Sum of promotions' latencies on store nodes (read, check, copy)"))}
+    for n in st.nodes:
+        if not n.disk_capacity:
+            continue
+        for name, v in (("capacity_bytes", n.disk_capacity), ("used_bytes", n.disk_used),
+                        ("objects", n.disk_objects), ("moves_in_flight", n.tier_moves)):
+            fams[name].add_metric([n.node_id], v)
+        for name, v in (("demotions", n.demotions), ("demotion_seconds", n.demotion_s),
+                        ("promotions", n.promotions), ("promotion_seconds", n.promotion_s)):
+            done[name].add_metric([n.node_id], v)
+    return [*fams.values(), *done.values()]
+
+
 class _StateCollector:
     def __init__(self, owner: "Metrics") -> None:
         self.owner = owner
@@ -34,6 +60,8 @@ class _StateCollector:
             cap.add_metric([n.node_id], n.capacity)
         yield used
         yield cap
+        if st.disk_capacity:  # disk tiers (master/tiers.py); moves are counted in kvpool_ops
+            yield from _disk_families(st)
         held = GaugeMetricFamily("kvpool_held_bytes", "Bytes held for P/D hand-offs (all replicas)")
         held.add_metric([], st.held_bytes)
         yield held

@@ -5,8 +5,9 @@ notice socket closed; a new one is asked for its extent table on a join worker
 (:mod:`master.joins`) and taken in from the answer (:meth:`_StoreNodes._adopt`; a failover
 indexes every node this way, :meth:`_StoreNodes._rebuild`). One zmq DEALER notice socket per
 node incarnation carries the state's outbox (consecutive commit or free notices coalesced,
-each stamped with this leader's term) and brings back the nodes' copy completions, or the
-refusal of a node that knows a newer term.
+each stamped with this leader's term) and brings back the nodes' copy completions and tier
+moves (demotions, promotions: :mod:`master.tiers`), or the refusal of a node that knows a
+newer term.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+from typing import Union
 
 import msgspec
 import zmq
@@ -103,6 +105,10 @@ class _StoreNodes:
         for r in table.rows:
             with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
                 layout = M.LayoutSpec.decode(r.layout) if r.layout else None
+                if r.tier == M.DISK:  # a file of its disk tier (master/tiers.py)
+                    self.state.restore_disk_extent(d.node_id, r.key, r.size, r.gen, r.checksum, layout, now,
+                                                   r.replicas)
+                    continue
                 self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now,
                                           r.replicas)
         self._sock(d.node_id)
@@ -150,7 +156,7 @@ class _StoreNodes:
             cur[1].close(0)
 
     def _node_reply(self, sock: zmq.Socket) -> None:
-        """Completion of a copy (repair) request."""
+        """Completion of a copy (repair) request, or of a tier move."""
         while True:
             try:
                 body = sock.recv(zmq.NOBLOCK)
@@ -161,8 +167,13 @@ class _StoreNodes:
                 if rep.error is not None and rep.error.code == StaleTerm.code:
                     self._depose(rep.error.message)
                     continue
-                key = msgspec.msgpack.decode(rep.result, type=str)
-                self.state.repair_done(key, rep.error is None)
+                done = msgspec.msgpack.decode(rep.result, type=Union[str, M.TierDone])
+                if type(done) is M.TierDone:
+                    nid = next((n for n, (_, s) in self.node_socks.items() if s is sock), None)
+                    if nid is not None:
+                        self.state.tier_done(nid, done, rep.error, time.monotonic())
+                    continue
+                self.state.repair_done(done, rep.error is None)
 
     def _flush(self) -> None:
         """Send the state's notices to the store nodes, stamped with this leader's term; they

@@ -18,7 +18,7 @@ import struct
 import msgspec
 
 from kvpool.protocol.layout import LayoutSpec
-from kvpool.protocol.messages import ExtentRef, NodeDesc
+from kvpool.protocol.messages import DISK, MEMORY, ExtentRef, NodeDesc
 
 PENDING, COMMITTED = 0, 1
 # size, checksum (xxh3_64), put id, created (monotonic s), state, replicas wanted
@@ -27,18 +27,27 @@ _REP = struct.Struct("<IQQ")  # node number, offset (bytes), generation
 _HS, _RS = _HEAD.size, _REP.size
 _EMPTY: frozenset[str] = frozenset()
 
-# node number -> (node_id, incarnation, data_addr, shm_path, host_id, ucx_addr); numbers are
-# per process and per published node description, so every state in a process shares them
-_NODE_INFO: list[tuple[str, str, str, str, str, str]] = []
-_NODE_NUM: dict[tuple[str, str, str, str, str, str], int] = {}
+# node number -> (node_id, incarnation, data_addr, shm_path, host_id, ucx_addr, tier); numbers
+# are per process and per published node description and tier (a node's disk tier has its
+# own read addresses, so its replicas have a number of their own), so every state in a
+# process shares them
+_NODE_INFO: list[tuple[str, str, str, str, str, str, int]] = []
+_NODE_NUM: dict[tuple[str, str, str, str, str, str, int], int] = {}
 
 
 def node_number(desc: NodeDesc) -> int:
     """The small number replicas on ``desc`` (one incarnation of a node) are stored under."""
-    return _num((desc.node_id, desc.incarnation, desc.data_addr, desc.shm_path, desc.host_id, desc.ucx_addr))
+    return _num((desc.node_id, desc.incarnation, desc.data_addr, desc.shm_path, desc.host_id, desc.ucx_addr, MEMORY))
 
 
-def _num(info: tuple[str, str, str, str, str, str]) -> int:
+def disk_ref(desc: NodeDesc, size: int, disk_id: int) -> ExtentRef:
+    """The replica of ``size`` bytes held in file ``disk_id`` of ``desc``'s disk tier (read
+    through its disk-read sockets)."""
+    return ExtentRef(desc.node_id, desc.incarnation, desc.disk_addr, desc.disk_path, desc.host_id, 0, size, disk_id,
+                     b"", "", DISK)
+
+
+def _num(info: tuple[str, str, str, str, str, str, int]) -> int:
     n = _NODE_NUM.get(info)
     if n is None:
         n = _NODE_NUM[info] = len(_NODE_INFO)
@@ -47,8 +56,8 @@ def _num(info: tuple[str, str, str, str, str, str]) -> int:
 
 
 def _pack_reps(refs: list[ExtentRef]) -> bytes:
-    return b"".join(_REP.pack(_num((r.node_id, r.incarnation, r.data_addr, r.shm_path, r.host_id, r.ucx_addr)),
-                              r.offset, r.gen) for r in refs)
+    return b"".join(_REP.pack(_num((r.node_id, r.incarnation, r.data_addr, r.shm_path, r.host_id, r.ucx_addr,
+                                    r.tier)), r.offset, r.gen) for r in refs)
 
 
 class Ext(msgspec.Struct):
@@ -162,7 +171,7 @@ class Obj(msgspec.Struct, gc=False):
         out = []
         for num, off, gen in _REP.iter_unpack(rec[_HS:]):
             i = _NODE_INFO[num]
-            out.append(ExtentRef(i[0], i[1], i[2], i[3], i[4], off, size, gen, b"", i[5]))
+            out.append(ExtentRef(i[0], i[1], i[2], i[3], i[4], off, size, gen, b"", i[5], i[6]))
         return out
 
     @replicas.setter
@@ -177,6 +186,11 @@ class Obj(msgspec.Struct, gc=False):
         rec = self.rec
         return [_NODE_INFO[_REP.unpack_from(rec, p)[0]][0] for p in range(_HS, len(rec), _RS)]
 
+    def tiers(self) -> list[tuple[str, int]]:
+        """``(node id, tier)`` of each replica, in replica order."""
+        rec = self.rec
+        return [(i[0], i[6]) for i in (_NODE_INFO[_REP.unpack_from(rec, p)[0]] for p in range(_HS, len(rec), _RS))]
+
     def read_view(self) -> tuple[int, int, list[ExtentRef]]:
         """``(size, checksum, replicas without tokens)`` in one unpack (the read path)."""
         rec = self.rec
@@ -184,7 +198,7 @@ class Obj(msgspec.Struct, gc=False):
         refs = []
         for num, off, gen in _REP.iter_unpack(rec[_HS:]):
             i = _NODE_INFO[num]
-            refs.append(ExtentRef(i[0], i[1], i[2], i[3], i[4], off, size, gen, b"", i[5]))
+            refs.append(ExtentRef(i[0], i[1], i[2], i[3], i[4], off, size, gen, b"", i[5], i[6]))
         return size, checksum, refs
 
     def read_refs(self) -> list[ExtentRef]:

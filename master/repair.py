@@ -170,11 +170,12 @@ class RepairMixin:
         else:
             return "room"
         ref = grant(dst, off, obj.size, obj.key)
-        src = next(r for r in obj.replicas if r.node_id in self.nodes)
+        live = [r for r in obj.replicas if r.node_id in self.nodes]
+        src = next((r for r in live if not r.tier), live[0])  # a memory replica when there is one
         obj.repairing = True
         self.repairs[obj.key] = (ref, now, obj, src.node_id)
         self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
-                                                 obj.layout.encode() if obj.layout else None))
+                                                 obj.layout.encode() if obj.layout else None, src_tier=src.tier))
         self.counters["repairs_started"] += 1
         return ""
 

@@ -36,6 +36,7 @@ from kvpool.master.placement import spread
 from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
 from kvpool.master.reservations import Held, ReservationMixin
 from kvpool.master.stats import StatsSnapshot
+from kvpool.master.tiers import DiskTier, TierMixin
 from kvpool.protocol import errors as E
 from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
@@ -78,13 +79,16 @@ class Node:
     # keys removed or evicted while this incarnation was away (see MasterState.departed):
     # its rows for them are stale and are not indexed again when it comes back
     gone: set[str] | None = field(default_factory=set)  # None: too much changed, index nothing
+    disk: DiskTier | None = None  # its disk tier, if it has one (master/tiers.py)
 
     @property
     def node_id(self) -> str:
         return self.desc.node_id
 
     def all_keys(self) -> list[str]:
-        """Every key with a replica (pending or committed) on this node."""
+        """Every key with a replica (pending or committed, in memory or on disk) on this node."""
+        if self.disk is not None:
+            return [*self.lru, *self.soft_lru, *self.fixed, *self.disk.keys()]
         return [*self.lru, *self.soft_lru, *self.fixed]
 
     def drop_key(self, key: str) -> None:
@@ -92,12 +96,15 @@ class Node:
         self.lru.pop(key, None)
         self.soft_lru.pop(key, None)
         self.fixed.discard(key)
+        if self.disk is not None:
+            self.disk.lru.pop(key, None)
+            self.disk.soft_lru.pop(key, None)
 
     def usage(self) -> float:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
 
 
-class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
+class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
     """All master decisions. Not thread-safe: the server calls it from one event loop.
     ``seed``: of placement's random choices (:mod:`master.placement`); None: from the OS."""
 
@@ -134,6 +141,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         self._layouts: dict[LayoutSpec, LayoutSpec] = {}  # one instance per distinct layout
         self._layout_enc: dict[int, tuple[LayoutSpec, bytes]] = {}  # id(interned layout) -> its encoding
         self._rid_pool: list[int] = []  # random reservation ids drawn ahead (master/reservations.py)
+        self._init_tiers()
 
     def _intern(self, layout: LayoutSpec | None) -> LayoutSpec | None:
         """The shared instance equal to ``layout`` (objects of one model share a few layouts)."""
@@ -173,6 +181,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         away = self.departed.pop(desc.incarnation, None)
         if away is not None:  # the same memory is back (its etcd lease lapsed in an etcd stall)
             node.gone = away[1]
+        self._tier_node_up(node)
         self.counters["node_joins"] += 1
         self._unpark()  # a new place for what could not be re-replicated
 
@@ -201,6 +210,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                 self._maybe_repair(obj)
         self._cancel_repairs(node_id)
         self.drop_reservations_on(node_id, now)
+        self._tier_node_down(node)
         # after the drops above: what the node alone held may come back with it
         self.departed[node.desc.incarnation] = [now + DEPARTED_KEEP_S, set()]
         return lost
@@ -487,6 +497,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         out: list[ObjectInfo | ErrorInfo] = []
         ttl = self.s.lease_ttl_s if lease else 0.0
         until = now + ttl
+        # with disk tiers (master/tiers.py), LRU order spans both, and reads may promote
+        touch = self._touch_tiered if self.disk_nodes else self._touch
+        tiered = lease and self.disk_nodes
         for key in keys:
             obj = self.objects.get(key)
             if lease:  # a read; lease-free lookups are metadata queries and are not counted
@@ -496,7 +509,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                 out.append(E.NotFound(f"key {key!r} is not stored", key=key).to_wire())
                 continue
             self.counters["hits"] += lease
-            self._touch(obj, now)
+            touch(obj, now)
             if lease:
                 if obj.lease_until <= now:
                     obj.lease_count = 0
@@ -504,6 +517,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                 if obj.lease_until < until:
                     obj.lease_until = until  # one float per call, shared by its objects
             size, checksum, refs = obj.read_view()
+            if tiered:
+                self._disk_access(obj, refs, now)
             out.append(ObjectInfo(key, size, checksum, obj.layout, refs, ttl))
         return out
 
@@ -580,6 +595,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         self.counters[f"evictions_{reason}"] += 1
 
     def _free_extent(self, r: ExtentRef) -> None:
+        if r.tier:  # a disk file (master/tiers.py)
+            self._free_disk_extent(r)
+            return
         node = self.nodes.get(r.node_id)
         if node is None:
             return
@@ -658,6 +676,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
                     if h.status != "open" and h.deadline + 3600 <= now]:
             del self.handoffs[rid]
         self.enforce_watermarks(now)
+        if self.disk_nodes:
+            self._tier_tick(now)
         self.pump_repairs(now)
         return expired
 
@@ -675,10 +695,11 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
         for o in self.objects.values():
             if o.key.startswith(prefix):
                 pin = o.pin if (o.pin != "soft" or o.pin_until > now) else ""
+                tiers = [_TIER_NAMES[t] for _, t in o.tiers()] if self.disk_nodes else []
                 out.append(ObjectMeta(o.key, o.size, o.layout.kind if o.layout else "raw",
                                       o.node_ids(), o.created + to_wall, o.last_access + to_wall,
                                       o.lease_until > now, pin, bool(o.holds), o.replicas_wanted,
-                                      now - o.created, now - o.last_access))
+                                      now - o.created, now - o.last_access, tiers))
                 if len(out) >= limit:
                     break
         return out
@@ -738,3 +759,6 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin):
     def take_outbox(self) -> dict[str, list]:
         out, self.outbox = self.outbox, defaultdict(list)
         return out
+
+
+_TIER_NAMES = ("memory", "disk")  # by ExtentRef.tier

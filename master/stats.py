@@ -20,7 +20,7 @@ from collections.abc import Callable
 from kvpool.master.durable import Pending
 from kvpool.master.objects import _HEAD, _HS, _NODE_INFO, _REP, _RS
 from kvpool.protocol.errors import KVPoolError
-from kvpool.protocol.messages import ClusterStats, NodeStats
+from kvpool.protocol.messages import DISK, ClusterStats, NodeStats
 
 _WANTED_AT = _HS - 1  # byte offset of "replicas wanted" (the last field of the record's head)
 
@@ -39,7 +39,7 @@ class StatsSnapshot:
         """Snapshot a :class:`~master.state.MasterState` (its owner's thread only)."""
         s = state.s
         nodes = [(n.node_id, n.desc.data_addr, n.desc.host_id, n.alloc.capacity, n.alloc.used, n.draining,
-                  n.desc.incarnation, n.desc.device, n.reserved) for n in state.nodes.values()]
+                  n.desc.incarnation, n.desc.device, n.reserved, _disk_fields(n)) for n in state.nodes.values()]
         head = (state.leader_addr, state.cluster, len(state.objects), len(state.pending), s.high_watermark,
                 s.low_watermark)
         extra = {"counters": dict(state.counters), "refused": dict(state.refused),
@@ -63,14 +63,29 @@ class StatsSnapshot:
             e = o.ext
             if e is not None and e.holds:
                 held += unpack_head(rec)[0] * n
-        per_node: dict[str, int] = defaultdict(int)
+        per_node: dict[str, int] = defaultdict(int)  # memory replicas
+        on_disk: dict[str, int] = defaultdict(int)  # disk-resident replicas
         for num, count in per_num.items():
-            per_node[_NODE_INFO[num][0]] += count
-        nodes = [NodeStats(nid, addr, host, cap, used, per_node[nid], True, draining, inc, dev, reserved)
-                 for nid, addr, host, cap, used, draining, inc, dev, reserved in self.nodes]
+            info = _NODE_INFO[num]
+            (on_disk if info[6] == DISK else per_node)[info[0]] += count
+        nodes = [NodeStats(nid, addr, host, cap, used, per_node[nid], True, draining, inc, dev, reserved,
+                           *((disk[0], disk[1], on_disk[nid], *disk[2:]) if disk else ()))
+                 for nid, addr, host, cap, used, draining, inc, dev, reserved, disk in self.nodes]
         leader, cluster, objects, pending, high, low = self.head
         return ClusterStats(leader, cluster, nodes, objects, pending, sum(n.used for n in nodes),
-                            sum(n.capacity for n in nodes), held, high, low, under, **self.extra, **more)
+                            sum(n.capacity for n in nodes), held, high, low, under, **self.extra,
+                            disk_capacity=sum(n.disk_capacity for n in nodes),
+                            disk_used=sum(n.disk_used for n in nodes), disk_objects=sum(on_disk.values()), **more)
+
+
+def _disk_fields(node) -> tuple:
+    """NodeStats' disk fields of ``node`` but its object count: ``(capacity, used,
+    demotions, demotion seconds, promotions, promotion seconds, moves in flight)``; empty
+    without a disk tier."""
+    d = node.disk
+    if d is None:
+        return ()
+    return (d.capacity, d.used, d.demotions, d.demotion_s, d.promotions, d.promotion_s, d.jobs + d.promoting)
 
 
 class StatsWalks:

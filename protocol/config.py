@@ -162,6 +162,22 @@ class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # threads serving data requests (1..1024); idle connections wait on one selector thread
     # and cost none (storenode/connpool.py)
     data_workers: int = 16
+    # the disk tier under the memory segment (storenode/disk_tier.py; off while disk_dir is
+    # null): a directory of its own (a local NVMe path in production; one node per
+    # directory), the bytes of object files it may hold, and its watermarks (fractions of
+    # disk_capacity: above the high one the master evicts disk objects, least recently used
+    # first, down to the low one). Objects the memory watermark would evict are demoted
+    # there instead, and a restarted node brings back what it holds.
+    disk_dir: str | None = None
+    disk_capacity: str | int = "10GiB"
+    disk_high_watermark: float = 0.95
+    disk_low_watermark: float = 0.90
+    # threads serving disk reads on the tier's own sockets (a disk read never holds a
+    # memory-read worker); demotions are written by one thread at most disk_write_rate
+    # bytes per second on average (0: as fast as the disk takes them)
+    disk_readers: int = 4
+    disk_write_rate: str | int = 0
+    disk_port: int = 0  # the disk tier's TCP read port (0: any free port)
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -294,7 +310,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ports = [("master.metrics_port", m.metrics_port), ("master.rpc_port", m.rpc_port),
                  ("proxy.port", self.proxy.port)]
         ports += [(f"storenodes[{i}].{k}", getattr(n, k)) for i, n in enumerate(self.storenodes)
-                  for k in ("metrics_port", "data_port", "control_port", "ucx_port")]
+                  for k in ("metrics_port", "data_port", "control_port", "ucx_port", "disk_port")]
         for key, port in ports:
             if port is not None and not 0 <= port <= 65535:
                 raise ConfigError(f"{key}: {port}; accepted: 0 (any free port) to 65535", key=key)
@@ -320,6 +336,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not re.fullmatch(DEVICE_RE, n.device):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
+            check_disk(n, f"storenodes[{i}].")
         if parse_duration(self.security.frame_timeout, key="security.frame_timeout") <= 0:
             raise ConfigError("security.frame_timeout: must be > 0", key="security.frame_timeout")
         if not 1 <= self.security.max_conns <= 1 << 20:
@@ -363,6 +380,26 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"etcd.auto_compaction_retention: {r!r}; with mode revision, a number of revisions "
                               ">= 0 (0 = off)", key="etcd.auto_compaction_retention")
         e.compaction_flags()  # periodic: a duration (ConfigError naming the key)
+
+
+def check_disk(n: StoreNodeConfig, prefix: str = "storenodes[].") -> None:
+    """Raise ConfigError naming the key for bad disk-tier settings of store node ``n``:
+    ``disk_dir`` an empty string, ``disk_capacity`` under 1MiB, watermarks outside
+    ``0 < low <= high <= 1``, ``disk_readers`` outside 1..64, a negative ``disk_write_rate``."""
+    if n.disk_dir is not None and not str(n.disk_dir).strip():
+        raise ConfigError(f"{prefix}disk_dir: empty; give a directory, or null for no disk tier",
+                          key=f"{prefix}disk_dir")
+    if parse_size(n.disk_capacity, key=f"{prefix}disk_capacity") < MIN_SEGMENT:
+        raise ConfigError(f"{prefix}disk_capacity: at least 1MiB, got {n.disk_capacity!r}",
+                          key=f"{prefix}disk_capacity")
+    if not 0 < n.disk_low_watermark <= n.disk_high_watermark <= 1:  # also refuses NaN
+        raise ConfigError(f"{prefix}disk_low_watermark/disk_high_watermark: need 0 < low <= high <= 1, got "
+                          f"{n.disk_low_watermark}/{n.disk_high_watermark}", key=f"{prefix}disk_high_watermark")
+    if not 1 <= n.disk_readers <= 64:
+        raise ConfigError(f"{prefix}disk_readers: {n.disk_readers!r}; accepted: 1 to 64", key=f"{prefix}disk_readers")
+    if parse_size(n.disk_write_rate, key=f"{prefix}disk_write_rate") < 0:
+        raise ConfigError(f"{prefix}disk_write_rate: {n.disk_write_rate!r}; bytes per second, 0 for no bound",
+                          key=f"{prefix}disk_write_rate")
 
 
 def check_advertise(host: str, key: str) -> str:

@@ -14,18 +14,28 @@ import msgspec
 from kvpool.protocol.errors import ConfigError, ErrorInfo, InvalidRequest
 from kvpool.protocol.layout import LayoutSpec
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 """Version of every message and data frame kvpool processes exchange. Bump it with any
 change an older process would misread. A master does not place on a store node of
 another version (``ClusterStats.refused``); a client refuses a master of another version
 (:class:`HelloReply`). Processes that predate the field publish and answer 0."""
 
 
+MEMORY, DISK = 0, 1
+"""Tiers of a replica (:attr:`ExtentRef.tier`, :attr:`ExtentEntry.tier`): a store node's
+memory segment, or its disk tier (``storenodes[].disk_dir``, :mod:`storenode.disk_tier`)."""
+
+
 class ExtentRef(msgspec.Struct, frozen=True, array_like=True):
     """Where one replica lives: node, its incarnation (segment generation), data-plane
     address, same-host shared-memory path, host id, byte offset/size in the segment, the
     extent's allocation generation ``gen`` and the write ``token`` (see
-    :func:`protocol.grants.grant_token`; empty in read replies)."""
+    :func:`protocol.grants.grant_token`; empty in read replies).
+
+    ``tier``: :data:`MEMORY` (0) or :data:`DISK` (1). A disk replica is one file of the
+    node's disk tier: ``gen`` is its disk id, ``offset`` is 0, and ``data_addr`` /
+    ``shm_path`` are the node's disk-read sockets (TCP, and Unix for same-host readers),
+    read with the ``dread`` data op; it is never mapped through shared memory."""
 
     node_id: str
     incarnation: str
@@ -37,6 +47,7 @@ class ExtentRef(msgspec.Struct, frozen=True, array_like=True):
     gen: int
     token: bytes = b""
     ucx_addr: str = ""  # the node's ucx:// data address when it serves one ("" otherwise)
+    tier: int = MEMORY  # MEMORY or DISK (last: older decoders ignore it)
 
 
 class NodeDesc(msgspec.Struct, frozen=True):
@@ -55,6 +66,14 @@ class NodeDesc(msgspec.Struct, frozen=True):
     grant_key: bytes = b""
     ucx_addr: str = ""  # ucx:// data address (``--ucx``), "" when the node serves none
     wire: int = 0  # the node's WIRE_VERSION (0: predates it)
+    # the disk tier (storenodes[].disk_dir; 0 bytes: none): its capacity in bytes, its
+    # watermarks (fractions of that capacity) and the addresses of its disk-read server
+    # (TCP, and unix:// for same-host readers)
+    disk_capacity: int = 0
+    disk_high_watermark: float = 0.0
+    disk_low_watermark: float = 0.0
+    disk_addr: str = ""
+    disk_path: str = ""
 
 
 class PutItem(msgspec.Struct, frozen=True, array_like=True):
@@ -106,6 +125,7 @@ class ObjectMeta(msgspec.Struct, frozen=True):
     replicas_wanted: int = 1
     age_s: float = 0.0
     idle_s: float = 0.0
+    tiers: list[str] = []  # per entry of ``nodes``: "memory" or "disk"
 
 
 class NodeStats(msgspec.Struct, frozen=True):
@@ -120,6 +140,19 @@ class NodeStats(msgspec.Struct, frozen=True):
     incarnation: str = ""
     device: str = "cpu"  # where the segment lives: cpu (shared memory) or cuda:N
     reserved: int = 0  # bytes of ``used`` reserved ahead of need for writers (master/reservations.py)
+    # the disk tier (0 capacity: none): bytes, files (objects; ``objects`` counts those in
+    # memory) and the master's tier moves to and from it: demotions (memory -> disk) and
+    # promotions (disk -> memory) done, and the sums of their latencies on the node
+    # (seconds from the start of a move's write or read to its publish, a demotion group's
+    # fsync included)
+    disk_capacity: int = 0
+    disk_used: int = 0
+    disk_objects: int = 0
+    demotions: int = 0
+    demotion_s: float = 0.0
+    promotions: int = 0
+    promotion_s: float = 0.0
+    tier_moves: int = 0  # demotions and promotions in flight
 
 
 class ClusterStats(msgspec.Struct, frozen=True):
@@ -139,6 +172,9 @@ class ClusterStats(msgspec.Struct, frozen=True):
     repairs_in_flight: int = 0  # re-replication copies under way (``under_replicated``: objects short of replicas)
     joining: dict[str, str] = {}  # node id -> why a published store node is not taken in (placed on) yet
     reserved_bytes: int = 0  # bytes of extents reserved ahead of need (in ``used``; master/reservations.py)
+    disk_capacity: int = 0  # the store nodes' disk tiers (bytes; 0: none)
+    disk_used: int = 0
+    disk_objects: int = 0  # replicas on disk
 
 
 class EvictSelector(msgspec.Struct, frozen=True):
@@ -481,6 +517,7 @@ class ExtentEntry(msgspec.Struct, frozen=True, array_like=True):
     layout: bytes | None = None
     committed: bool = False
     replicas: int = 0  # the object's wanted replica count (0: unknown, the cluster default)
+    tier: int = MEMORY  # DISK: a file of the disk tier (``gen`` its disk id, ``offset`` 0)
 
 
 class NodeCommit(msgspec.Struct, tag="commit"):
@@ -503,7 +540,8 @@ class NodeList(msgspec.Struct, tag="list_extents"):
 
 
 class NodeCopy(msgspec.Struct, tag="copy"):
-    """Copy one committed extent to another node's extent (re-replication)."""
+    """Copy one committed extent to another node's extent (re-replication). ``src_tier``
+    DISK: the source is the disk file ``src_gen`` (its disk id) of this node."""
 
     src_offset: int
     src_gen: int
@@ -512,9 +550,56 @@ class NodeCopy(msgspec.Struct, tag="copy"):
     checksum: int
     layout: bytes | None = None
     term: int = 0
+    src_tier: int = MEMORY
 
 
-NodeRequest = Union[NodeCommit, NodeFree, NodeList, NodeCopy]
+class NodeDemote(msgspec.Struct, tag="demote"):
+    """Write the committed extent ``(offset, gen)`` of object ``key`` (``size`` bytes) to the
+    node's disk tier, durably (file fsync'ed, renamed, directory fsync'ed), and answer with
+    a :class:`TierDone` naming the new file's disk id. The extent stays as it is: the
+    master frees it (NodeFree) only once it has the answer (:mod:`master.tiers`)."""
+
+    offset: int
+    gen: int
+    size: int
+    key: str
+    term: int = 0
+
+
+class NodePromote(msgspec.Struct, tag="promote"):
+    """Copy disk file ``disk_id`` (object ``key``) into the memory extent ``dst`` of this
+    node, verifying the file's checksum, and record it committed; answer with a
+    :class:`TierDone`. The file stays until a :class:`NodeDiskFree` names it."""
+
+    disk_id: int
+    dst: ExtentRef
+    key: str
+    term: int = 0
+
+
+class NodeDiskFree(msgspec.Struct, tag="disk_free"):
+    """Delete these files (disk ids) of the node's disk tier."""
+
+    ids: list[int]
+    term: int = 0
+
+
+class TierDone(msgspec.Struct, frozen=True, array_like=True, tag="tier"):
+    """A store node's answer to :class:`NodeDemote` / :class:`NodePromote` (the ``result``
+    of its Reply, also beside an error): ``op`` "demote" or "promote", the object ``key``,
+    the memory extent's generation (the demoted source, or the promoted destination), the
+    disk file's id (0 when a demotion wrote none) and the move's latency on the node in
+    seconds (from the start of its write or read to its publish: a demotion's includes its
+    group's fsync)."""
+
+    op: str
+    key: str
+    gen: int
+    disk_id: int = 0
+    seconds: float = 0.0
+
+
+NodeRequest = Union[NodeCommit, NodeFree, NodeList, NodeCopy, NodeDemote, NodePromote, NodeDiskFree]
 
 _req_decoder = msgspec.msgpack.Decoder(Request)
 _node_decoder = msgspec.msgpack.Decoder(NodeRequest)

@@ -12,14 +12,22 @@ each scrape (every family carries a ``node`` label):
   committed yet);
 * ``kvpool_storenode_segment_bytes{kind}``: ``capacity``, ``used`` (bytes under extent rows),
   ``free`` (the rest);
-* ``kvpool_storenode_registered``: 1 while the node's descriptor is published in etcd.
+* ``kvpool_storenode_registered``: 1 while the node's descriptor is published in etcd;
+* with a disk tier (:mod:`storenode.disk_tier`): ``kvpool_storenode_disk_bytes{kind}``
+  (``capacity``, ``used``), ``kvpool_storenode_disk_objects`` (files),
+  ``kvpool_storenode_disk_ops_total{op}`` and ``kvpool_storenode_disk_op_bytes_total{op}``
+  (``write``: demotions published, ``read``: client disk reads and promotions,
+  ``dropped``: files that failed a check), ``kvpool_storenode_disk_seconds{op}`` (latency
+  histograms: ``demote`` write to publish, ``promote`` file to segment, ``read`` a client's
+  disk read) and ``kvpool_storenode_disk_in_flight{op}`` (demotions, promotions queued).
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 
 class NodeStats:
@@ -29,6 +37,56 @@ class NodeStats:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, str]] = Counter()  # (plane, kind)
         self.errors: Counter[tuple[str, str]] = Counter()  # (plane, error code)
+
+
+class Hist:
+    """A latency histogram kept as plain counts (a lost increment under a thread switch is
+    tolerated, as for :class:`NodeStats`): seconds, :data:`BUCKETS` upper bounds."""
+
+    BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative ``(le, count)`` pairs, ``+Inf`` last (Prometheus histogram form)."""
+        cum, out = 0, []
+        for le, n in zip((*map(str, self.BUCKETS), "+Inf"), list(self.counts)):
+            cum += n
+            out.append((le, cum))
+        return out
+
+
+def _disk_families(n, nid: str):
+    """The disk tier's families of node ``n`` (see the module docstring)."""
+    disk, mover, reads = n.disk, n.mover, n.disk_reads
+    files, used = disk.usage()
+    size = GaugeMetricFamily("kvpool_storenode_disk_bytes", "Disk tier bytes: capacity, used (object files)",
+                             labels=["node", "kind"])
+    size.add_metric([nid, "capacity"], disk.capacity)
+    size.add_metric([nid, "used"], used)
+    objs = GaugeMetricFamily("kvpool_storenode_disk_objects", "Object files in the disk tier", labels=["node"])
+    objs.add_metric([nid], files)
+    ops = CounterMetricFamily("kvpool_storenode_disk_ops", "Disk tier operations", labels=["node", "op"])
+    nbytes = CounterMetricFamily("kvpool_storenode_disk_op_bytes", "Disk tier bytes moved", labels=["node", "op"])
+    for op, count, b in (("write", disk.writes, disk.written_bytes), ("read", disk.reads, disk.read_bytes),
+                         ("dropped", disk.dropped, 0)):
+        ops.add_metric([nid, op], count)
+        nbytes.add_metric([nid, op], b)
+    lat = HistogramMetricFamily("kvpool_storenode_disk_seconds", "Disk tier latency (seconds)",
+                                labels=["node", "op"])
+    for op, h in (("demote", mover.write_hist), ("promote", mover.promote_hist), ("read", reads.read_hist)):
+        lat.add_metric([nid, op], h.buckets(), h.total)
+    fl = GaugeMetricFamily("kvpool_storenode_disk_in_flight", "Tier moves queued or running", labels=["node", "op"])
+    dem, pro = mover.in_flight()
+    fl.add_metric([nid, "demote"], dem)
+    fl.add_metric([nid, "promote"], pro)
+    return size, objs, ops, nbytes, lat, fl
 
 
 class _Collector:
@@ -65,6 +123,8 @@ class _Collector:
         reg = GaugeMetricFamily("kvpool_storenode_registered", "1 while the node is published in etcd", labels=lab)
         reg.add_metric([nid], 1 if n.registered and n.registration.published else 0)
         yield from (rx, tx, req, err, ext, seg, reg)
+        if getattr(n, "disk", None) is not None:
+            yield from _disk_families(n, nid)
 
 
 def node_registry(node) -> CollectorRegistry:

@@ -2,7 +2,11 @@
 a lease, with a zmq control socket for the master's commit/free/list/copy notices.
 
 The segment is host shared memory (``device="cpu"``, :mod:`storenode.segment`) or device
-memory served through staging (``cuda:N``, :mod:`storenode.device_segment`).
+memory served through staging (``cuda:N``, :mod:`storenode.device_segment`). With a disk
+directory (``storenodes[].disk_dir``) the node also has a disk tier: its files are verified
+and indexed before the node registers (:mod:`storenode.disk_tier`), the master's demotions
+and promotions run on :mod:`storenode.demotion`'s threads, and clients read disk-resident
+objects from a read server of its own (:mod:`storenode.disk_reads`).
 Readiness is one line on stdout: ``KVPOOL_READY storenode <node_id> <data_addr>``. With a
 metrics port, ``KVPOOL_METRICS storenode <node_id> <url>`` comes first, and that HTTP
 server answers ``/metrics`` (:mod:`storenode.metrics`), ``/healthz`` (the event loop turns)
@@ -38,12 +42,15 @@ from kvpool.protocol import transport
 from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.config import ClusterConfig, SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
-from kvpool.protocol.errors import ConfigError, EtcdFull, KVPoolError, Overloaded, StaleTerm
+from kvpool.protocol.errors import ConfigError, EtcdFull, InvalidRequest, KVPoolError, Overloaded, StaleTerm
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys, kept_alive
 from kvpool.protocol.units import parse_duration, parse_size
 from kvpool.storenode.control import ControlChannel
 from kvpool.storenode.dataserver import DataServer
 from kvpool.storenode.device_segment import DeviceSegment
+from kvpool.storenode.disk_reads import DiskReadServer
+from kvpool.storenode.disk_tier import DiskTier
+from kvpool.storenode.demotion import TierMover
 from kvpool.storenode.extents import ExtentTable
 from kvpool.storenode.registration import Registration
 from kvpool.storenode.segment import Segment
@@ -79,6 +86,15 @@ class NodeSettings:
     etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
     data_workers: int = _NODE.data_workers  # threads serving data requests (storenode/connpool.py)
     frame_timeout_s: float = parse_duration(SecurityConfig().frame_timeout)  # deadline of each data socket call
+    # the disk tier (None: none): directory, bytes, watermarks (fractions), read threads and
+    # the demotions' write rate (bytes per second, 0: no bound)
+    disk_dir: str | None = _NODE.disk_dir
+    disk_capacity: int = parse_size(_NODE.disk_capacity)
+    disk_high_watermark: float = _NODE.disk_high_watermark
+    disk_low_watermark: float = _NODE.disk_low_watermark
+    disk_readers: int = _NODE.disk_readers
+    disk_write_rate: int = parse_size(_NODE.disk_write_rate)
+    disk_port: int = _NODE.disk_port  # 0: any free port
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig, node: StoreNodeConfig, run_dir: str | None = None) -> "NodeSettings":
@@ -93,7 +109,9 @@ class NodeSettings:
                    node.host_id, parse_duration(cfg.master.node_ttl), run_dir, node.device, node.ucx,
                    node.metrics_port, Security.from_config(cfg.security), cfg.security.max_conns, node.advertise,
                    node.control_port, node.ucx_port, EtcdAuth.from_config(cfg.etcd), node.data_workers,
-                   parse_duration(cfg.security.frame_timeout))
+                   parse_duration(cfg.security.frame_timeout), node.disk_dir, parse_size(node.disk_capacity),
+                   node.disk_high_watermark, node.disk_low_watermark, node.disk_readers,
+                   parse_size(node.disk_write_rate), node.disk_port)
 
 
 class StoreNode:
@@ -117,6 +135,11 @@ class StoreNode:
             self.segment.grant_key = s.security.grant_key(self.segment.incarnation)
         self.data = DataServer(self.segment, self.table, addrs, s.security, s.max_conns, s.data_workers,
                                s.frame_timeout_s)
+        self.disk: DiskTier | None = None
+        self.mover: TierMover | None = None
+        self.disk_reads: DiskReadServer | None = None
+        if s.disk_dir is not None:
+            self._open_disk(run_dir)
         self._copies = 0  # copy requests queued or running (at most COPY_MAX)
         self._copies_lock = threading.Lock()
         self._copier = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvpool-copy")
@@ -129,6 +152,23 @@ class StoreNode:
         self.registration = Registration(self.node_id, max(0.2, min(1.0, s.node_ttl_s / 3)))
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    def _open_disk(self, run_dir: str) -> None:
+        """The disk tier: verify and index its files (before the node registers, so its
+        first table holds them), start its mover and its read server."""
+        s = self.s
+        disk = self.disk = DiskTier(s.disk_dir, s.disk_capacity)  # ConfigError: unusable or in use
+        t0 = time.monotonic()
+        kept, dropped = disk.scan()
+        files, used = disk.usage()
+        log.info("storenode %s: disk tier %s: %d object(s), %d bytes of %d, verified in %.1fs%s", self.node_id,
+                 disk.path, kept, used, disk.capacity, time.monotonic() - t0,
+                 f"; {dropped} bad file(s) dropped" if dropped else "")
+        self.mover = TierMover(self.segment, self.table, disk, s.disk_write_rate)
+        addrs = [f"tcp://{transport.host_port(s.host, s.disk_port)}",
+                 f"unix://{os.path.join(run_dir, self.node_id)}.disk.sock"]
+        self.disk_reads = DiskReadServer(disk, self.segment, self.table, addrs, s.security, s.max_conns,
+                                         s.disk_readers, s.frame_timeout_s)
+
     def published(self, addr: str) -> str:
         """A bound ``tcp://``/``ucx://`` address with its host replaced by the advertised one."""
         scheme, rest = transport.split_addr(addr)
@@ -136,10 +176,17 @@ class StoreNode:
 
     def descriptor(self, ctrl_addr: str) -> M.NodeDesc:
         """The etcd record of this node: every network address with the advertised host."""
-        return M.NodeDesc(self.node_id, self.segment.incarnation, self.published(self.data.addrs[0]),
+        desc = M.NodeDesc(self.node_id, self.segment.incarnation, self.published(self.data.addrs[0]),
                           self.published(ctrl_addr), self.data.addrs[1], self.host_id, self.segment.capacity,
                           self.s.device, b"" if self.s.security.secret is not None else self.segment.grant_key,
                           self.published(self.data.addrs[2]) if self.s.ucx else "", M.WIRE_VERSION)
+        if self.disk_reads is None:
+            return desc
+        return msgspec.structs.replace(desc, disk_capacity=self.disk.capacity,
+                                       disk_high_watermark=self.s.disk_high_watermark,
+                                       disk_low_watermark=self.s.disk_low_watermark,
+                                       disk_addr=self.published(self.disk_reads.addrs[0]),
+                                       disk_path=self.disk_reads.addrs[1])
 
     async def run(self) -> None:
         loop = self.loop = asyncio.get_running_loop()
@@ -153,6 +200,9 @@ class StoreNode:
             ops = OpsServer(self.s.host, self.s.metrics_port, node_registry(self), self.healthz, self.readyz)
             print(f"KVPOOL_METRICS storenode {self.node_id} {ops.url}", flush=True)
         self.data.start()
+        if self.disk_reads is not None:
+            self.disk_reads.stats = self.stats  # one set of request counters per node
+            self.disk_reads.start()
         ctrl = self.control = ControlChannel(self.s.host, self.s.control_port, self.s.security, CTRL_MAX_MSG,
                                              self._control)
         ctrl.start()
@@ -205,6 +255,11 @@ class StoreNode:
             if term_task is not None:
                 term_task.cancel()
             self.data.stop()
+            if self.disk_reads is not None:
+                self.disk_reads.stop()
+                self.mover.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(self.disk_reads.addrs[1].removeprefix("unix://"))
             ctrl.close()
             self._copier.shutdown(wait=False, cancel_futures=True)
             with contextlib.suppress(OSError):
@@ -299,8 +354,14 @@ class StoreNode:
             for off, gen in req.extents:
                 self.table.free(off, gen)
         elif isinstance(req, M.NodeList):
-            rows = self.table.committed()
+            if self.mover is None:
+                rows = self.table.committed()
+            else:  # memory rows first; no tier move publishes meanwhile (storenode/demotion.py, "Terms")
+                with self.mover.publish_lock:
+                    rows = self.table.committed() + self.disk.rows()
             return M.encode(M.Reply(msgspec.Raw(M.encode([self.segment.incarnation, rows, self.table.max_gen]))))
+        elif isinstance(req, (M.NodeDemote, M.NodePromote, M.NodeDiskFree)):
+            return self._tier_request(ident, req)
         elif isinstance(req, M.NodeCopy):
             with self._copies_lock:
                 full = self._copies >= COPY_MAX
@@ -311,6 +372,38 @@ class StoreNode:
                 return M.encode(M.Reply(msgspec.Raw(M.encode(req.key)), err.to_wire()))
             self._copier.submit(self._copy, ident, req)
         return None
+
+    def _tier_request(self, ident: bytes, req) -> bytes | None:
+        """A demotion, promotion or disk free of the master (storenode/demotion.py): queued,
+        answered with a TierDone once done (an error beside it when it failed)."""
+        if self.mover is None:
+            raise InvalidRequest(f"store node {self.node_id} has no disk tier (storenodes[].disk_dir)")
+        if isinstance(req, M.NodeDiskFree):  # file deletes: off the control channel's thread
+            self._copier.submit(self.disk.delete, req.ids)
+            return None
+        demote = isinstance(req, M.NodeDemote)
+        done = M.TierDone("demote", req.key, req.gen, 0) if demote else M.TierDone("promote", req.key, req.dst.gen,
+                                                                                 req.disk_id)
+        try:
+            fut = self.mover.demote(req) if demote else self.mover.promote(req)
+        except KVPoolError as e:
+            self.stats.errors["control", e.code] += 1
+            return M.encode(M.Reply(msgspec.Raw(M.encode(done)), e.to_wire()))
+        fut.add_done_callback(lambda f: self._tier_answer(ident, f, done))
+        return None
+
+    def _tier_answer(self, ident: bytes, fut, done: M.TierDone) -> None:
+        """Send a finished tier move's TierDone back through the control channel."""
+        err = None
+        try:
+            done = fut.result()
+        except KVPoolError as e:
+            self.stats.errors["control", e.code] += 1
+            err = e.to_wire()
+        except Exception as e:  # noqa: BLE001 - a bug costs this move, answered as failed
+            log.exception("storenode %s: tier move of %r failed", self.node_id, done.key)
+            err = KVPoolError(f"{type(e).__name__}: {e}").to_wire()
+        self.control.reply_later(ident, M.encode(M.Reply(msgspec.Raw(M.encode(done)), err)))
 
     def _see_term(self, term: int, what: str) -> None:
         """A master's notice of leader ``term``: refused (StaleTerm) when a newer term is
@@ -349,13 +442,22 @@ class StoreNode:
         copier thread; the answer goes back through the control channel."""
         err = None
         try:
-            row = self.table.check_read(req.src_offset, req.dst.size, req.src_gen)
+            if req.src_tier == M.DISK:  # a disk replica: read (and checked) first, then sent
+                if self.disk is None:
+                    raise InvalidRequest(f"store node {self.node_id} has no disk tier to copy from")
+                buf = bytearray(req.dst.size)
+                row = self.disk.read_into(req.src_gen, memoryview(buf))
+            else:
+                row = self.table.check_read(req.src_offset, req.dst.size, req.src_gen)
             sock = transport.connect(req.dst.data_addr, 10.0, self.s.security)
             try:
                 sock.settimeout(self.s.frame_timeout_s)
                 sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,
                                                req.dst.gen, req.key, row.checksum, req.layout, req.dst.token)))
-                self.segment.send(sock, req.src_offset, req.dst.size)
+                if req.src_tier == M.DISK:
+                    sock.sendall(buf)
+                else:
+                    self.segment.send(sock, req.src_offset, req.dst.size)
                 rep: DataReply = recv_reply(sock)
                 if not rep.ok:
                     raise KVPoolError(rep.error.message if rep.error else "copy failed")
@@ -378,5 +480,7 @@ def main(s: NodeSettings) -> None:
         sys.exit(2)
     finally:
         node.segment.close()
+        if node.disk is not None:
+            node.disk.close()
 
 

@@ -1,0 +1,456 @@
+"""Tiers in the master state: store nodes' disk tiers under their memory (DESIGN.md §12).
+
+A mixin of :class:`master.state.MasterState`; no I/O (notices go out through the outbox).
+A node that publishes a disk tier (``NodeDesc.disk_capacity``) gets a :class:`DiskTier`
+record: capacity, watermarks, bytes used, and LRU lists of its disk-resident objects
+(plain and soft-pinned, as for memory; held and hard-pinned objects stay in the node's
+``fixed`` set in either tier). Each replica is in one tier: an object's replica on a node
+is a memory extent or a disk file (``ExtentRef.tier``), never both in the index.
+
+**Demotion** (memory → disk). Where the memory watermark would evict a replica on a node
+with a disk tier, it demotes it instead (:meth:`TierMixin._demote_node`): least recently
+used first (plain, then soft-pinned), unleased, and never a held or hard-pinned object (a
+pin or hold keeps an object where it is, in memory or on disk). The master sends
+:class:`~protocol.messages.NodeDemote` and keeps the memory replica, valid and readable,
+until the node answers that the file is durable; only then does the replica become a
+disk replica and its memory extent freed (:meth:`TierMixin._demote_done`). A demotion is
+given up (the file deleted, the object left in memory) when the object was read meanwhile
+(its last access is later than the demotion's start: it is warm again, and a reader may
+hold a lease on the memory extent), pinned or held since, removed, or replaced. At most
+:data:`DEMOTE_IN_FLIGHT` demotions (:data:`DEMOTE_BYTES_IN_FLIGHT` bytes) per node are in
+flight; what is left waits for the next enforcement (each answer, put and tick). When the
+disk tier cannot take an object (it is larger than the tier's high watermark, or every
+disk object is leased, pinned or held) or the node failed a demotion in the last
+:data:`TIER_RETRY_S` seconds, the watermark evicts on that node as it does without a
+disk tier. A move the node has not answered within :data:`TIER_TIMEOUT_S` counts as
+failed (a late answer finds no move: its file is deleted, its commit refused). An allocation that fails (a put that finds memory full) evicts as before too:
+a demotion cannot free memory at once.
+
+**Disk eviction.** Above a disk tier's high watermark the least recently used disk
+objects are evicted (the object goes, as a memory eviction removes it) down to its low
+watermark, skipping leased ones; soft-pinned ones go last, held and hard-pinned ones never.
+
+**Promotion** (disk → memory). A read (a leased lookup) of an object all of whose replicas
+are on disk is counted; the :data:`PROMOTE_AFTER`-th such read promotes it: a memory
+extent is allocated on a node holding the file (only from free memory under the high
+watermark: a promotion never pushes other objects out) and
+:class:`~protocol.messages.NodePromote` copies the file into it. Once the node answers,
+the memory extent replaces the disk replica; the file is deleted then, or, while a read
+lease on the object is live (its reader may be reading the file), when the lease lapses.
+
+**Restarts.** A node's extent table lists its disk files as DISK rows; they are indexed
+like memory rows (:meth:`TierMixin.restore_disk_extent`), so a restarted node, or a whole
+cluster, brings back what its disk tiers hold. Keys removed or evicted while the node was
+away (within ``DEPARTED_KEEP_S``) are not brought back, also when the node restarted.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpool.master.allocator import align_up
+from kvpool.master.objects import COMMITTED, Obj, disk_ref
+from kvpool.master.repair import grant
+from kvpool.protocol.errors import ErrorInfo
+from kvpool.protocol.layout import LayoutSpec
+from kvpool.protocol.messages import DISK, MEMORY, ExtentRef, NodeDemote, NodeDiskFree, NodeFree, NodePromote, TierDone
+
+if TYPE_CHECKING:
+    from kvpool.master.state import Node
+
+DEMOTE_IN_FLIGHT = 32  # demotions in flight per node, at most (the node queues up to 256)
+DEMOTE_BYTES_IN_FLIGHT = 256 << 20  # ... and at most this many bytes of them
+PROMOTE_IN_FLIGHT = 16  # promotions in flight per node, at most (the node queues up to 64)
+PROMOTE_AFTER = 2  # the read of a disk-resident object that promotes it (the 2nd)
+TIER_RETRY_S = 5.0  # after a failed demotion, the node's memory watermark evicts for this long
+TIER_TIMEOUT_S = 60.0  # a move the node has not answered in this long is counted failed (its answer was lost)
+DISK_READS_MAX = 100_000  # disk-resident keys whose reads are counted (the oldest forgotten first)
+# failures of a demotion that are not the disk's fault (the source went, or a leader changed)
+_MOVE_ERRORS = ("stale_extent", "checksum_mismatch", "stale_term", "not_leader", "invalid_request")
+
+
+@dataclass(eq=False, slots=True)
+class DiskTier:
+    """The master's record of one node's disk tier: bytes (payload), watermarks
+    (fractions of ``capacity``), LRU lists of its disk-resident objects and the tier moves
+    in flight; counters of what it did."""
+
+    capacity: int
+    high: float
+    low: float
+    used: int = 0  # bytes of indexed files (retired ones included until deleted)
+    lru: OrderedDict = field(default_factory=OrderedDict)
+    soft_lru: OrderedDict = field(default_factory=OrderedDict)
+    demoting: int = 0  # bytes of demotions in flight
+    jobs: int = 0  # demotions in flight
+    promoting: int = 0  # promotions in flight
+    paused_until: float = 0.0  # a demotion failed: evict instead until then (monotonic)
+    retire: list = field(default_factory=list)  # (lease ends, disk id, size): promoted files kept for readers
+    gone: set[str] | None = field(default_factory=set)  # keys dropped while an earlier incarnation was away
+    demotions: int = 0
+    demotion_s: float = 0.0
+    promotions: int = 0
+    promotion_s: float = 0.0
+
+    def keys(self) -> list[str]:
+        return [*self.lru, *self.soft_lru]
+
+
+class TierMixin:
+    """Demotion, promotion and the disk tiers' eviction (see the module docstring)."""
+
+    def _init_tiers(self) -> None:
+        self.disk_nodes = 0  # nodes with a disk tier: 0 keeps every hook off the memory-only path
+        # (node id, key) -> (memory replica, started (monotonic), object)
+        self.demotions: dict[tuple[str, str], tuple[ExtentRef, float, Obj]] = {}
+        # (node id, key) -> (memory extent granted, disk replica, object, started (monotonic))
+        self.promotions: dict[tuple[str, str], tuple[ExtentRef, ExtentRef, Obj, float]] = {}
+        self._disk_reads: dict[str, int] = {}  # key -> reads while disk-resident (see PROMOTE_AFTER)
+        self._last_inc: dict[str, str] = {}  # node id -> its incarnation that went down last
+
+    # ---- membership -----------------------------------------------------------------------
+
+    def _tier_node_up(self, node: Node) -> None:
+        d = node.desc
+        if d.disk_capacity <= 0:
+            return
+        node.disk = DiskTier(d.disk_capacity, d.disk_high_watermark or 0.95, d.disk_low_watermark or 0.90)
+        self.disk_nodes += 1
+        old = self._last_inc.pop(d.node_id, None)
+        dep = self.departed.get(old) if old is not None else None
+        if dep is not None and old != d.incarnation:  # restarted: its files come back, its memory does not
+            node.disk.gone = dep[1]
+
+    def _tier_node_down(self, node: Node) -> None:
+        nid = node.node_id
+        self._last_inc[nid] = node.desc.incarnation
+        if node.disk is None:
+            return
+        self.disk_nodes -= 1
+        for k in [k for k in self.demotions if k[0] == nid]:
+            del self.demotions[k]
+        for k in [k for k in self.promotions if k[0] == nid]:
+            del self.promotions[k]
+
+    # ---- LRU lists across tiers -------------------------------------------------------------
+
+    def _lru_add_tiered(self, obj: Obj) -> None:
+        """:meth:`EvictionMixin._lru_add` with each replica in its own tier's lists."""
+        kind, key = obj.evictable_kind(), obj.key
+        for nid, tier in obj.tiers():
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            d = node.disk
+            node.lru.pop(key, None)
+            node.soft_lru.pop(key, None)
+            if d is not None:
+                d.lru.pop(key, None)
+                d.soft_lru.pop(key, None)
+            if kind == "none":
+                node.fixed.add(key)
+                continue
+            node.fixed.discard(key)
+            home = d if tier == DISK and d is not None else node
+            (home.soft_lru if kind == "soft" else home.lru)[key] = None
+
+    def _lru_remove_tiered(self, obj: Obj) -> None:
+        key = obj.key
+        for nid in obj.node_ids():
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            d = node.disk
+            if (node.lru.pop(key, 0) is None or node.soft_lru.pop(key, 0) is None
+                    or (d is not None and (d.lru.pop(key, 0) is None or d.soft_lru.pop(key, 0) is None))):
+                node.fixed.add(key)
+
+    def _touch_tiered(self, obj: Obj, now: float) -> None:
+        """``MasterState._touch`` with both tiers' LRU lists."""
+        obj.last_access = now
+        key = obj.key
+        for nid in obj.node_ids():
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            d = node.disk
+            for lru in (node.lru, node.soft_lru) if d is None else (node.lru, node.soft_lru, d.lru, d.soft_lru):
+                if key in lru:
+                    lru.move_to_end(key)
+                    break
+
+    # ---- demotion ---------------------------------------------------------------------------
+
+    def _demote_node(self, node: Node, target_used: int, now: float) -> int:
+        """Demote (or, where the disk cannot take them, evict) LRU objects on ``node`` until
+        its memory used, less the demotions in flight, is at most ``target_used`` bytes.
+        Returns the objects demoted or evicted."""
+        d = node.disk
+        nid, n = node.node_id, 0
+        for lru in (node.lru, node.soft_lru):
+            skipped: list[str] = []
+            while lru and node.alloc.used - d.demoting > target_used:
+                if d.jobs >= DEMOTE_IN_FLIGHT or d.demoting >= DEMOTE_BYTES_IN_FLIGHT:
+                    break
+                key, _ = lru.popitem(last=False)
+                obj = self.objects.get(key)
+                if obj is None:
+                    continue
+                if obj.lease_until > now or (nid, key) in self.demotions:
+                    skipped.append(key)
+                    continue
+                ref = next((r for r in obj.replicas if r.node_id == nid and r.tier == MEMORY), None)
+                if ref is None:  # not in memory here after all: back to the lists its replicas belong in
+                    self._lru_add(obj)
+                    continue
+                n += 1
+                if not self._disk_room(node, ref.size, now):
+                    self._drop(obj, reason="watermark")  # the disk cannot take it: evicted as without one
+                    continue
+                node.fixed.add(key)  # out of the LRU lists while it moves (see _demote_done)
+                self.demotions[(nid, key)] = (ref, now, obj)
+                d.jobs += 1
+                d.demoting += ref.size
+                self.outbox[nid].append(NodeDemote(ref.offset, ref.gen, ref.size, key))
+                self.counters["demotions_started"] += 1
+            for key in reversed(skipped):  # leased objects stay, at the cold end, for next time
+                lru[key] = None
+                lru.move_to_end(key, last=False)
+            if d.jobs >= DEMOTE_IN_FLIGHT or d.demoting >= DEMOTE_BYTES_IN_FLIGHT:
+                break
+        return n
+
+    def _disk_room(self, node: Node, size: int, now: float) -> bool:
+        """Whether ``node``'s disk tier can take ``size`` more bytes below its high
+        watermark, evicting disk objects down to the low watermark when that makes room."""
+        d = node.disk
+        limit = d.high * d.capacity
+        if size > limit:
+            return False
+        if d.used + d.demoting + size <= limit:
+            return True
+        self._evict_disk(node, int(d.low * d.capacity) - d.demoting - size, now)
+        return d.used + d.demoting + size <= limit
+
+    def _evict_disk(self, node: Node, target_used: int, now: float) -> int:
+        """Evict LRU disk objects of ``node`` (plain, then soft-pinned; leased ones skipped)
+        until its disk used is at most ``target_used`` bytes; returns how many went."""
+        d, n = node.disk, 0
+        for lru in (d.lru, d.soft_lru):
+            skipped: list[str] = []
+            while lru and d.used > target_used:
+                key, _ = lru.popitem(last=False)
+                obj = self.objects.get(key)
+                if obj is None:
+                    continue
+                if obj.lease_until > now:
+                    skipped.append(key)
+                    continue
+                self._drop(obj, reason="disk")
+                n += 1
+            for key in reversed(skipped):
+                lru[key] = None
+                lru.move_to_end(key, last=False)
+            if d.used <= target_used:
+                break
+        return n
+
+    def tier_done(self, node_id: str, done: TierDone, error: ErrorInfo | None, now: float) -> None:
+        """A store node answered a demotion or promotion (``error``: it failed)."""
+        self._now = now
+        if done.op == "demote":
+            self._demote_done(node_id, done, error, now)
+        elif done.op == "promote":
+            self._promote_done(node_id, done, error, now)
+
+    def _demote_done(self, node_id: str, done: TierDone, error: ErrorInfo | None, now: float) -> None:
+        node = self.nodes.get(node_id)
+        job = self.demotions.get((node_id, done.key))
+        if job is None or job[0].gen != done.gen or node is None:  # not ours (any more): its file is not wanted
+            if error is None and node is not None and node.disk is not None and done.disk_id:
+                self._disk_free(node_id, done.disk_id)
+            return
+        del self.demotions[(node_id, done.key)]
+        ref, t0, obj = job
+        d = node.disk
+        d.jobs -= 1
+        d.demoting -= ref.size
+        current = self.objects.get(obj.key) is obj and ref in obj.replicas
+        if error is not None:
+            self.counters["demotions_failed"] += 1
+            if error.code not in _MOVE_ERRORS:  # the disk's fault (I/O, full, overloaded): evict meanwhile
+                d.paused_until = now + TIER_RETRY_S
+            if current:
+                self._lru_add(obj)
+            return
+        if not current or obj.last_access > t0 or obj.lease_until > now or obj.evictable_kind() == "none":
+            self._disk_free(node_id, done.disk_id)  # warm again, pinned, held, removed or replaced
+            self.counters["demotions_aborted"] += 1
+            if current:
+                self._lru_add(obj)
+            return
+        self._lru_remove(obj)
+        obj.replicas = [disk_ref(node.desc, obj.size, done.disk_id) if r == ref else r for r in obj.replicas]
+        node.alloc.free(ref.offset, ref.size)
+        self.outbox[node_id].append(NodeFree([(ref.offset, ref.gen)]))
+        d.used += obj.size
+        d.demotions += 1
+        d.demotion_s += done.seconds
+        self.counters["demotions"] += 1
+        self.counters["demoted_bytes"] += obj.size
+        self._disk_reads.pop(obj.key, None)
+        self._lru_add(obj)
+        if d.used > d.high * d.capacity:
+            self._evict_disk(node, int(d.low * d.capacity), now)
+        if node.usage() > self.s.high_watermark:  # room for the next demotions in flight
+            self._demote_node(node, int(self.s.low_watermark * node.alloc.capacity), now)
+
+    # ---- promotion ---------------------------------------------------------------------------
+
+    def _disk_access(self, obj: Obj, refs: list[ExtentRef], now: float) -> None:
+        """A read of ``obj`` (``refs``: its replicas): count it when every replica is on disk,
+        and promote the object at its PROMOTE_AFTER-th such read."""
+        if not refs or not all(r.tier for r in refs):
+            return
+        reads = self._disk_reads
+        n = reads.pop(obj.key, 0) + 1
+        if n < PROMOTE_AFTER:
+            reads[obj.key] = n
+            if len(reads) > DISK_READS_MAX:
+                del reads[next(iter(reads))]
+            return
+        self._promote(obj, refs, now)
+
+    def _promote(self, obj: Obj, refs: list[ExtentRef], now: float) -> bool:
+        """Start copying ``obj`` from a disk replica into memory on the same node (free
+        memory under the high watermark only); False when no node can take it now."""
+        size, key = obj.size, obj.key
+        need = align_up(max(size, 1))
+        for ref in refs:
+            node = self.nodes.get(ref.node_id)
+            if (node is None or node.disk is None or node.draining or node.desc.incarnation != ref.incarnation
+                    or (ref.node_id, key) in self.promotions or node.disk.promoting >= PROMOTE_IN_FLIGHT
+                    or node.alloc.used + need > self.s.high_watermark * node.alloc.capacity):
+                continue
+            self._release_quarantine(node, now)
+            off = node.alloc.alloc(size)
+            if off is None:
+                continue
+            dst = grant(node, off, size, key)
+            self.promotions[(ref.node_id, key)] = (dst, ref, obj, now)
+            node.disk.promoting += 1
+            self.outbox[ref.node_id].append(NodePromote(ref.gen, dst, key))
+            self.counters["promotions_started"] += 1
+            return True
+        return False
+
+    def _promote_done(self, node_id: str, done: TierDone, error: ErrorInfo | None, now: float) -> None:
+        node = self.nodes.get(node_id)
+        job = self.promotions.get((node_id, done.key))
+        if job is None or job[0].gen != done.gen or node is None:
+            return  # not ours: a deposed leader's move commits nothing (storenode/demotion.py)
+        del self.promotions[(node_id, done.key)]
+        dst, dref, obj, _ = job
+        node.disk.promoting -= 1
+        current = self.objects.get(obj.key) is obj and dref in obj.replicas
+        if error is not None or not current:
+            node.alloc.free(dst.offset, dst.size)
+            self.outbox[node_id].append(NodeFree([(dst.offset, dst.gen)]))
+            if error is not None:
+                self.counters["promotions_failed"] += 1
+                if error.code == "stale_extent" and current:  # the file is gone or damaged: so is the replica
+                    self.report_corrupt(obj.key, node_id, dref.gen, dref.incarnation)
+            return
+        self._lru_remove(obj)
+        mem = ExtentRef(dst.node_id, dst.incarnation, dst.data_addr, dst.shm_path, dst.host_id, dst.offset,
+                        dst.size, dst.gen, b"", dst.ucx_addr)
+        obj.replicas = [mem if r == dref else r for r in obj.replicas]
+        d = node.disk
+        if obj.lease_until > now:  # a reader may be reading the file: it goes when the lease lapses
+            d.retire.append((obj.lease_until, dref.gen, dref.size))
+        else:
+            d.used -= dref.size
+            self._disk_free(node_id, dref.gen)
+        d.promotions += 1
+        d.promotion_s += done.seconds
+        self.counters["promotions"] += 1
+        self.counters["promoted_bytes"] += obj.size
+        self._lru_add(obj)
+
+    # ---- frees, restore, periodic ---------------------------------------------------------
+
+    def _disk_free(self, node_id: str, disk_id: int) -> None:
+        """Send the node a delete of its file ``disk_id`` (consecutive ones in one notice)."""
+        box = self.outbox[node_id]
+        if box and type(box[-1]) is NodeDiskFree:
+            box[-1].ids.append(disk_id)
+        else:
+            box.append(NodeDiskFree([disk_id]))
+
+    def _free_disk_extent(self, r: ExtentRef) -> None:
+        """A disk replica is dropped: its bytes leave the tier's count, its file goes."""
+        node = self.nodes.get(r.node_id)
+        if node is None or node.disk is None or node.desc.incarnation != r.incarnation:
+            return
+        node.disk.used -= r.size
+        self._disk_free(r.node_id, r.gen)
+
+    def restore_disk_extent(self, node_id: str, key: str, size: int, disk_id: int, checksum: int,
+                            layout: LayoutSpec | None, now: float, replicas: int = 0) -> None:
+        """A node's extent table lists file ``disk_id`` (a DISK row): index it as a disk
+        replica (a restart, or a failover rebuild), unless its key is being written again,
+        was removed or evicted while the node was away, already has a replica on this node,
+        is stored with other bytes, or has all the replicas it wants: then the file goes."""
+        node = self.nodes[node_id]
+        d = node.disk
+        if d is None:
+            return  # a node that publishes no disk tier: nothing to index (its files stay)
+        if (key in self.pending or node.gone is None or key in node.gone or d.gone is None or key in d.gone):
+            self._disk_free(node_id, disk_id)
+            return
+        ref = disk_ref(node.desc, size, disk_id)
+        obj = self.objects.get(key)
+        if obj is None:
+            obj = Obj.new(key, size, checksum, self._intern(layout), [ref], COMMITTED, 0, now, now,
+                          replicas_wanted=replicas or self.s.replicas)
+            self.objects[key] = obj
+        elif (obj.checksum == checksum and obj.size == size and node_id not in obj.node_ids()
+              and len(obj.replicas) < max(obj.replicas_wanted, replicas)):
+            obj.replicas = [*obj.replicas, ref]
+            obj.replicas_wanted = max(obj.replicas_wanted, replicas)
+        else:
+            self._disk_free(node_id, disk_id)
+            return
+        d.used += size
+        node.fixed.add(key)
+        self._lru_add(obj)
+        self._settle_waiting(obj, now)
+        if len(obj.replicas) < obj.replicas_wanted:
+            self._maybe_repair(obj)
+
+    def _tier_tick(self, now: float) -> None:
+        """Count moves unanswered for TIER_TIMEOUT_S as failed; delete promoted files whose
+        readers' leases lapsed; keep disk tiers under their high watermarks."""
+        late = ErrorInfo("timeout", f"no answer within {TIER_TIMEOUT_S:g}s")
+        for (nid, key), (ref, t0, _) in list(self.demotions.items()):
+            if now - t0 > TIER_TIMEOUT_S:  # a late answer finds no job: its file is deleted
+                self._demote_done(nid, TierDone("demote", key, ref.gen), late, now)
+        for (nid, key), (dst, dref, _, t0) in list(self.promotions.items()):
+            if now - t0 > TIER_TIMEOUT_S:  # its extent is freed: the node refuses a late commit there
+                self._promote_done(nid, TierDone("promote", key, dst.gen, dref.gen), late, now)
+        for node in self.nodes.values():
+            d = node.disk
+            if d is None:
+                continue
+            if d.retire:
+                keep = []
+                for until, disk_id, size in d.retire:
+                    if until <= now:
+                        d.used -= size
+                        self._disk_free(node.node_id, disk_id)
+                    else:
+                        keep.append((until, disk_id, size))
+                d.retire = keep
+            if d.used > d.high * d.capacity:
+                self._evict_disk(node, int(d.low * d.capacity), now)
