@@ -103,6 +103,7 @@ class _Match:
     error: str | None = None
     handoff_failed: bool = False  # the named hand-off could not be claimed or used
     leases: ReadLeases = field(default_factory=ReadLeases)  # the load's read leases (see KVPoolScheduler._hit)
+    step: int = -1  # the scheduler step that answered with it (KVPoolScheduler.step)
 
     @property
     def n(self) -> int:
@@ -135,6 +136,7 @@ class KVPoolScheduler:
         self.lookups: dict[str, _Pending] = {}  # background lookups not yet taken
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-lookup")
         self.closed = False
+        self.step = 0  # scheduler steps so far: build_connector_meta ends each one
         kec = getattr(vllm_config, "kv_events_config", None)
         self.emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
         self.events: list[Any] = []
@@ -283,8 +285,16 @@ class KVPoolScheduler:
         (a leased lookup, or a hand-off claim) on a background thread and answers None
         (vLLM's "not yet": the request is asked again next step); a later call takes the
         result. A lookup not back within ``lookup_timeout_s`` seconds counts as a miss, so
-        a master that does not answer costs a request at most that delay."""
+        a master that does not answer costs a request at most that delay.
+
+        Idempotent within a step: asked again for the same request and local hit before
+        ``build_connector_meta`` (a wrapper or another scheduler may ask twice), it gives
+        the same answer and keeps the planned load; the load goes out with the
+        ``update_state_after_alloc`` that follows. In a later step it looks up afresh."""
         rid = request.request_id
+        m = self.matches.get(rid)
+        if m is not None and m.step == self.step and m.start * self.block_size == num_computed_tokens:
+            return self._answer(m)
         self._drop_match(rid)
         if not self.s.loads or self.no_loads or request.prompt_token_ids is None \
                 or getattr(request, "prompt_embeds", None) is not None:
@@ -332,11 +342,15 @@ class KVPoolScheduler:
                 self.stats.add("state_hits", int(m.n > 0))
         if m.handoff_id and m.error is None:
             self._state(request).handoff_id = m.handoff_id  # claimed and matched: this request closes it
-        if m.n > 0 or m.handoff_id or m.error:
-            self.matches[rid] = m  # a memo for update_state_after_alloc
+        m.step = self.step
+        self.matches[rid] = m  # the answer of this step, and a memo for update_state_after_alloc
+        return self._answer(m)
+
+    def _answer(self, m: _Match) -> tuple[int, bool]:
+        """vLLM's ``(external tokens, load asynchronously)`` for a lookup's outcome."""
         if m.n <= 0:
             return 0, False
-        return m.n * bs, not self.layerwise
+        return m.n * self.block_size, not self.layerwise
 
     def _drop_match(self, rid: str) -> None:
         """Forget request ``rid``'s lookup result, releasing the leases it took."""
@@ -432,6 +446,7 @@ class KVPoolScheduler:
             st.save_from = max(st.save_from, boundary)
 
     def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
+        self.step += 1  # answers given before this call are not repeated
         meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()),
                                        idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         for job in meta.loads:
