@@ -486,6 +486,7 @@ _COUNTERS = {
     "handoffs_acked": "P/D hand-offs loaded and acknowledged by this consumer",
     "handoffs_released": "P/D hand-offs released unused or after a failed load",
     "handoff_errors": "Hand-offs that could not be published or claimed",
+    "handoff_close_errors": "Hand-off acks or releases the master did not take (it frees them at their deadline)",
     "lookups_timed_out": "Lookups not answered within lookup_timeout_s (the request ran as a miss)",
     "loaded_tokens": "Tokens restored from kvpool by finished loads",
     "recomputed_tokens": "Tokens found in kvpool whose load failed, recomputed by the engine",

@@ -54,6 +54,7 @@ from kvpool.connector.vllm_meta import (
 )
 from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.read_leases import ReadLeases
+from kvpool.connector.vllm_handoffs import HandoffCloser
 from kvpool.connector.vllm_plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
 from kvpool.protocol.layout import first_difference
@@ -76,6 +77,7 @@ class _Req:
     states: set[int] = field(default_factory=set)  # boundaries (blocks) with a state save job
     handoff_id: str | None = None  # consumer: claimed record to ack
     handoff_done: bool = False
+    handoff_checked: bool = False  # a whole-prompt local hit's hand-off was sent to be released
     loading: bool = False         # a layer-wise load went out and its report is not back
     planned: bool = False
     synced: bool = False          # producer: the sync save of the prompt's last step is planned
@@ -135,6 +137,7 @@ class KVPoolScheduler:
         self.counted: set[str] = set()  # requests whose lookup was counted (vLLM may ask again)
         self.lookups: dict[str, _Pending] = {}  # background lookups not yet taken
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-lookup")
+        self.closer = HandoffCloser(self.client, self.pool)
         self.closed = False
         self.step = 0  # scheduler steps so far: build_connector_meta ends each one
         kec = getattr(vllm_config, "kv_events_config", None)
@@ -305,6 +308,7 @@ class KVPoolScheduler:
         start = num_computed_tokens // bs
         top = (request.num_tokens - 1) // bs  # vLLM computes at least the last token itself
         if start >= top:
+            self._release_unused(request, top)
             return 0, False
         pend = self.lookups.get(rid)
         if pend is not None and pend.start != start:  # asked from another block now: its answer is not used
@@ -351,6 +355,23 @@ class KVPoolScheduler:
         if m.n <= 0:
             return 0, False
         return m.n * self.block_size, not self.layerwise
+
+    def _release_unused(self, request: "Request", top: int) -> None:
+        """The engine holds the whole prompt locally (a local hit of ``top`` blocks): a
+        hand-off the request names is not needed. Release it at once (in the background),
+        once its record is checked against this prompt: a request naming another
+        prompt's hand-off must not end it."""
+        params = self._params(request)
+        handoff_id = params.get("handoff_id") if params is not None else None
+        if not isinstance(handoff_id, str) or not 0 < len(handoff_id) <= 512:
+            return
+        st = self._state(request)
+        if st.handoff_checked or st.handoff_id:
+            return
+        st.handoff_checked = True
+        hashes = self._hashes(request, top)
+        self.closer.close(handoff_id, ok=False, check=lambda: self._claim(handoff_id, hashes, top),
+                          why=f"request {request.request_id} found its whole prompt in the local prefix cache")
 
     def _drop_match(self, rid: str) -> None:
         """Forget request ``rid``'s lookup result, releasing the leases it took."""
@@ -553,17 +574,9 @@ class KVPoolScheduler:
         self.closing.clear()
 
     def _finish_handoff(self, st: _Req, ok: bool) -> None:
+        """Ack (``ok``) or release the hand-off ``st`` claimed, off this thread."""
         st.handoff_done = True
-        try:
-            if ok:
-                self.client.handoff_ack(st.handoff_id)
-                self.stats.add("handoffs_acked")
-            else:
-                self.client.handoff_release(st.handoff_id)
-                self.stats.add("handoffs_released")
-        except KVPoolError as e:
-            log.warning("kvpool: closing hand-off %s failed (%s: %s); the master frees it at its "
-                        "deadline", st.handoff_id, type(e).__name__, e)
+        self.closer.close(st.handoff_id, ok)
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -647,6 +660,7 @@ class KVPoolScheduler:
         return ev
 
     def take_stats(self) -> KVPoolConnectorStats | None:
+        self.closer.drain_into(self.stats)
         if self.stats.is_empty():
             return None
         st, self.stats = self.stats, KVPoolConnectorStats()
@@ -654,6 +668,7 @@ class KVPoolScheduler:
 
     def close(self) -> None:
         self.closed = True
+        self.closer.wait(self.s.rpc_timeout_s)  # acks and releases under way
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
