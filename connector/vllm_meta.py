@@ -21,13 +21,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.keys import block_hashes, extra_bytes, group_key
 from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
 
 from kvpool.connector.read_leases import ReadLeases
+from kvpool.connector.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics  # noqa: F401 - re-exported
 from kvpool.connector.vllm_plan import GroupRule, window_blocks
 
 if TYPE_CHECKING:
@@ -467,135 +467,16 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         return KVPoolWorkerMetadata(self.saves + other.saves, loads)
 
 
-# ---- stats -------------------------------------------------------------------------------
+# ---- accounting --------------------------------------------------------------------------
 
-_COUNTERS = {
-    "lookups": "Prefix lookups (get_num_new_matched_tokens calls that asked kvpool)",
-    "hit_tokens": "Prompt tokens found in kvpool beyond the local prefix cache",
-    "miss_tokens": "Prompt tokens looked up but not found in kvpool",
-    "loads": "Finished load jobs (one per request)",
-    "blocks_loaded": "Blocks loaded from kvpool into the KV cache",
-    "blocks_load_failed": "Blocks that could not be loaded (missing, checksum, layout, node down)",
-    "blocks_read_on_lookup_leases": "Blocks whose read went under the read lease of the scheduler's lookup "
-                                    "(no lookup of their own; one that failed was looked up again)",
-    "bytes_loaded": "Bytes loaded from kvpool",
-    "blocks_saved": "Blocks put into kvpool (existing keys count as saved)",
-    "blocks_save_failed": "Blocks whose put failed",
-    "bytes_saved": "Bytes put into kvpool",
-    "handoffs_published": "P/D hand-offs published by this producer",
-    "handoffs_acked": "P/D hand-offs loaded and acknowledged by this consumer",
-    "handoffs_released": "P/D hand-offs released unused or after a failed load",
-    "handoff_errors": "Hand-offs that could not be published or claimed",
-    "handoff_close_errors": "Hand-off acks or releases the master did not take (it frees them at their deadline)",
-    "lookups_timed_out": "Lookups not answered within lookup_timeout_s (the request ran as a miss)",
-    "loaded_tokens": "Tokens restored from kvpool by finished loads",
-    "recomputed_tokens": "Tokens found in kvpool whose load failed, recomputed by the engine",
-    "states_saved": "Recurrent-state checkpoints (Mamba / gated delta net / KDA) put into kvpool",
-    "state_lookups": "Lookups of a model with state groups that probed a checkpoint",
-    "state_hits": "Of those, lookups that found a checkpoint to restore",
-}
-_GROUP_COUNTERS = {
-    "bytes_loaded": "Bytes loaded from kvpool, per cache group",
-    "bytes_saved": "Bytes put into kvpool, per cache group",
-    "hit_tokens": "External hit tokens, per cache group (sliding-window groups count only the window)",
-}
-GROUP_PREFIX = "group/"  # stats keys "group/<gid>/<counter>"
-MAX_LATENCIES = 1024  # latencies of each kind kept per collection interval
-LATENCIES = {"load_s": "Latency of one request's load from kvpool (seconds)",
-             "layer_wait_s": "Time one step's forward pass waited for its layer-wise loads (seconds)",
-             "save_s": "Latency of one save job's puts into kvpool, from staging to commit (seconds)"}
-
-
-@dataclass
-class KVPoolConnectorStats(KVConnectorStats):
-    """Counters since the last collection, plus the latency (seconds) of each finished
-    load and save job (``load_s``, ``save_s``: at most MAX_LATENCIES each per interval)."""
-
-    def __post_init__(self) -> None:
-        for k in _COUNTERS:
-            self.data.setdefault(k, 0)
-        for k in LATENCIES:
-            self.data.setdefault(k, [])
-
-    def add(self, key: str, v: float = 1) -> None:
-        self.data[key] = self.data.get(key, 0) + v
-
-    def add_group(self, group_id: int, key: str, v: float) -> None:
-        if v:
-            self.add(f"{GROUP_PREFIX}{group_id}/{key}", v)
-
-    def observe(self, kind: str, seconds: float) -> None:
-        """Record one job's latency; ``kind`` in LATENCIES."""
-        lat = self.data.setdefault(kind, [])
-        if len(lat) < MAX_LATENCIES:
-            lat.append(float(seconds))
-
-    def reset(self) -> None:
-        self.data = {k: 0 for k in _COUNTERS}
-        for k in LATENCIES:
-            self.data[k] = []
-
-    def aggregate(self, other: KVConnectorStats) -> "KVPoolConnectorStats":
-        for k, v in (other.data or {}).items():
-            if isinstance(v, list):
-                self.data[k] = (list(self.data.get(k) or []) + v)[:MAX_LATENCIES]
-            elif isinstance(v, (int, float)):
-                self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
-        for kind in LATENCIES:
-            lat = sorted(self.data.get(kind) or [])
-            op = kind[:-2]
-            d[f"avg_{op}_ms"] = round(1000.0 * sum(lat) / len(lat), 3) if lat else 0.0
-            d[f"p99_{op}_ms"] = round(1000.0 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else 0.0
-        return d
-
-    def is_empty(self) -> bool:
-        return not any(v for v in self.data.values())
-
-
-class KVPoolPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvpool_<counter>_total`` counters, per-group counters with a ``group``
-    label, and the ``vllm:kvpool_{load,save}_seconds`` histograms, per engine, fed from
-    :class:`KVPoolConnectorStats`."""
-
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.counters = {}
-        for key, doc in _COUNTERS.items():
-            c = self._counter_cls(name=f"vllm:kvpool_{key}_total", documentation=doc, labelnames=labelnames)
-            self.counters[key] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
-        self.hists = {}
-        for kind, doc in LATENCIES.items():
-            h = self._histogram_cls(name=f"vllm:kvpool_{kind[:-2]}_seconds", documentation=doc,
-                                    labelnames=labelnames,
-                                    buckets=(1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0))
-            self.hists[kind] = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
-        self.group_counters = {
-            key: self._counter_cls(name=f"vllm:kvpool_group_{key}_total", documentation=doc,
-                                   labelnames=[*labelnames, "group"])
-            for key, doc in _GROUP_COUNTERS.items()}
-        self.labelvalues = per_engine_labelvalues
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, per_engine in self.counters.items():
-            v = transfer_stats_data.get(key)
-            if v and engine_idx in per_engine:
-                per_engine[engine_idx].inc(v)
-        for key, v in transfer_stats_data.items():
-            if not key.startswith(GROUP_PREFIX) or not v or engine_idx not in self.labelvalues:
-                continue
-            _, gid, name = key.split("/", 2)
-            c = self.group_counters.get(name)
-            if c is not None:
-                c.labels(*self.labelvalues[engine_idx], gid).inc(v)
-        for kind, per_engine in self.hists.items():
-            hist = per_engine.get(engine_idx)
-            if hist is not None:
-                for s in transfer_stats_data.get(kind) or ():
-                    hist.observe(s)
+def loaded_tokens(tokens: int, n_failed: int, block_size: int, multi_group: bool) -> int:
+    """Of a load of ``tokens`` external tokens whose ``n_failed`` last blocks (in load
+    order) failed, the tokens that count as loaded: vLLM recomputes a one-group request
+    from its first failed block, and a request of several groups (failed as a whole,
+    ``failed_recving``) from the start of the load."""
+    if n_failed <= 0:
+        return tokens
+    return 0 if multi_group else max(0, tokens - n_failed * block_size)
 
 
 def monotonic() -> float:

@@ -54,6 +54,7 @@ from kvpool.connector.vllm_meta import (
 )
 from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.read_leases import ReadLeases
+from kvpool.connector.vllm_accounting import LoadAccounting
 from kvpool.connector.vllm_handoffs import HandoffCloser
 from kvpool.connector.vllm_plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
@@ -105,6 +106,7 @@ class _Match:
     error: str | None = None
     handoff_failed: bool = False  # the named hand-off could not be claimed or used
     leases: ReadLeases = field(default_factory=ReadLeases)  # the load's read leases (see KVPoolScheduler._hit)
+    state_found: dict[int, bool] = field(default_factory=dict)  # per state group: a usable checkpoint was there
     step: int = -1  # the scheduler step that answered with it (KVPoolScheduler.step)
 
     @property
@@ -134,6 +136,7 @@ class KVPoolScheduler:
         self.pending_loads: dict[str, LoadJob] = {}
         self.closing: dict[str, _Req] = {}  # finished while their layer-wise load was out: closed on its report
         self.stats = KVPoolConnectorStats()
+        self.acct = LoadAccounting(self.groups, self.block_size)
         self.counted: set[str] = set()  # requests whose lookup was counted (vLLM may ask again)
         self.lookups: dict[str, _Pending] = {}  # background lookups not yet taken
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-lookup")
@@ -161,7 +164,7 @@ class KVPoolScheduler:
     def _ranks(self, g: GroupLayout):
         return [None] if g.replicated else range(self.tp_size)
 
-    def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases]:
+    def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases, dict[int, bool]]:
         """The largest boundary in ``(start, top]`` every group can restore from kvpool, or
         ``start``; and the read leases of the blocks a load up to it reads. With one worker
         per load, a leased lookup (:meth:`_lookup_leased`): the answers a load needs go to
@@ -169,9 +172,10 @@ class KVPoolScheduler:
         round trip of their own; every other lease is released at once. With several (TP,
         prefill context parallelism), existence checks (no lease, no LRU touch): every
         worker would receive every worker's answers, and one lease cannot be released by
-        several readers."""
+        several readers. The third value: per state group, whether it holds a checkpoint at
+        some boundary in ``(start, top]`` (for the per-group state hit rate)."""
         if top <= start:
-            return start, ReadLeases()
+            return start, ReadLeases(), {}
         span = hashes[start:top]
         keys, where = [], []
         for g in self.groups:
@@ -190,7 +194,9 @@ class KVPoolScheduler:
         b = find_hit(self.rules, have, start, top)
         # without a boot id the worker cannot tell whether its clock is the lookup's: no handover
         self._keep(leases, hashes, start, b if leases.boot else start)
-        return b, leases
+        found = {g.group_id: any(has(i) for i in range(start, top)) for g, has in zip(self.groups, have)
+                 if g.is_state}
+        return b, leases, found
 
     def _lookup_leased(self, keys: list[str]) -> ReadLeases:
         """Leased lookups of ``keys``, LOOKUP_KEYS per call (each answer carries the
@@ -335,15 +341,8 @@ class KVPoolScheduler:
         del self.lookups[rid]
         if rid not in self.counted:  # vLLM may ask again for one request
             self.counted.add(rid)
-            self.stats.add("lookups")
             self.stats.add("handoff_errors", int(m.handoff_failed))
-            self.stats.add("hit_tokens", m.n * bs)
-            self.stats.add("miss_tokens", max(0, request.num_tokens - num_computed_tokens - m.n * bs))
-            for g in self.groups:
-                self.stats.add_group(g.group_id, "hit_tokens", len(needed(g.rule, m.start, m.boundary)) * bs)
-            if self.has_state:
-                self.stats.add("state_lookups")
-                self.stats.add("state_hits", int(m.n > 0))
+            self.acct.lookup(self.stats, m.n, request.num_tokens - num_computed_tokens - m.n * bs, m.state_found)
         if m.handoff_id and m.error is None:
             self._state(request).handoff_id = m.handoff_id  # claimed and matched: this request closes it
         m.step = self.step
@@ -398,9 +397,10 @@ class KVPoolScheduler:
                                      f"string of 1 to 512 characters, got {params.get('invalid') or shown}")
             n = self._claim(handoff_id, hashes, top)
             leases = ReadLeases()
+            found: dict[int, bool] = {}
             if self.s.policy == "recompute" and n > start:  # load only what is still there
-                n, leases = self._hit(hashes, start, n)
-            return _Match(start, max(start, n), handoff_id, leases=leases)
+                n, leases, found = self._hit(hashes, start, n)
+            return _Match(start, max(start, n), handoff_id, leases=leases, state_found=found)
         except KVPoolError as e:
             if self.s.policy == "fail" and top > start:
                 # the request names a hand-off it cannot use: fail it (its blocks are reported failed)
@@ -418,8 +418,8 @@ class KVPoolScheduler:
 
     def _lookup(self, request: "Request", hashes: list[bytes], start: int, top: int) -> _Match:
         try:
-            b, leases = self._hit(hashes, start, top)
-            return _Match(start, b, leases=leases)
+            b, leases, found = self._hit(hashes, start, top)
+            return _Match(start, b, leases=leases, state_found=found)
         except KVPoolError as e:
             if not self.closed:  # a lookup cut short by shutdown is not worth a warning
                 log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
@@ -474,6 +474,8 @@ class KVPoolScheduler:
             st = self.reqs.get(job.req_id)
             if st is not None and job.layerwise:
                 st.loading = True
+            if job.error is None:
+                self.acct.sent(job.req_id, job.first, job.first + job.tokens // self.block_size, job.tokens)
         self.pending_loads.clear()
         if not self.s.saves:
             return meta
@@ -558,6 +560,9 @@ class KVPoolScheduler:
                 if self.emit_events and n_failed == 0:
                     self._stored_event(req_id, first, n_ok)
         failed = wm.loads if isinstance(wm, KVPoolWorkerMetadata) else {}
+        for req_id, n_failed in failed.items():
+            st = self.reqs.get(req_id) or self.closing.get(req_id)
+            self.acct.reported(self.stats, req_id, n_failed, st.request if st is not None else None)
         done = set(connector_output.finished_recving or ())
         if self.layerwise:  # a layer-wise load ends in the step that ran it, on every rank: no finished_recving
             done.update(failed)
@@ -589,6 +594,8 @@ class KVPoolScheduler:
         if pend is not None and not pend.future.cancel():
             pend.future.add_done_callback(self._release_late)
         st = self.reqs.pop(request.request_id, None)
+        if st is not None and st.planned and st.cacheable:
+            self.acct.finished(self.stats, st.num_prompt_tokens)
         if st is not None and st.handoff_id and not st.handoff_done:
             if st.loading:
                 # it ends in the step that loaded it (vLLM frees a finished request before it

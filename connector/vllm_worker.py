@@ -314,11 +314,14 @@ class KVPoolWorker(WorkerLoads):
                 continue
             keys = self._keys(g, job.first, job.hashes, gb.positions)
             buf = st.bufs[gi]
+            tg = monotonic()
             try:
                 res = self.client.put_batch(keys, [buf[i] for i in range(n)], g.layout)
             except Exception as e:  # noqa: BLE001 - a failed save is a later cache miss, never a crash
                 err = e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")
                 res = [err] * n
+            with self.lock:
+                self.stats.observe_group(g.group_id, "save_s", monotonic() - tg)
             errs = [r for r in res if r is not None]
             failed = max(failed, len(errs))
             nbytes += (n - len(errs)) * g.layout.nbytes

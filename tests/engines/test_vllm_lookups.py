@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Engine, close_all, kv_config
+from harness import Engine, close_all, corrupt, kv_config
 from test_vllm_connector import tokens, wait_stored
 from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
 
@@ -50,3 +50,37 @@ def test_a_lookup_asked_twice_in_one_step_keeps_its_load(engines, kv):
     assert tokens(out) == ref
     assert [o["num_cached_tokens"] for o in out] == [6 * BS] * 2
     assert "double_ask: answers differ" not in engines["twice"].log_text(), engines["twice"].tail()
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v is not None}
+
+
+def test_a_corrupted_block_counts_only_the_tokens_that_loaded(engines, kv):
+    """Block 2 of 5 corrupted behind its checksum: the load fails from there and vLLM
+    recomputes blocks 2-4. The log names the checksum (not "missing"), and every counter
+    counts the 2 blocks that landed: ``kvpool_hit_tokens``, the group's hit tokens, vLLM's
+    prompt tokens from external KV transfer and the request's cached tokens; the other 3
+    blocks are ``kvpool_recomputed_tokens``, one block is counted corrupt."""
+    y = prompt_ids(95, 5 * BS + 7)
+    ref = tokens(engines["ref"].generate([y], max_tokens=16))
+    engines["a"].generate([y], max_tokens=1)
+    (keys,) = wait_stored(kv, NS, [y])
+    corrupt(kv, keys[2])
+    eng = engines["twice"]
+    before = eng.metrics()
+    out = eng.generate([y], max_tokens=16)
+    assert tokens(out) == ref
+    assert out[0]["num_cached_tokens"] == 2 * BS
+    d = _delta(eng.metrics(), before)
+    assert d["vllm:kvpool_hit_tokens"] == 2 * BS, d
+    assert d["vllm:kvpool_group_hit_tokens{group=0}"] == 2 * BS, d
+    assert d["vllm:kvpool_recomputed_tokens"] == 3 * BS, d
+    assert d["vllm:kvpool_blocks_load_failed"] == 3 and d["vllm:kvpool_blocks_corrupt"] == 1, d
+    assert d["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == 2 * BS, d
+    assert d["vllm:prompt_tokens_by_source{source=local_compute}"] == len(y) - 2 * BS, d
+    lines = [ln for ln in eng.log_text().splitlines() if "could not be loaded" in ln]
+    assert lines and "ChecksumMismatch" in lines[-1] and "missing" not in lines[-1], lines
+    # the latencies per group and the partial tails of the prompts this engine computed
+    assert d["vllm:kvpool_group_load_seconds{group=0}"] >= 1, d
+    assert d["vllm:kvpool_partial_tail_tokens"] >= 1, d
