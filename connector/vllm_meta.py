@@ -14,6 +14,7 @@ the fingerprint in the key.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics  # noqa: F401 - re-exported
 from kvpool.connector.vllm_plan import GroupRule, window_blocks
 
+log = logging.getLogger("kvpool.vllm")
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -40,7 +43,9 @@ LOAD_MODES = ("auto", "layerwise", "async")
 PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
 _EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
                "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves",
-               "lookup_timeout_s", "load_mode"}
+               "lookup_timeout_s", "load_mode", "on_auth_failure"}
+AUTH_FAILURE_POLICIES = ("fail", "run_uncached")
+PROBE_TIMEOUT_S = 3.0  # longest wait at engine start for the master's first answer (seconds)
 
 
 # ---- settings -------------------------------------------------------------------------
@@ -62,6 +67,9 @@ class ConnectorSettings:
     the request until its whole load has landed; ``auto`` is ``layerwise`` for models with
     one KV cache group and ``async`` otherwise (vLLM takes the load errors of a request
     that already ran only as block ids, which are ambiguous across groups).
+    ``on_auth_failure`` (``fail`` | ``run_uncached``): what an engine whose cluster
+    refuses it (no or another cluster secret) does at start: stop with a ConfigError
+    (the default), or log it once, loudly, and run without kvpool.
     """
 
     master: str | None
@@ -79,6 +87,7 @@ class ConnectorSettings:
     engine_id: str
     lookup_timeout_s: float = 2.0
     load_mode: str = "auto"
+    on_auth_failure: str = "fail"
 
     @staticmethod
     def from_vllm(vllm_config: "VllmConfig") -> "ConnectorSettings":
@@ -114,6 +123,10 @@ class ConnectorSettings:
         if load_mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.load_mode: {load_mode!r}; accepted: "
                               f"{', '.join(LOAD_MODES)}", key="load_mode")
+        on_auth = str(extra.get("on_auth_failure", "fail"))
+        if on_auth not in AUTH_FAILURE_POLICIES:
+            raise ConfigError(f"kv_connector_extra_config.on_auth_failure: {on_auth!r}; accepted: "
+                              f"{', '.join(AUTH_FAILURE_POLICIES)}", key="on_auth_failure")
         transport = str(extra.get("transport", "auto"))
         if transport not in ("auto", "tcp", "shm", "unix", "ucx"):
             raise ConfigError(f"kv_connector_extra_config.transport: {transport!r}; accepted: auto, tcp, "
@@ -125,7 +138,7 @@ class ConnectorSettings:
             transport=transport, rpc_timeout_s=num("rpc_timeout_s", 10.0, 0.001),
             io_timeout_s=num("io_timeout_s", 30.0, 0.001),
             max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
-            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode)
+            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode, on_auth_failure=on_auth)
 
     @property
     def loads(self) -> bool:
@@ -147,6 +160,34 @@ class ConnectorSettings:
         # no spinning for replies: an engine's CPUs belong to its forward pass and its own threads
         return KVPoolClient(self.master, etcd=self.etcd, cluster=self.cluster, transport=self.transport,
                             rpc_timeout_s=self.rpc_timeout_s, io_timeout_s=self.io_timeout_s, spin_wait_s=0.0)
+
+
+def cluster_refusal(client, s: ConnectorSettings) -> str | None:
+    """Ask the master once (an empty existence check) at engine start, so that a cluster
+    that refuses this engine is known before its first request. Returns None when the
+    master answered, or did not answer within PROBE_TIMEOUT_S (a master down at start is a
+    cache that misses until it is back); the refusal when ``on_auth_failure`` is
+    ``run_uncached`` (logged once, at ERROR). Raises ConfigError naming the cause and the
+    fix when the cluster refuses the engine (AuthFailed) under ``on_auth_failure: fail``."""
+    from kvpool.protocol import messages as M
+    from kvpool.protocol.errors import AuthFailed, KVPoolError
+
+    where = s.master or f"etcd {s.etcd} (cluster {s.cluster})"
+    try:
+        client.rpc.call(M.Exists([]), timeout_s=min(s.rpc_timeout_s, PROBE_TIMEOUT_S))
+    except AuthFailed as e:
+        why = (f"the kvpool cluster at {where} refused this engine ({e}); give the engine the cluster's "
+               "secret (KVPOOL_SECRET_FILE or KVPOOL_SECRET in its environment; `kvpool up` prints the line)")
+        if s.on_auth_failure == "fail":
+            raise ConfigError(f"{why}, or set kv_connector_extra_config.on_auth_failure='run_uncached' to run "
+                              "without kvpool", key="on_auth_failure") from None
+        log.error("kvpool: %s. on_auth_failure=run_uncached: THIS ENGINE RUNS WITHOUT KVPOOL (no lookups, loads, "
+                  "saves or hand-offs) until it is restarted with the secret", why)
+        return why
+    except KVPoolError as e:
+        log.warning("kvpool: the cluster at %s did not answer at engine start (%s: %s); lookups miss until it "
+                    "does", where, type(e).__name__, e)
+    return None
 
 
 def layerwise_loads(s: ConnectorSettings, n_groups: int) -> bool:
@@ -334,7 +375,7 @@ def no_load_reason(vllm_config: "VllmConfig") -> str | None:
     if getattr(cc, "enable_prefix_caching", True) or getattr(sc, "enable_chunked_prefill", True):
         return None
     return ("the engine runs with prefix caching and chunked prefill off, so it cannot prefill on top of "
-            "loaded context; kvpool reports no external hits (blocks are still saved)")
+            "loaded context; kvpool reports no external hits")
 
 
 # ---- keys --------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from kvpool.connector.vllm_meta import (
     layerwise_loads,
     keys_for,
     no_load_reason,
+    cluster_refusal,
     monotonic,
     request_extra,
 )
@@ -126,10 +127,16 @@ class KVPoolScheduler:
         self.rules = [g.rule for g in self.groups]
         self.has_state = any(g.is_state for g in self.groups)
         self.layerwise = layerwise_loads(settings, len(kv_cache_config.kv_cache_groups))
-        self.no_loads = no_load_reason(vllm_config) if settings.loads else None
-        if self.no_loads:
-            log.warning("kvpool: %s", self.no_loads)
         self.client = client if client is not None else settings.make_client()
+        # a cluster that refuses this engine: ConfigError, or (run_uncached) no kvpool at all
+        self.offline = cluster_refusal(self.client, settings) if client is None else None
+        self.no_loads = self.offline or (no_load_reason(vllm_config) if settings.loads else None)
+        # an engine that can never load does not save for its peers of the same setup either
+        # (a producer still saves: its consumer is another engine)
+        self.saving = settings.saves and self.offline is None and not (settings.role == "kv_both" and self.no_loads)
+        if self.no_loads and not self.offline:
+            log.warning("kvpool: %s%s", self.no_loads, "; it saves nothing either (no engine of its setup could "
+                        "load it)" if settings.saves and not self.saving else "")
         self.kv_cache_manager = None
         self.reqs: dict[str, _Req] = {}
         self.matches: dict[str, _Match] = {}
@@ -477,7 +484,7 @@ class KVPoolScheduler:
             if job.error is None:
                 self.acct.sent(job.req_id, job.first, job.first + job.tokens // self.block_size, job.tokens)
         self.pending_loads.clear()
-        if not self.s.saves:
+        if not self.saving:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
@@ -609,6 +616,9 @@ class KVPoolScheduler:
                 self._finish_handoff(st, ok=False)
         if not self.s.producer or st is None:
             return False, None
+        if self.offline:  # refused by the cluster (run_uncached): the consumer computes it all
+            return False, {PARAMS_KEY: {"handoff_id": None, "num_blocks": 0, "block_size": self.block_size,
+                                        "model": self.s.model_id, "error": self.offline}}
         return False, self._publish(request, st)
 
     def _published_boundary(self, st: _Req) -> int:

