@@ -13,6 +13,7 @@ import pytest
 from harness import REPO
 
 pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="checks the installed vLLM's interface (pip install '.[vllm]')")
 
 import vllm.distributed.kv_transfer.kv_connector.v1.base as base  # noqa: E402 (installed by .ci/setup --test)
 

@@ -27,6 +27,7 @@ from kvpool.connector.vllm_plan import (
 )
 
 pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="the oracle is vLLM's own coordinator (pip install '.[vllm]')")
 
 import torch  # noqa: E402
 from vllm.v1.core.block_pool import BlockHashToBlockMap  # noqa: E402 (installed by .ci/setup --test)
