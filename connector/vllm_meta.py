@@ -276,19 +276,38 @@ def _refuse(gid: int, spec: Any, why: str, hint: str = _REFUSED_HINT) -> ConfigE
                        f"{hint}", key="kv_cache_groups")
 
 
-def _attention_parts(spec: Any, block_size: int) -> tuple[tuple[int, int, int], str]:
+# kv_cache_dtype -> the element format of an FP8 per-tensor KV cache (vLLM keeps such caches as
+# uint8 whatever the format: vllm/utils/torch_utils.py STR_DTYPE_TO_TORCH_DTYPE); "fp8" is e4m3
+FP8_FORMATS = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+               "fp8_inc": "float8_e4m3fn"}
+
+
+def _attention_parts(gid: int, spec: Any, block_size: int, cache_dtype: str) -> tuple[tuple[int, int, int], str]:
+    """The page ``(heads, block_size, content)`` and element dtype name of an attention
+    spec. An FP8 per-tensor cache (``kv_cache_dtype`` fp8, fp8_e4m3, fp8_e5m2) is named
+    by its real element format, so e4m3 and e5m2 caches never share a fingerprint (vLLM
+    stores both as uint8); other quantized formats are refused (ConfigError): kvpool
+    cannot tell their packings apart."""
     from vllm.v1.kv_cache_interface import KVQuantMode
 
-    packed = spec.state_content_bytes is not None or spec.kv_quant_mode != KVQuantMode.NONE
-    if packed:
-        dtype, content = "uint8", int(spec.state_content_size_bytes)
-    else:
-        dtype = _dtype_name(spec.dtype)
-        content = int(spec.state_content_size_bytes) // DTYPE_BYTES[dtype]
-    return (int(spec.num_heads), block_size, content), dtype
+    mode = spec.kv_quant_mode
+    if mode == KVQuantMode.FP8_PER_TENSOR:
+        fmt = FP8_FORMATS.get(str(cache_dtype))
+        if fmt is None or spec.state_content_bytes is not None:
+            raise _refuse(gid, spec, f"kv_cache_dtype={cache_dtype!r}, a packed FP8 format",
+                          "use kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2 or auto with the kvpool connector")
+        return (int(spec.num_heads), block_size, int(spec.state_content_size_bytes) // DTYPE_BYTES[fmt]), fmt
+    if mode != KVQuantMode.NONE:
+        raise _refuse(gid, spec, f"kv_cache_dtype={cache_dtype!r} ({mode.name} quantization)",
+                      "use kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2 or auto with the kvpool connector")
+    if spec.state_content_bytes is not None:  # a model's own packing (tied to its model id)
+        return (int(spec.num_heads), block_size, int(spec.state_content_size_bytes)), "uint8"
+    dtype = _dtype_name(spec.dtype)
+    return (int(spec.num_heads), block_size, int(spec.state_content_size_bytes) // DTYPE_BYTES[dtype]), dtype
 
 
-def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: int) -> GroupLayout:
+def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: int,
+                  cache_dtype: str = "auto") -> GroupLayout:
     """The layout of one cache group from its vLLM spec; ConfigError for what kvpool
     cannot restore faithfully (the message names the group, its spec and a way out)."""
     from vllm.v1.kv_cache_interface import (AttentionSpec, FullAttentionSpec, MambaSpec, MLAAttentionSpec,
@@ -331,7 +350,7 @@ def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: 
         mla = isinstance(spec, MLAAttentionSpec)
         kind = "mla" if mla else "full_attention"
         rule = GroupRule(kind)
-    page, dtype = _attention_parts(spec, block_size)
+    page, dtype = _attention_parts(gid, spec, block_size, cache_dtype)
     mla = kind == "mla"
     tensors = tuple(TensorSpec(name, page, dtype) for name in layers)
     layout = LayoutSpec(kind=kind, tokens_per_block=block_size, tensors=tensors,
@@ -370,7 +389,8 @@ def group_layouts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                           key="decode_context_parallel_size")
     tp_size = int(pc.tensor_parallel_size)
     block_size = int(vllm_config.cache_config.block_size)
-    out = [_group_layout(gid, kv_cache_config.kv_cache_groups[gid], block_size, tp_size, tp_rank)
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    out = [_group_layout(gid, kv_cache_config.kv_cache_groups[gid], block_size, tp_size, tp_rank, cache_dtype)
            for gid in stored_group_ids(kv_cache_config)]
     if not out:
         raise ConfigError("the model has no transferable KV cache groups", key="kv_cache_groups")

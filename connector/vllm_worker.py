@@ -46,7 +46,7 @@ from kvpool.connector.vllm_meta import (
     monotonic,
 )
 from kvpool.connector.vllm_plan import PAGED
-from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, PageRuns, copy_pages, host_bytes
+from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, PageRuns, copy_pages, host_bytes, move_dtype
 from kvpool.protocol.errors import ConfigError, KVPoolError
 from kvpool.protocol.layout import DTYPE_BYTES
 
@@ -119,7 +119,7 @@ class KVPoolWorker(WorkerLoads):
                     raise ConfigError(f"kvpool: layer {name} of cache group {g.group_id} has no KV cache "
                                       "tensor on this worker", key="kv_caches")
                 parts = self._state_views(name, t, g) if g.is_state else \
-                    [(self._block_view(name, t, g), g.page_shape, g.dtype)]
+                    [(self._block_view(name, t, g), g.page_shape, move_dtype(g.dtype))]
                 self.caches[name] = parts
                 self.layer_pos[name] = (gi, off)
                 off += g.layer_nbytes
@@ -152,15 +152,16 @@ class KVPoolWorker(WorkerLoads):
             if v.dtype != TORCH_DTYPES[dtype] or tuple(v.shape[1:]) != tuple(shape) or v.shape[0] < self.num_blocks:
                 raise ConfigError(f"kvpool: state layer {name} cache is {tuple(v.shape)} {v.dtype}, the spec says "
                                   f"[{self.num_blocks}, {', '.join(map(str, shape))}] {dtype}", key="kv_caches")
-        return [(v, shape, dtype) for v, (shape, dtype) in zip(t, g.parts)]
+        return [(v.view(torch.uint8) if move_dtype(dtype) != dtype else v, shape, move_dtype(dtype))
+                for v, (shape, dtype) in zip(t, g.parts)]
 
     def _block_view(self, name: str, t: torch.Tensor, g: GroupLayout) -> torch.Tensor:
         if isinstance(t, (list, tuple)):
             raise ConfigError(f"kvpool: layer {name} has a multi-tensor cache; not supported", key="kv_caches")
         h, n, c = g.page_shape
-        want = TORCH_DTYPES[g.dtype]
+        want = TORCH_DTYPES[move_dtype(g.dtype)]
         if t.dtype != want:
-            if want == torch.uint8:
+            if want == torch.uint8 and t.element_size() == 1:  # FP8 / int8 pages, moved as bytes
                 t = t.view(torch.uint8)
             else:
                 raise ConfigError(f"kvpool: layer {name} cache dtype {t.dtype} differs from the spec's "

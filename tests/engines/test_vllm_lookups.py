@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BS = BLOCK_SIZE
 NS = "lookups"
+NS_FP8 = "lookups-fp8"  # its own namespace: wait_stored finds the layout fingerprint from any key under it
 
 
 NO_SECRET = {"KVPOOL_SECRET_FILE": None, "KVPOOL_SECRET": None}
@@ -49,6 +50,13 @@ def engines(cluster, secure, tmp_path_factory):
         "twice": dict(kv_transfer_config={**kv_config("kv_both", m, NS, "recompute"),
                                           "kv_connector": "DoubleAskConnector",
                                           "kv_connector_module_path": "double_ask"}, log_stats=True),
+        # FP8 KV caches: "fp8" and "fp8_e4m3" are one format, "fp8_e5m2" another
+        "fp8_a": dict(kv_transfer_config=kv_config("kv_both", m, NS_FP8, "recompute"),
+                      engine_kwargs={"kv_cache_dtype": "fp8"}),
+        "fp8_b": dict(kv_transfer_config=kv_config("kv_both", m, NS_FP8, "recompute"),
+                      engine_kwargs={"kv_cache_dtype": "fp8_e4m3"}),
+        "e5m2": dict(kv_transfer_config=kv_config("kv_both", m, NS_FP8, "recompute"),
+                     engine_kwargs={"kv_cache_dtype": "fp8_e5m2"}),
         # engines of a cluster with a secret, started without it
         "nosecret": dict(kv_transfer_config=kv_config("kv_both", secure.master_addr, NS, "recompute"),
                          env=NO_SECRET),
@@ -137,3 +145,20 @@ def test_run_uncached_says_so_once_and_runs_without_kvpool(engines, secure):
     assert "lookup for request" not in log and "were not saved" not in log, eng.tail()
     with secure.client() as c:
         assert c.ls("") == []
+
+
+def test_fp8_kv_cache_blocks_are_stored_and_loaded_byte_exact(engines, kv):
+    """An FP8 (e4m3) KV cache: blocks are stored one byte per element under their format,
+    a second e4m3 engine loads them (each checked against the xxh3 checksum of the bytes
+    the first engine saved) and its tokens equal the first engine's own; an e5m2 engine,
+    whose bytes mean other numbers, never takes them."""
+    p = prompt_ids(99, 6 * BS + 5)
+    own = tokens(engines["fp8_a"].generate([p], max_tokens=16))
+    (keys,) = wait_stored(kv, NS_FP8, [p])
+    infos = kv.lookup(keys)
+    assert all(i.layout.tensors[0].dtype == "float8_e4m3fn" for i in infos), infos[0].layout
+    assert all(i.size == 2 * 4 * BS * 64 for i in infos)  # 2 layers x 4 heads x 32 tokens x (K 32 + V 32) bytes
+    out = engines["fp8_b"].generate([p], max_tokens=16)
+    assert out[0]["num_cached_tokens"] == 6 * BS and tokens(out) == own
+    out = engines["e5m2"].generate([p], max_tokens=16)
+    assert out[0]["num_cached_tokens"] == 0
