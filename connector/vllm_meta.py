@@ -315,15 +315,17 @@ def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: 
 
     spec = group.kv_cache_spec
     layers = tuple(group.layer_names)
+    # the state mode first: without align mode (prefix caching off) vLLM also gives the
+    # state group its own block size, and the cause to name is the mode
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
+        raise _refuse(gid, spec, f"mamba_cache_mode={spec.mamba_cache_mode!r}: the state is not kept at "
+                      "block boundaries", "enable prefix caching (vLLM then uses mamba_cache_mode='align', or "
+                      "pass --mamba-cache-mode align) so vLLM checkpoints the state at block boundaries")
     if spec.block_size != block_size:
         raise _refuse(gid, spec, f"block size {spec.block_size}, the engine's {block_size}",
-                      "kvpool keys every group by the engine's block hash; set --block-size so every "
-                      "group uses one block size")
+                      "kvpool's vLLM connector keys every group by the engine's block hash and does not yet "
+                      "store groups of different block sizes; set --block-size so every group uses one")
     if isinstance(spec, MambaSpec):
-        if spec.mamba_cache_mode != "align":
-            raise _refuse(gid, spec, f"mamba_cache_mode={spec.mamba_cache_mode!r}: the state is not kept at "
-                          "block boundaries", "enable prefix caching with mamba_cache_mode='align' "
-                          "(--mamba-cache-mode align) so vLLM checkpoints the state at block boundaries")
         parts = tuple((tuple(int(d) for d in shape), _dtype_name(dt)) for shape, dt in zip(spec.shapes, spec.dtypes))
         names = ("conv", "ssm") if len(parts) == 2 else tuple(f"state{i}" for i in range(len(parts)))
         tensors = tuple(TensorSpec(f"{n}/{layer}", shape, dt) for layer in layers

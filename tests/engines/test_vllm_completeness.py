@@ -199,6 +199,9 @@ def test_state_group_layouts_and_refusals():
                        "mamba_cache_mode"),
                       (MambaSpec(block_size=64, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"),
                        "block size 64"),
+                      # prefix caching off: another block size too, but the cause named is the mode
+                      (MambaSpec(block_size=1024, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="none"),
+                       "mamba_cache_mode='none'.*enable prefix caching"),
                       (ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32,
                                                  attention_chunk_size=64), "ChunkedLocalAttentionSpec")):
         with pytest.raises(ConfigError, match=what) as ei:
