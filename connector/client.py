@@ -662,7 +662,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
         for i, info in zip(todo, infos):
             if isinstance(info, M.ErrorInfo):
                 err = from_wire(info)
-                results[i] = None if isinstance(err, NotFound) else err
+                results[i] = _missing(results[i]) if isinstance(err, NotFound) else err
                 continue
             try:
                 if lays[i] is not None and lays[i] != info.layout:  # equal layouts need no field walk
@@ -675,7 +675,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
                 continue
             order = self.replica_reads.order(info.replicas)  # same host first, nodes that just failed last
             if not order:
-                results[i] = None  # every replica was lost: a clean miss
+                results[i] = _missing(results[i])  # every replica was lost: a clean miss
                 continue
             pending[i] = (info, order)
         leased = [info for info in infos if isinstance(info, M.ObjectInfo)]  # refused ones too
@@ -734,6 +734,8 @@ class KVPoolClient(ReservedPuts, HintedReads):
                     nxt[i] = (info, order[1:])
                 elif isinstance(err, (StaleExtent, NodeUnavailable, ChecksumMismatch)) and not last:
                     retry.append(i)
+                    if isinstance(err, ChecksumMismatch):
+                        results[i] = err  # the cause, should the retry find the key gone (see _missing)
                 else:
                     results[i] = err
             pending = nxt
@@ -823,6 +825,14 @@ class KVPoolClient(ReservedPuts, HintedReads):
 
     def handoff_release(self, request_id: str) -> None:
         self.rpc.call(M.HandoffRelease(request_id))
+
+
+def _missing(earlier: int | None | KVPoolError) -> None | KVPoolError:
+    """A key's result when a (re)lookup finds it gone: None (a miss), or the
+    ChecksumMismatch of an earlier attempt of this call. A corrupt replica is reported
+    and the master drops it, so the retry finds the key gone when it had one replica;
+    the reader is told why, not that it was never there."""
+    return earlier if isinstance(earlier, ChecksumMismatch) else None
 
 
 def lanes(ops: Sequence, k: int) -> list[list]:

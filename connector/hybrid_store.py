@@ -124,6 +124,9 @@ class HybridEngineModel(Protocol):
     does.
     """
 
+    # Optional: ``hit_alignment`` (tokens), where a hit may end for this engine (see
+    # protocol.groups.common_prefix). Absent: vLLM's rule, a block boundary of every group.
+
     @property
     def model_id(self) -> str:
         """Weights identity (goes into every key and the block hashes)."""
@@ -379,7 +382,8 @@ class HybridStore:
         found = self.client.exists_batch(keys) if keys else []
         stored = {name: [all(found[start + j * nb + i] for j in range(nr)) for i in range(nb)]
                   for name, (start, nb, nr) in spans.items()}
-        hit = common_prefix(src, stored, max_tokens=cap, divergent=divergent)
+        hit = common_prefix(src, stored, max_tokens=cap, divergent=divergent,
+                            alignment=getattr(self.model, "hit_alignment", None))
         tail = self._probe_tail(ids, src, hit, stored, cap) if self.tails else None
         return hit, tail
 

@@ -32,7 +32,7 @@ from kvpool.connector.scatter_out import ScatterOut
 from kvpool.connector.vllm_meta import GroupLayout, LoadJob, monotonic
 from kvpool.connector.vllm_pages import TORCH_DTYPES, host_bytes
 from kvpool.connector.vllm_plan import NULL_BLOCK
-from kvpool.protocol.errors import KVPoolError
+from kvpool.protocol.errors import ChecksumMismatch, KVPoolError
 
 log = logging.getLogger("kvpool.vllm")
 
@@ -48,9 +48,8 @@ class _LoadResult:
     n_ok: int
     nbytes: int
     seconds: float
-    loaded_tokens: int = 0
-    recomputed_tokens: int = 0
     group_bytes: dict[int, int] = field(default_factory=dict)
+    n_corrupt: int = 0  # blocks whose bytes failed their checksum
 
 
 @dataclass
@@ -58,13 +57,15 @@ class _Plan:
     """What of one load job's fetched blocks goes into the cache: ``spans[g]`` is the
     staging buffer of group ``g`` and how many of its blocks to scatter (a prefix);
     ``reason`` the first failure ("" when every block loaded), ``ok_upto`` the loaded
-    blocks of the single-group case, ``failed_groups`` the blocks lost per group."""
+    blocks of the single-group case, ``failed_groups`` the blocks lost per group,
+    ``n_corrupt`` the blocks that failed their checksum."""
 
     n: int
     reason: str
     ok_upto: int
     failed_groups: dict[int, int]
     spans: list[tuple[torch.Tensor | None, int]]
+    n_corrupt: int = 0
 
 
 class WorkerLoads:
@@ -198,10 +199,13 @@ class WorkerLoads:
                     outs += [flat[i * nb:(i + 1) * nb] for i in range(lo, lo + len(pos))]
             res: list = []
             if keys:
+                tg = monotonic()
                 try:
                     res = self.client.get_into_batch(keys, outs, g.layout, leases)
                 except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
                     res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * len(keys)
+                with self.lock:
+                    self.stats.observe_group(g.group_id, "load_s", monotonic() - tg)
             for job, buf, lo in spans:
                 fetched[job.req_id].append((buf, res[lo:lo + len(job.groups[gi].positions)]))
         if held:
@@ -284,19 +288,22 @@ class WorkerLoads:
         reason = job.error or ("" if n else "no blocks")
         ok_upto = 0 if reason else n  # loaded blocks of the single-group case, in load order
         failed_groups: dict[int, int] = {}
+        n_corrupt = 0
         if not reason:
             for (g, gb), (_, res) in zip(zip(self.groups, job.groups), fetched):
                 m = len(gb.positions)
+                n_corrupt += sum(isinstance(r, ChecksumMismatch) for r in res)
                 for i, r in enumerate(res):
                     if not isinstance(r, int):
                         failed_groups[g.group_id] = m - i
                         ok_upto = min(ok_upto, i)
-                        reason = reason or ("missing" if r is None else f"{type(r).__name__}: {r}")
+                        reason = reason or (f"missing (block {gb.positions[i]})" if r is None
+                                            else f"{type(r).__name__}: {r}")
                         break
         take = not reason or (not self.multi_group and ok_upto)
         spans = [(buf, (len(gb.positions) if not reason else ok_upto) if take else 0)
                  for gb, (buf, _) in zip(job.groups, fetched or [(None, ())] * len(job.groups))]
-        return _Plan(n, reason, ok_upto, failed_groups, spans)
+        return _Plan(n, reason, ok_upto, failed_groups, spans, n_corrupt)
 
     def _result(self, job: LoadJob, plan: _Plan, seconds: float) -> _LoadResult:
         """The outcome of one job whose plan was carried out (logged when blocks failed)."""
@@ -316,10 +323,8 @@ class WorkerLoads:
             log.log(level, "kvpool: request %s: %d of %d blocks could not be loaded (first failure: %s%s)%s; "
                     "policy=%s", job.req_id, n_failed, n, reason, f" in cache group {min(fg)}" if fg else "",
                     f" from hand-off {job.handoff_id}" if job.handoff_id else "", self.s.policy)
-        bs = self.groups[0].layout.tokens_per_block
-        recomputed = job.tokens if (reason and self.multi_group) else n_failed * bs
         return _LoadResult(job.req_id, failed, n_failed, n - n_failed, sum(per_group.values()), seconds,
-                           job.tokens - recomputed, recomputed, per_group)
+                           per_group, plan.n_corrupt)
 
     def _scatter(self, g: GroupLayout, name: str, buf: torch.Tensor, block_ids: list[int]) -> None:
         """Copy layer ``name``'s pages of staged blocks into the engine's cache blocks
@@ -400,8 +405,7 @@ class WorkerLoads:
             self.stats.add("blocks_loaded", r.n_ok)
             self.stats.add("blocks_load_failed", r.n_failed)
             self.stats.add("bytes_loaded", r.nbytes)
-            self.stats.add("loaded_tokens", r.loaded_tokens)
-            self.stats.add("recomputed_tokens", r.recomputed_tokens)
+            self.stats.add("blocks_corrupt", r.n_corrupt)
             for gid, nb in r.group_bytes.items():
                 self.stats.add_group(gid, "bytes_loaded", nb)
 

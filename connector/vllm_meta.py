@@ -14,6 +14,7 @@ the fingerprint in the key.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,14 +22,16 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.keys import block_hashes, extra_bytes, group_key
 from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
 
 from kvpool.connector.read_leases import ReadLeases
+from kvpool.connector.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics  # noqa: F401 - re-exported
 from kvpool.connector.vllm_plan import GroupRule, window_blocks
+
+log = logging.getLogger("kvpool.vllm")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,7 +43,10 @@ LOAD_MODES = ("auto", "layerwise", "async")
 PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
 _EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
                "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves",
-               "lookup_timeout_s", "load_mode"}
+               "lookup_timeout_s", "load_mode", "on_auth_failure", "prompt_saves"}
+AUTH_FAILURE_POLICIES = ("fail", "run_uncached")
+PROMPT_SAVES = ("committed", "background")
+PROBE_TIMEOUT_S = 3.0  # longest wait at engine start for the master's first answer (seconds)
 
 
 # ---- settings -------------------------------------------------------------------------
@@ -62,6 +68,15 @@ class ConnectorSettings:
     the request until its whole load has landed; ``auto`` is ``layerwise`` for models with
     one KV cache group and ``async`` otherwise (vLLM takes the load errors of a request
     that already ran only as block ids, which are ambiguous across groups).
+    ``on_auth_failure`` (``fail`` | ``run_uncached``): what an engine whose cluster
+    refuses it (no or another cluster secret) does at start: stop with a ConfigError
+    (the default), or log it once, loudly, and run without kvpool.
+    ``prompt_saves`` (``committed`` | ``background``): ``committed`` puts the last save of
+    a prompt inside the step that computes its end and waits there for the prompt's
+    earlier saves, so a request's prompt is in kvpool by the time its first token is out
+    (what another engine's lookup can then find); ``background`` leaves every put to the
+    saver thread (no wait in the step; a lookup racing it misses). Producers always
+    commit (the hand-off is published as the request ends).
     """
 
     master: str | None
@@ -79,6 +94,8 @@ class ConnectorSettings:
     engine_id: str
     lookup_timeout_s: float = 2.0
     load_mode: str = "auto"
+    on_auth_failure: str = "fail"
+    prompt_saves: str = "committed"
 
     @staticmethod
     def from_vllm(vllm_config: "VllmConfig") -> "ConnectorSettings":
@@ -114,6 +131,14 @@ class ConnectorSettings:
         if load_mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.load_mode: {load_mode!r}; accepted: "
                               f"{', '.join(LOAD_MODES)}", key="load_mode")
+        on_auth = str(extra.get("on_auth_failure", "fail"))
+        if on_auth not in AUTH_FAILURE_POLICIES:
+            raise ConfigError(f"kv_connector_extra_config.on_auth_failure: {on_auth!r}; accepted: "
+                              f"{', '.join(AUTH_FAILURE_POLICIES)}", key="on_auth_failure")
+        prompt_saves = str(extra.get("prompt_saves", "committed"))
+        if prompt_saves not in PROMPT_SAVES:
+            raise ConfigError(f"kv_connector_extra_config.prompt_saves: {prompt_saves!r}; accepted: "
+                              f"{', '.join(PROMPT_SAVES)}", key="prompt_saves")
         transport = str(extra.get("transport", "auto"))
         if transport not in ("auto", "tcp", "shm", "unix", "ucx"):
             raise ConfigError(f"kv_connector_extra_config.transport: {transport!r}; accepted: auto, tcp, "
@@ -125,7 +150,8 @@ class ConnectorSettings:
             transport=transport, rpc_timeout_s=num("rpc_timeout_s", 10.0, 0.001),
             io_timeout_s=num("io_timeout_s", 30.0, 0.001),
             max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
-            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode)
+            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode, on_auth_failure=on_auth,
+            prompt_saves=prompt_saves)
 
     @property
     def loads(self) -> bool:
@@ -147,6 +173,34 @@ class ConnectorSettings:
         # no spinning for replies: an engine's CPUs belong to its forward pass and its own threads
         return KVPoolClient(self.master, etcd=self.etcd, cluster=self.cluster, transport=self.transport,
                             rpc_timeout_s=self.rpc_timeout_s, io_timeout_s=self.io_timeout_s, spin_wait_s=0.0)
+
+
+def cluster_refusal(client, s: ConnectorSettings) -> str | None:
+    """Ask the master once (an empty existence check) at engine start, so that a cluster
+    that refuses this engine is known before its first request. Returns None when the
+    master answered, or did not answer within PROBE_TIMEOUT_S (a master down at start is a
+    cache that misses until it is back); the refusal when ``on_auth_failure`` is
+    ``run_uncached`` (logged once, at ERROR). Raises ConfigError naming the cause and the
+    fix when the cluster refuses the engine (AuthFailed) under ``on_auth_failure: fail``."""
+    from kvpool.protocol import messages as M
+    from kvpool.protocol.errors import AuthFailed, KVPoolError
+
+    where = s.master or f"etcd {s.etcd} (cluster {s.cluster})"
+    try:
+        client.rpc.call(M.Exists([]), timeout_s=min(s.rpc_timeout_s, PROBE_TIMEOUT_S))
+    except AuthFailed as e:
+        why = (f"the kvpool cluster at {where} refused this engine ({e}); give the engine the cluster's "
+               "secret (KVPOOL_SECRET_FILE or KVPOOL_SECRET in its environment; `kvpool up` prints the line)")
+        if s.on_auth_failure == "fail":
+            raise ConfigError(f"{why}, or set kv_connector_extra_config.on_auth_failure='run_uncached' to run "
+                              "without kvpool", key="on_auth_failure") from None
+        log.error("kvpool: %s. on_auth_failure=run_uncached: THIS ENGINE RUNS WITHOUT KVPOOL (no lookups, loads, "
+                  "saves or hand-offs) until it is restarted with the secret", why)
+        return why
+    except KVPoolError as e:
+        log.warning("kvpool: the cluster at %s did not answer at engine start (%s: %s); lookups miss until it "
+                    "does", where, type(e).__name__, e)
+    return None
 
 
 def layerwise_loads(s: ConnectorSettings, n_groups: int) -> bool:
@@ -222,19 +276,38 @@ def _refuse(gid: int, spec: Any, why: str, hint: str = _REFUSED_HINT) -> ConfigE
                        f"{hint}", key="kv_cache_groups")
 
 
-def _attention_parts(spec: Any, block_size: int) -> tuple[tuple[int, int, int], str]:
+# kv_cache_dtype -> the element format of an FP8 per-tensor KV cache (vLLM keeps such caches as
+# uint8 whatever the format: vllm/utils/torch_utils.py STR_DTYPE_TO_TORCH_DTYPE); "fp8" is e4m3
+FP8_FORMATS = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+               "fp8_inc": "float8_e4m3fn"}
+
+
+def _attention_parts(gid: int, spec: Any, block_size: int, cache_dtype: str) -> tuple[tuple[int, int, int], str]:
+    """The page ``(heads, block_size, content)`` and element dtype name of an attention
+    spec. An FP8 per-tensor cache (``kv_cache_dtype`` fp8, fp8_e4m3, fp8_e5m2) is named
+    by its real element format, so e4m3 and e5m2 caches never share a fingerprint (vLLM
+    stores both as uint8); other quantized formats are refused (ConfigError): kvpool
+    cannot tell their packings apart."""
     from vllm.v1.kv_cache_interface import KVQuantMode
 
-    packed = spec.state_content_bytes is not None or spec.kv_quant_mode != KVQuantMode.NONE
-    if packed:
-        dtype, content = "uint8", int(spec.state_content_size_bytes)
-    else:
-        dtype = _dtype_name(spec.dtype)
-        content = int(spec.state_content_size_bytes) // DTYPE_BYTES[dtype]
-    return (int(spec.num_heads), block_size, content), dtype
+    mode = spec.kv_quant_mode
+    if mode == KVQuantMode.FP8_PER_TENSOR:
+        fmt = FP8_FORMATS.get(str(cache_dtype))
+        if fmt is None or spec.state_content_bytes is not None:
+            raise _refuse(gid, spec, f"kv_cache_dtype={cache_dtype!r}, a packed FP8 format",
+                          "use kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2 or auto with the kvpool connector")
+        return (int(spec.num_heads), block_size, int(spec.state_content_size_bytes) // DTYPE_BYTES[fmt]), fmt
+    if mode != KVQuantMode.NONE:
+        raise _refuse(gid, spec, f"kv_cache_dtype={cache_dtype!r} ({mode.name} quantization)",
+                      "use kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2 or auto with the kvpool connector")
+    if spec.state_content_bytes is not None:  # a model's own packing (tied to its model id)
+        return (int(spec.num_heads), block_size, int(spec.state_content_size_bytes)), "uint8"
+    dtype = _dtype_name(spec.dtype)
+    return (int(spec.num_heads), block_size, int(spec.state_content_size_bytes) // DTYPE_BYTES[dtype]), dtype
 
 
-def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: int) -> GroupLayout:
+def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: int,
+                  cache_dtype: str = "auto") -> GroupLayout:
     """The layout of one cache group from its vLLM spec; ConfigError for what kvpool
     cannot restore faithfully (the message names the group, its spec and a way out)."""
     from vllm.v1.kv_cache_interface import (AttentionSpec, FullAttentionSpec, MambaSpec, MLAAttentionSpec,
@@ -242,15 +315,17 @@ def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: 
 
     spec = group.kv_cache_spec
     layers = tuple(group.layer_names)
+    # the state mode first: without align mode (prefix caching off) vLLM also gives the
+    # state group its own block size, and the cause to name is the mode
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
+        raise _refuse(gid, spec, f"mamba_cache_mode={spec.mamba_cache_mode!r}: the state is not kept at "
+                      "block boundaries", "enable prefix caching (vLLM then uses mamba_cache_mode='align', or "
+                      "pass --mamba-cache-mode align) so vLLM checkpoints the state at block boundaries")
     if spec.block_size != block_size:
         raise _refuse(gid, spec, f"block size {spec.block_size}, the engine's {block_size}",
-                      "kvpool keys every group by the engine's block hash; set --block-size so every "
-                      "group uses one block size")
+                      "kvpool's vLLM connector keys every group by the engine's block hash and does not yet "
+                      "store groups of different block sizes; set --block-size so every group uses one")
     if isinstance(spec, MambaSpec):
-        if spec.mamba_cache_mode != "align":
-            raise _refuse(gid, spec, f"mamba_cache_mode={spec.mamba_cache_mode!r}: the state is not kept at "
-                          "block boundaries", "enable prefix caching with mamba_cache_mode='align' "
-                          "(--mamba-cache-mode align) so vLLM checkpoints the state at block boundaries")
         parts = tuple((tuple(int(d) for d in shape), _dtype_name(dt)) for shape, dt in zip(spec.shapes, spec.dtypes))
         names = ("conv", "ssm") if len(parts) == 2 else tuple(f"state{i}" for i in range(len(parts)))
         tensors = tuple(TensorSpec(f"{n}/{layer}", shape, dt) for layer in layers
@@ -277,7 +352,7 @@ def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: 
         mla = isinstance(spec, MLAAttentionSpec)
         kind = "mla" if mla else "full_attention"
         rule = GroupRule(kind)
-    page, dtype = _attention_parts(spec, block_size)
+    page, dtype = _attention_parts(gid, spec, block_size, cache_dtype)
     mla = kind == "mla"
     tensors = tuple(TensorSpec(name, page, dtype) for name in layers)
     layout = LayoutSpec(kind=kind, tokens_per_block=block_size, tensors=tensors,
@@ -316,7 +391,8 @@ def group_layouts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                           key="decode_context_parallel_size")
     tp_size = int(pc.tensor_parallel_size)
     block_size = int(vllm_config.cache_config.block_size)
-    out = [_group_layout(gid, kv_cache_config.kv_cache_groups[gid], block_size, tp_size, tp_rank)
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    out = [_group_layout(gid, kv_cache_config.kv_cache_groups[gid], block_size, tp_size, tp_rank, cache_dtype)
            for gid in stored_group_ids(kv_cache_config)]
     if not out:
         raise ConfigError("the model has no transferable KV cache groups", key="kv_cache_groups")
@@ -334,7 +410,7 @@ def no_load_reason(vllm_config: "VllmConfig") -> str | None:
     if getattr(cc, "enable_prefix_caching", True) or getattr(sc, "enable_chunked_prefill", True):
         return None
     return ("the engine runs with prefix caching and chunked prefill off, so it cannot prefill on top of "
-            "loaded context; kvpool reports no external hits (blocks are still saved)")
+            "loaded context; kvpool reports no external hits")
 
 
 # ---- keys --------------------------------------------------------------------------------
@@ -467,134 +543,16 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         return KVPoolWorkerMetadata(self.saves + other.saves, loads)
 
 
-# ---- stats -------------------------------------------------------------------------------
+# ---- accounting --------------------------------------------------------------------------
 
-_COUNTERS = {
-    "lookups": "Prefix lookups (get_num_new_matched_tokens calls that asked kvpool)",
-    "hit_tokens": "Prompt tokens found in kvpool beyond the local prefix cache",
-    "miss_tokens": "Prompt tokens looked up but not found in kvpool",
-    "loads": "Finished load jobs (one per request)",
-    "blocks_loaded": "Blocks loaded from kvpool into the KV cache",
-    "blocks_load_failed": "Blocks that could not be loaded (missing, checksum, layout, node down)",
-    "blocks_read_on_lookup_leases": "Blocks whose read went under the read lease of the scheduler's lookup "
-                                    "(no lookup of their own; one that failed was looked up again)",
-    "bytes_loaded": "Bytes loaded from kvpool",
-    "blocks_saved": "Blocks put into kvpool (existing keys count as saved)",
-    "blocks_save_failed": "Blocks whose put failed",
-    "bytes_saved": "Bytes put into kvpool",
-    "handoffs_published": "P/D hand-offs published by this producer",
-    "handoffs_acked": "P/D hand-offs loaded and acknowledged by this consumer",
-    "handoffs_released": "P/D hand-offs released unused or after a failed load",
-    "handoff_errors": "Hand-offs that could not be published or claimed",
-    "lookups_timed_out": "Lookups not answered within lookup_timeout_s (the request ran as a miss)",
-    "loaded_tokens": "Tokens restored from kvpool by finished loads",
-    "recomputed_tokens": "Tokens found in kvpool whose load failed, recomputed by the engine",
-    "states_saved": "Recurrent-state checkpoints (Mamba / gated delta net / KDA) put into kvpool",
-    "state_lookups": "Lookups of a model with state groups that probed a checkpoint",
-    "state_hits": "Of those, lookups that found a checkpoint to restore",
-}
-_GROUP_COUNTERS = {
-    "bytes_loaded": "Bytes loaded from kvpool, per cache group",
-    "bytes_saved": "Bytes put into kvpool, per cache group",
-    "hit_tokens": "External hit tokens, per cache group (sliding-window groups count only the window)",
-}
-GROUP_PREFIX = "group/"  # stats keys "group/<gid>/<counter>"
-MAX_LATENCIES = 1024  # latencies of each kind kept per collection interval
-LATENCIES = {"load_s": "Latency of one request's load from kvpool (seconds)",
-             "layer_wait_s": "Time one step's forward pass waited for its layer-wise loads (seconds)",
-             "save_s": "Latency of one save job's puts into kvpool, from staging to commit (seconds)"}
-
-
-@dataclass
-class KVPoolConnectorStats(KVConnectorStats):
-    """Counters since the last collection, plus the latency (seconds) of each finished
-    load and save job (``load_s``, ``save_s``: at most MAX_LATENCIES each per interval)."""
-
-    def __post_init__(self) -> None:
-        for k in _COUNTERS:
-            self.data.setdefault(k, 0)
-        for k in LATENCIES:
-            self.data.setdefault(k, [])
-
-    def add(self, key: str, v: float = 1) -> None:
-        self.data[key] = self.data.get(key, 0) + v
-
-    def add_group(self, group_id: int, key: str, v: float) -> None:
-        if v:
-            self.add(f"{GROUP_PREFIX}{group_id}/{key}", v)
-
-    def observe(self, kind: str, seconds: float) -> None:
-        """Record one job's latency; ``kind`` in LATENCIES."""
-        lat = self.data.setdefault(kind, [])
-        if len(lat) < MAX_LATENCIES:
-            lat.append(float(seconds))
-
-    def reset(self) -> None:
-        self.data = {k: 0 for k in _COUNTERS}
-        for k in LATENCIES:
-            self.data[k] = []
-
-    def aggregate(self, other: KVConnectorStats) -> "KVPoolConnectorStats":
-        for k, v in (other.data or {}).items():
-            if isinstance(v, list):
-                self.data[k] = (list(self.data.get(k) or []) + v)[:MAX_LATENCIES]
-            elif isinstance(v, (int, float)):
-                self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
-        for kind in LATENCIES:
-            lat = sorted(self.data.get(kind) or [])
-            op = kind[:-2]
-            d[f"avg_{op}_ms"] = round(1000.0 * sum(lat) / len(lat), 3) if lat else 0.0
-            d[f"p99_{op}_ms"] = round(1000.0 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else 0.0
-        return d
-
-    def is_empty(self) -> bool:
-        return not any(v for v in self.data.values())
-
-
-class KVPoolPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvpool_<counter>_total`` counters, per-group counters with a ``group``
-    label, and the ``vllm:kvpool_{load,save}_seconds`` histograms, per engine, fed from
-    :class:`KVPoolConnectorStats`."""
-
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.counters = {}
-        for key, doc in _COUNTERS.items():
-            c = self._counter_cls(name=f"vllm:kvpool_{key}_total", documentation=doc, labelnames=labelnames)
-            self.counters[key] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
-        self.hists = {}
-        for kind, doc in LATENCIES.items():
-            h = self._histogram_cls(name=f"vllm:kvpool_{kind[:-2]}_seconds", documentation=doc,
-                                    labelnames=labelnames,
-                                    buckets=(1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0))
-            self.hists[kind] = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
-        self.group_counters = {
-            key: self._counter_cls(name=f"vllm:kvpool_group_{key}_total", documentation=doc,
-                                   labelnames=[*labelnames, "group"])
-            for key, doc in _GROUP_COUNTERS.items()}
-        self.labelvalues = per_engine_labelvalues
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, per_engine in self.counters.items():
-            v = transfer_stats_data.get(key)
-            if v and engine_idx in per_engine:
-                per_engine[engine_idx].inc(v)
-        for key, v in transfer_stats_data.items():
-            if not key.startswith(GROUP_PREFIX) or not v or engine_idx not in self.labelvalues:
-                continue
-            _, gid, name = key.split("/", 2)
-            c = self.group_counters.get(name)
-            if c is not None:
-                c.labels(*self.labelvalues[engine_idx], gid).inc(v)
-        for kind, per_engine in self.hists.items():
-            hist = per_engine.get(engine_idx)
-            if hist is not None:
-                for s in transfer_stats_data.get(kind) or ():
-                    hist.observe(s)
+def loaded_tokens(tokens: int, n_failed: int, block_size: int, multi_group: bool) -> int:
+    """Of a load of ``tokens`` external tokens whose ``n_failed`` last blocks (in load
+    order) failed, the tokens that count as loaded: vLLM recomputes a one-group request
+    from its first failed block, and a request of several groups (failed as a whole,
+    ``failed_recving``) from the start of the load."""
+    if n_failed <= 0:
+        return tokens
+    return 0 if multi_group else max(0, tokens - n_failed * block_size)
 
 
 def monotonic() -> float:

@@ -9,7 +9,15 @@ import torch
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
-                 "int32": torch.int32, "int64": torch.int64}
+                 "int32": torch.int32, "int64": torch.int64, "float8_e4m3fn": torch.float8_e4m3fn,
+                 "float8_e5m2": torch.float8_e5m2}
+
+
+def move_dtype(name: str) -> str:
+    """The dtype the connector moves a layout dtype's pages as: one-byte formats (FP8,
+    int8) as uint8, whatever the cache tensor's own dtype (vLLM keeps FP8 caches as uint8,
+    some backends as float8; torch has no index copy for float8 on every device)."""
+    return "uint8" if TORCH_DTYPES[name].itemsize == 1 else name
 
 def copy_pages(src, dst, block_ids: list[int]) -> None:
     """Gather thread: ``dst[i] = src[block_ids[i]]`` as bytes. ``src``: a layer's host cache

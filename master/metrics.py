@@ -15,6 +15,8 @@ from bisect import bisect_left
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from kvpool.master.handoffs import HOLD_BUCKETS
+
 BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0)  # seconds (upper bounds; +Inf added)
 
 
@@ -49,7 +51,7 @@ class _StateCollector:
         self.owner = owner
 
     def collect(self):
-        st, rpc_hist = self.owner.snapshot()
+        st, rpc_hist, holds = self.owner.snapshot()
         objs = GaugeMetricFamily("kvpool_objects", "Committed objects in the index")
         objs.add_metric([], st.objects)
         yield objs
@@ -94,6 +96,21 @@ class _StateCollector:
                 buckets.append((le, cum))
             rpc.add_metric([op], buckets, total)
         yield rpc
+        hold = HistogramMetricFamily("kvpool_handoff_hold_seconds", "How long P/D hand-offs held their blocks, "
+                                     "from publish to ack, release or expiry, by outcome (seconds)",
+                                     labels=["outcome"])
+        for outcome, (counts, total) in holds.items():
+            hold.add_metric([outcome], _cumulative(HOLD_BUCKETS, counts), total)
+        yield hold
+
+
+def _cumulative(bounds, counts: list[int]) -> list[tuple[str, int]]:
+    """Prometheus buckets (``le``, cumulative count) of per-bucket ``counts`` (``bounds``, then +Inf)."""
+    cum, out = 0, []
+    for le, n in zip((*map(str, bounds), "+Inf"), counts):
+        cum += n
+        out.append((le, cum))
+    return out
 
 
 class Metrics:
@@ -115,13 +132,14 @@ class Metrics:
         self.rpc: dict[str, tuple[list[int], list[float]]] = {}  # op -> (per-bucket counts, [sum of seconds])
 
     def _take(self):
-        return self.state.stats_snapshot(), {op: (list(c), t[0]) for op, (c, t) in self.rpc.items()}
+        return (self.state.stats_snapshot(), {op: (list(c), t[0]) for op, (c, t) in self.rpc.items()},
+                self.state.hold_histogram())
 
     def snapshot(self):
-        """``(ClusterStats, {op: (bucket counts, seconds)})`` from a snapshot taken on the RPC
-        thread, walked on the caller's."""
-        snap, hist = self.ask(self._take) if self.ask is not None else self._take()
-        return snap.finish(), hist
+        """``(ClusterStats, {op: (bucket counts, seconds)}, hand-off hold histogram by
+        outcome)`` from a snapshot taken on the RPC thread, walked on the caller's."""
+        snap, hist, holds = self.ask(self._take) if self.ask is not None else self._take()
+        return snap.finish(), hist, holds
 
     def observe(self, op: str, seconds: float) -> None:
         """Count one request of ``op`` that took ``seconds`` (RPC thread only)."""

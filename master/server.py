@@ -448,7 +448,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             return st.handoff_claim(req.request_id, now)
         if isinstance(req, (M.HandoffAck, M.HandoffRelease)):
             status = "acked" if isinstance(req, M.HandoffAck) else "released"
-            if st.handoff_finish(req.request_id, status):
+            if st.handoff_finish(req.request_id, status, now):
                 key = self.keys.handoff(req.request_id)
                 self._etcd_forget(key)
             return None

@@ -27,6 +27,7 @@ Also here, free of I/O:
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -424,10 +425,24 @@ class PrefixHit(msgspec.Struct, frozen=True, kw_only=True):
     per_group: dict[str, int]
 
 
+def hit_alignment(projection: TransferProjection) -> int:
+    """The tokens a hit of an engine that restores groups only on their own block
+    boundaries is a multiple of: the least common multiple of every group's block size
+    (vLLM's ``HybridKVCacheCoordinator``: a hit must end on a block boundary of every
+    group)."""
+    return math.lcm(*(g.tokens_per_block for g in projection.groups)) if projection.groups else 1
+
+
 def common_prefix(projection: TransferProjection, stored: Mapping[str, Sequence[bool]], *,
                   max_tokens: int | None = None, extra_points: Mapping[str, Sequence[int]] | None = None,
-                  divergent: bool = False) -> PrefixHit:
+                  divergent: bool = False, alignment: int | None = None) -> PrefixHit:
     """Longest length ``L`` at which every transfer group can be restored.
+
+    ``alignment`` (tokens): the engine's rule for where a hit may end; ``L`` is a
+    multiple of it. None: :func:`hit_alignment` (vLLM's rule: a block boundary of every
+    group, so attention blocks of 32 stored up to 64 and state checkpoints of 16-token
+    blocks at 32 and 48 give 32, not 48). An engine that restores attention at any token
+    (and reads partial tails, ``extra_points``) passes 1.
 
     ``stored[name][i]`` says whether block/slot ``i`` of that group is stored: for paged
     groups (attention, MLA) block ``i`` covers tokens ``[i*B, (i+1)*B)`` and a group can be
@@ -442,6 +457,9 @@ def common_prefix(projection: TransferProjection, stored: Mapping[str, Sequence[
     ``divergent=True`` their longest checkpoint at all (for engines that catch recurrent
     state up from an earlier checkpoint). ``tokens`` is the common length either way.
     """
+    align = hit_alignment(projection) if alignment is None else int(alignment)
+    if align < 1:
+        raise InvalidRequest(f"hit alignment must be >= 1 token, got {alignment!r}")
     cap = max_tokens if max_tokens is not None else 1 << 62
     per: dict[str, int] = {}
     paged_len = cap
@@ -466,9 +484,9 @@ def common_prefix(projection: TransferProjection, stored: Mapping[str, Sequence[
         per[g.name] = own if divergent else max(pts, default=0)
         candidates = pts if candidates is None else candidates & pts
     if candidates is None:
-        length = paged_len
+        length = min(paged_len, cap) // align * align
     else:
-        length = max(candidates, default=0)
+        length = max((p for p in candidates if p % align == 0), default=0)
     return PrefixHit(tokens=max(0, min(length, cap)), per_group=per)
 
 

@@ -106,6 +106,11 @@ def test_metrics_endpoint(make_cluster):
     assert 'kvpool_node_capacity_bytes{node="node-0"} 3.3554432e+07' in body
     assert 'kvpool_rpc_seconds_count{op="Lookup"} 2.0' in body  # the two gets
     assert 'kvpool_rpc_seconds_bucket{le="+Inf",op="Lookup"} 2.0' in body
+    with lc.client() as c:  # a hand-off held and acked: its hold time, by outcome
+        c.handoff_publish("m-h", {"0": ["m/a"]}, {}, 60)
+        c.handoff_ack("m-h")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvpool_handoff_hold_seconds_count{outcome="acked"} 1.0' in body
 
 
 def test_metrics_scrapes_under_write_load_all_succeed(make_cluster):

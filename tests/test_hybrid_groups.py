@@ -6,7 +6,7 @@ import pytest
 
 from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
 from kvpool.protocol.groups import (CacheGroupSpec, ReadPiece, SlotInfo, TransferProjection, check_projection,
-                             common_prefix, project, slot_key, storage_layout, tail_hash, tail_key, tail_layout,
+                             common_prefix, hit_alignment, project, slot_key, storage_layout, tail_hash, tail_key, tail_layout,
                              tp_read_plan, validate_state_slot)
 from kvpool.protocol.keys import group_key
 from kvpool.protocol.layout import LayoutSpec, TensorSpec
@@ -191,15 +191,35 @@ def test_common_boundary_hit():
     # capped at len - 1 so the last token is computed
     hit = common_prefix(p, {"attn": [True] * 16, "mla": [True] * 8, "kda": [True] * 4}, max_tokens=127)
     assert hit.tokens == 96
-    # a stored tail state gives an exact extra point
+    # a stored tail state gives an exact extra point, to an engine restoring attention at any token
     hit = common_prefix(p, {"attn": [True] * 15, "mla": [True] * 8, "kda": [True] * 3},
-                        extra_points={"kda": [117]})
+                        extra_points={"kda": [117]}, alignment=1)
     assert hit.tokens == 117
+    # vLLM's rule (the default) ends a hit on every group's block boundary: not at the tail
+    assert common_prefix(p, {"attn": [True] * 15, "mla": [True] * 8, "kda": [True] * 3},
+                         extra_points={"kda": [117]}).tokens == 96
     # paged-only projection: the shortest run
     pp = project([CacheGroupSpec(name="attn", layers=(0,), layout=attn(block=16)),
                   CacheGroupSpec(name="mla", layers=(2,), layout=mla(block=32))])
-    assert common_prefix(pp, {"attn": [True] * 7, "mla": [True] * 5}).tokens == 112
+    assert common_prefix(pp, {"attn": [True] * 7, "mla": [True] * 5}, alignment=1).tokens == 112
+    assert common_prefix(pp, {"attn": [True] * 7, "mla": [True] * 5}).tokens == 96  # lcm(16, 32) = 32
     assert common_prefix(pp, {"attn": [], "mla": []}).tokens == 0
+
+
+def test_common_boundary_takes_the_engines_alignment():
+    """Attention blocks of 32 stored up to 64 tokens, state checkpoints (16-token blocks)
+    at 32 and 48: vLLM ends a hybrid hit on a block boundary of every group (the least
+    common multiple of their block sizes, 32), so the hit is 32, not 48; an engine that
+    restores attention at any token gets 48."""
+    p = project([CacheGroupSpec(name="attn", layers=(0,), layout=attn(block=32)),
+                 CacheGroupSpec(name="ssm", layers=(1,), layout=mamba(block=16))])
+    stored = {"attn": [True, True], "ssm": [False, True, True]}
+    assert hit_alignment(p) == 32
+    assert common_prefix(p, stored).tokens == 32
+    assert common_prefix(p, stored, alignment=1).tokens == 48
+    assert common_prefix(p, stored, alignment=48).tokens == 48
+    with pytest.raises(InvalidRequest, match="alignment"):
+        common_prefix(p, stored, alignment=0)
 
 
 def test_slot_and_tail_keys_never_alias_blocks():

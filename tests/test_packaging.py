@@ -34,6 +34,27 @@ def test_master_and_store_node_do_not_import_torch(tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+# a meta path finder that makes vLLM unimportable, as in an environment without it
+HIDE_VLLM = (
+    "import sys, importlib.abc\n"
+    "class NoVLLM(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'vllm' or name.startswith('vllm.'):\n"
+    "            raise ModuleNotFoundError(f'No module named {name!r} (hidden)', name=name)\n"
+    "sys.meta_path.insert(0, NoVLLM())\n")
+
+
+def test_the_store_tests_collect_without_vllm():
+    """``pytest tests -m "not vllm"`` (docs/development.md: the store alone) collects every
+    test module with vLLM unimportable; modules that need vLLM skip themselves."""
+    code = HIDE_VLLM + ("import pytest\n"
+                        "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-m', 'not vllm', "
+                        "'tests']))\n")
+    p = _py(code, cwd=str(REPO), timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "error" not in p.stdout.splitlines()[-1], p.stdout[-3000:]
+
+
 def test_public_api_names():
     import kvpool
     from kvpool.client import AsyncKVPoolClient, KVPoolClient

@@ -317,6 +317,24 @@ def test_checksums_hashed_beside_the_copy_match_the_bytes_and_catch_corruption(m
         assert c.get_into(key, out) is None
 
 
+def test_a_corrupt_only_replica_is_reported_as_corrupt_after_the_retry(make_cluster):
+    """The reader reports a corrupt replica and retries with a fresh lookup; the master
+    dropped the only replica, so the retry finds the key gone. The caller still gets the
+    cause (ChecksumMismatch), not a miss; the next get is a plain miss."""
+    lc = make_cluster(nodes=1)
+    with lc.client() as c:
+        assert c.lease_retries >= 1
+        data = np.random.default_rng(7).integers(0, 256, 1 << 16, dtype=np.uint8)
+        assert c.put("corrupt/a", data) is True
+        ref = c.lookup(["corrupt/a"])[0].replicas[0]
+        seg = c.data._segment(ref)
+        seg[ref.offset + 100] = (seg[ref.offset + 100] + 1) % 256
+        out = np.zeros(data.size, dtype=np.uint8)
+        res = c.get_into_batch(["corrupt/a"], [out])
+        assert isinstance(res[0], E.ChecksumMismatch), res
+        assert c.get_into_batch(["corrupt/a"], [out]) == [None]
+
+
 def test_prehash_stops_when_the_answer_is_in():
     """The put_start wait hashes host buffers of at most 4 MiB in order and stops at the
     first look at the socket that finds the answer (it looks every 256 KiB hashed);

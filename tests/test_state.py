@@ -197,6 +197,30 @@ def test_handoff_hold_ack_release_expire_and_repair():
     assert "r3" not in st.handoffs
 
 
+def test_handoff_hold_times_by_outcome():
+    """Each closed hold is observed once, in seconds from its publish on the master's
+    clock, under its outcome (the ``kvpool_handoff_hold_seconds`` histogram)."""
+    from kvpool.master.handoffs import HOLD_BUCKETS
+
+    st = make()
+    put(st, "b0")
+    for rid, at in (("acked", 0.0), ("released", 1.0), ("expired", 2.0)):
+        st.handoff_publish(HandoffRecord(rid, {"0": ["b0"]}, {}, "p", ttl_s=30.0), at)
+    assert st.handoff_finish("acked", "acked", 0.004)
+    assert st.handoff_finish("released", "released", 8.0)
+    assert not st.handoff_finish("released", "released", 9.0)  # a repeat is not observed again
+    assert st.tick(40.0) == ["expired"]
+    hist = st.hold_histogram()
+    assert set(hist) == {"acked", "released", "expired"}
+
+    def bucket(seconds):
+        return next(i for i, le in enumerate(HOLD_BUCKETS) if seconds <= le)
+
+    for outcome, seconds in (("acked", 0.004), ("released", 7.0), ("expired", 38.0)):
+        counts, total = hist[outcome]
+        assert sum(counts) == 1 and counts[bucket(seconds)] == 1 and total == pytest.approx(seconds)
+
+
 def test_remove_frees_space_and_notifies_node():
     st = make(nodes=1)
     put(st, "a")

@@ -109,7 +109,11 @@ class HybridCache:
 
 
 class HybridModel:
-    """The hybrid decoder (see module docstring). ``tp_size`` splits every mixer's heads."""
+    """The hybrid decoder (see module docstring). ``tp_size`` splits every mixer's heads.
+    It restores attention at any token (and recurrent state from partial tails), so its
+    hits may end at any token: ``hit_alignment`` 1."""
+
+    hit_alignment = 1
 
     def __init__(self, config: HybridConfig | None = None, tp_size: int = 1) -> None:
         self.config = c = config or HybridConfig()

@@ -11,8 +11,10 @@ with ``KVPOOL_ENGINE `` followed by JSON (vLLM's own logs go to stderr):
 * ``{"op": "generate", "prompts": [[ids...]...], "max_tokens": n, "params": [dict|null...]}``
   → ``{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params", "finish_reason"}]}``
 * ``{"op": "reset_prefix_cache"}`` → ``{"ok": true}``
-* ``{"op": "metrics"}`` → ``{"metrics": {name: value}}`` for vLLM's ``*kvpool*`` and
-  ``*preemption*`` metrics (needs ``"log_stats": true`` in the config)
+* ``{"op": "metrics"}`` → ``{"metrics": {name: value}}`` for vLLM's ``*kvpool*``,
+  ``*preemption*`` and ``prompt_tokens_by_source`` metrics (needs ``"log_stats": true``
+  in the config); a metric with labels of its own (beyond model and engine) is named
+  ``name{label=value,...}``; a histogram's value is its count
 * ``{"op": "quit"}`` → exits.
 
 Errors are answered as ``{"error": "..."}``. Nothing here is pickled.
@@ -62,11 +64,14 @@ def main() -> None:
                 break
             if op == "reset_prefix_cache":
                 _answer(answers, {"ok": bool(llm.reset_prefix_cache())})
-            elif op == "metrics":  # vLLM's Prometheus metrics of kvpool and of preemptions
+            elif op == "metrics":  # vLLM's Prometheus metrics of kvpool, preemptions and prompt token sources
                 found = {}
                 for mt in llm.get_metrics():
-                    if "kvpool" in mt.name or "preemption" in mt.name:
-                        found[mt.name] = getattr(mt, "value", None) if hasattr(mt, "value") else mt.count
+                    if "kvpool" in mt.name or "preemption" in mt.name or "prompt_tokens_by_source" in mt.name:
+                        own = {k: v for k, v in (mt.labels or {}).items() if k not in ("model_name", "engine")}
+                        name = mt.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(own.items())) + "}"
+                                          if own else "")
+                        found[name] = getattr(mt, "value", None) if hasattr(mt, "value") else mt.count
                 _answer(answers, {"metrics": found})
             elif op == "generate":
                 prompts = cmd["prompts"]

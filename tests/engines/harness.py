@@ -36,13 +36,20 @@ class Engine:
 
     def __init__(self, name: str, model: str, log_dir: str, kv_transfer_config: dict | None = None,
                  multiprocess: bool = False, log_stats: bool = False, startup_timeout_s: float = 240.0,
-                 engine_kwargs: dict | None = None) -> None:
+                 engine_kwargs: dict | None = None, env: dict[str, str | None] | None = None) -> None:
+        """``env``: changes to the engine's environment (a None value removes the variable)."""
         self.name = name
         self.log_path = os.path.join(log_dir, f"engine-{name}.log")
         cfg = {"model": model, "kv_transfer_config": kv_transfer_config, "multiprocess": multiprocess,
                "log_stats": log_stats, "engine_kwargs": engine_kwargs or {}}
+        changes = env or {}
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        for k, v in changes.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("engine_proc.py")), json.dumps(cfg)],
                                      cwd=str(REPO), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -120,17 +120,22 @@ def write_chat_template(directory: Path) -> Path:
 
 
 def start_vllm_server(name: str, model: str, log_dir: Path, chat_template: Path,
-                      kv_transfer_config: dict | None = None, max_model_len: int = MAX_MODEL_LEN) -> Proc:
-    """Start ``vllm.entrypoints.openai.api_server`` on a free port (float32, eager,
-    64 MiB of KV cache, sequences of up to ``max_model_len`` tokens); ``kv_transfer_config``
-    None: plain vLLM, no connector. It boots in the background: ``wait_healthy`` before
-    sending it requests."""
+                      kv_transfer_config: dict | None = None, max_model_len: int = MAX_MODEL_LEN,
+                      dtype: str = "float32", block_size: int | None = BLOCK_SIZE,
+                      kv_cache_bytes: int = 64 << 20) -> Proc:
+    """Start ``vllm.entrypoints.openai.api_server`` on a free port (``dtype``, eager,
+    ``kv_cache_bytes`` of KV cache, sequences of up to ``max_model_len`` tokens, blocks of
+    ``block_size`` tokens or, None, vLLM's choice); ``kv_transfer_config`` None: plain
+    vLLM, no connector. It boots in the background: ``wait_healthy`` before sending it
+    requests."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1",
-            "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_model_len),
-            "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--chat-template", str(chat_template),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes), "--chat-template", str(chat_template),
             "--enable-prompt-tokens-details"]
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return Proc(name, argv, log_dir, port)

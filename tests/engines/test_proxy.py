@@ -258,6 +258,45 @@ def test_prefill_without_kv_transfer_params(proxies, servers):
     assert metric(proxies["plain"], "kvpool_proxy_handoff_failures_total", reason="no_params") == 1
 
 
+def test_decode_server_holding_the_whole_prompt_releases_the_handoff(proxies, servers, kv):
+    """The same prompt twice: the second time the decode server holds the whole prompt in
+    its local prefix cache, loads nothing and releases the producer's hand-off at once
+    (not at its deadline, 120 s here), with the reference's text. A request naming another
+    prompt's hand-off leaves that hand-off open for its own consumer."""
+    body = request_body("completions", 45, False)
+    _, _, ref_raw = http("POST", servers["ref"].url + "/v1/completions", body)
+    want = answer("completions", ref_raw, False)[0]
+    main = proxies["main"].url + "/v1/completions"
+    st, _, raw = http("POST", main, body)  # the first time: the decode server loads the hand-off
+    assert st == 200 and answer("completions", raw, False)[0] == want, raw
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the first hand-off acked")
+    before = dict(kv.stats().counters)
+    st, _, raw = http("POST", main, body)
+    got, usage = answer("completions", raw, False)
+    assert st == 200 and got == want, raw
+    assert usage["prompt_tokens_details"]["cached_tokens"] == HIT, usage  # all of it from the local cache
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the hand-off of a whole local hit released")
+    after = kv.stats().counters
+    assert after.get("handoffs_released", 0) == before.get("handoffs_released", 0) + 1, after
+    assert after.get("handoffs_acked", 0) == before.get("handoffs_acked", 0), after
+
+    # another prompt's hand-off, named by a request for the prompt the decode server holds
+    other = request_body("completions", 46, False, max_tokens=1)
+    st, _, raw = http("POST", servers["prod"].url + "/v1/completions", other)
+    params = json.loads(raw)["kv_transfer_params"]
+    assert st == 200 and params["kvpool"]["handoff_id"], raw
+    released = kv.stats().counters.get("handoffs_released", 0)
+    st, _, raw = http("POST", servers["cons"].url + "/v1/completions", {**body, "kv_transfer_params": params})
+    assert st == 200 and answer("completions", raw, False)[0] == want, raw
+    wait_for(lambda: f"hand-off {params['kvpool']['handoff_id']} left open" in servers["cons"].tail(400), 10,
+             what="the decode server's check of the other prompt's hand-off")
+    rec = kv.handoff_claim(params["kvpool"]["handoff_id"])  # still open: its own consumer can use it
+    assert rec.request_id == params["kvpool"]["handoff_id"]
+    assert kv.stats().counters.get("handoffs_released", 0) == released
+    kv.handoff_release(rec.request_id)
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the other prompt's hand-off released")
+
+
 def test_decode_server_killed(proxies, servers, kv):
     stale, cons, ref = proxies["stale"], servers["cons"], servers["ref"]
     # 1. killed mid-stream: the stream ends with an SSE error event

@@ -13,6 +13,7 @@ import pytest
 from harness import REPO
 
 pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="checks the installed vLLM's interface (pip install '.[vllm]')")
 
 import vllm.distributed.kv_transfer.kv_connector.v1.base as base  # noqa: E402 (installed by .ci/setup --test)
 
@@ -59,13 +60,13 @@ def test_kvpool_imports_without_vllm():
     subprocess.run([sys.executable, "-c", code], cwd=str(REPO), check=True, timeout=60)
 
 
-def _vllm_config(extra: dict, role: str = "kv_both", policy: str = "fail", tp: int = 1):
+def _vllm_config(extra: dict, role: str = "kv_both", policy: str = "fail", tp: int = 1, cache_dtype: str = "auto"):
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role=role, kv_load_failure_policy=policy,
                            kv_connector_module_path="kvpool.connector.vllm_connector", kv_connector_extra_config=extra)
     return SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/org/tiny"),
-                           cache_config=SimpleNamespace(block_size=32),
+                           cache_config=SimpleNamespace(block_size=32, cache_dtype=cache_dtype),
                            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
                                                            decode_context_parallel_size=1))
 
@@ -140,6 +141,46 @@ def test_layouts_from_vllm_specs():
     assert go.layout.fingerprint() != gf.layout.fingerprint()
 
 
+def test_fp8_kv_cache_layouts_from_vllm_specs():
+    """FP8 per-tensor KV caches, as vLLM's attention layers describe them (uint8 pages,
+    ``KVQuantMode.FP8_PER_TENSOR``): stored one byte per element under their real
+    format, so e4m3 and e5m2 caches (the same bytes to vLLM) and a bfloat16 cache never
+    share a fingerprint; a spec whose own dtype is float8 names it; other quantized
+    formats are refused."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+
+    from kvpool.connector.vllm_meta import group_layouts
+    from kvpool.connector.vllm_pages import TORCH_DTYPES, move_dtype
+    from kvpool.protocol.errors import ConfigError
+
+    def layout(spec, cache_dtype):
+        (g,) = group_layouts(_vllm_config({"master": "x"}, cache_dtype=cache_dtype), _cache_config(spec))
+        return g
+
+    fp8 = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.uint8,
+                            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    e4m3, e4m3b, e5m2 = layout(fp8, "fp8"), layout(fp8, "fp8_e4m3"), layout(fp8, "fp8_e5m2")
+    assert (e4m3.dtype, e5m2.dtype) == ("float8_e4m3fn", "float8_e5m2")
+    assert e4m3.page_shape == (4, 32, 64) and e4m3.layout.nbytes == 2 * 4 * 32 * 64  # one byte per element
+    assert e4m3.layout.fingerprint() == e4m3b.layout.fingerprint() != e5m2.layout.fingerprint()
+    bf16 = layout(FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.bfloat16), "auto")
+    assert bf16.layout.fingerprint() != e4m3.layout.fingerprint()
+    native = layout(FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float8_e4m3fn), "auto")
+    assert native.dtype == "float8_e4m3fn" and native.page_shape == (4, 32, 64)
+    assert TORCH_DTYPES[native.dtype] is torch.float8_e4m3fn and move_dtype(native.dtype) == "uint8"
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.uint8,
+                           kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    assert layout(mla, "fp8").page_shape == (1, 32, 576) and layout(mla, "fp8").dtype == "float8_e4m3fn"
+    int8 = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.int8,
+                             kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD)
+    with pytest.raises(ConfigError, match="int8_per_token_head"):
+        layout(int8, "int8_per_token_head")
+    # the bytes of a float8 cache move as uint8, exactly
+    cache = torch.randn(3, 4, 32, 64).to(torch.float8_e5m2)
+    assert torch.equal(cache.view(torch.uint8).view(torch.float8_e5m2).view(torch.uint8), cache.view(torch.uint8))
+
+
 def test_state_group_layouts_and_refusals():
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec
@@ -158,6 +199,9 @@ def test_state_group_layouts_and_refusals():
                        "mamba_cache_mode"),
                       (MambaSpec(block_size=64, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"),
                        "block size 64"),
+                      # prefix caching off: another block size too, but the cause named is the mode
+                      (MambaSpec(block_size=1024, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="none"),
+                       "mamba_cache_mode='none'.*enable prefix caching"),
                       (ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32,
                                                  attention_chunk_size=64), "ChunkedLocalAttentionSpec")):
         with pytest.raises(ConfigError, match=what) as ei:

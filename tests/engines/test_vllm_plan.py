@@ -27,6 +27,7 @@ from kvpool.connector.vllm_plan import (
 )
 
 pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="the oracle is vLLM's own coordinator (pip install '.[vllm]')")
 
 import torch  # noqa: E402
 from vllm.v1.core.block_pool import BlockHashToBlockMap  # noqa: E402 (installed by .ci/setup --test)
@@ -488,3 +489,79 @@ def test_oracle_hand_made_hybrid(coordinators):
     assert _check_case(coord, rules, stored, 11 * B + 1) == 11
     assert _check_case(coord, rules, stored, B) == 0
     assert _check_case(coord, rules, [set(), set(), set()], 11 * B) == 0
+
+
+# ---------------------------------------------------------------------------- mixed block sizes
+
+def _mixed_coordinator(attn_block: int, state_block: int):
+    """vLLM's hybrid coordinator for full attention and a Mamba group (align mode) with
+    blocks of different sizes: hashes at their gcd, hits aligned to their lcm."""
+    import math
+
+    specs = [FullAttentionSpec(block_size=attn_block, num_kv_heads=1, head_size=8, dtype=torch.float16),
+             MambaSpec(block_size=state_block, shapes=((2, 4),), dtypes=(torch.float16,), mamba_cache_mode="align")]
+    cfg = KVCacheConfig(num_blocks=512, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)])
+    coord = get_kv_cache_coordinator(
+        cfg, max_model_len=4096, max_in_flight_tokens=2048, use_eagle=False, enable_caching=True,
+        enable_kv_cache_events=False, dcp_world_size=1, pcp_world_size=1,
+        scheduler_block_size=math.lcm(attn_block, state_block), hash_block_size=math.gcd(attn_block, state_block))
+    assert isinstance(coord, HybridKVCacheCoordinator)
+    return coord
+
+
+@pytest.mark.parametrize("attn_block,state_block", [(32, 16), (16, 32), (32, 48)])
+def test_library_common_boundary_matches_vllm_with_mixed_block_sizes(attn_block, state_block):
+    """``protocol.groups.common_prefix`` (the library's common boundary, vLLM's rule by
+    default) against vLLM's own hybrid coordinator, with real spec objects and a real
+    BlockPool, for groups of different block sizes: random stored attention blocks and
+    state checkpoints, each keyed at its group's own block size; given the engine's
+    alignment, the hit lengths agree. vLLM aligns a hybrid hit to the lcm of the block
+    sizes (the library's default), or to the finer hash block when its fine-grained hits
+    are on (a state block that is a multiple of a finer hash block)."""
+    import math
+
+    from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
+
+    from kvpool.protocol.groups import CacheGroupSpec, common_prefix, hit_alignment, project
+    from kvpool.protocol.layout import LayoutSpec, TensorSpec
+
+    coord = _mixed_coordinator(attn_block, state_block)
+    unit = math.gcd(attn_block, state_block)
+    # the engine's alignment: the lcm of the block sizes, or (vLLM's fine-grained hits, when
+    # the state block is a multiple of a finer hash block) the hash block
+    align = coord._cache_hit_alignment_tokens
+    assert align == (unit if coord.enable_partial_hash_hits else math.lcm(attn_block, state_block))
+    pool = coord.single_type_managers[0].block_pool
+    proj = project([
+        CacheGroupSpec(name="attn", layers=(0,), layout=LayoutSpec(
+            kind="full_attention", tokens_per_block=attn_block, num_kv_heads=1, head_size=8,
+            tensors=(TensorSpec("kv", (1, 2, 1, attn_block, 8), "float16"),))),
+        CacheGroupSpec(name="ssm", layers=(1,), layout=LayoutSpec(
+            kind="mamba", tokens_per_block=state_block, num_kv_heads=1, head_size=8,
+            tensors=(TensorSpec("conv_state", (1, 3, 8), "float16"), TensorSpec("ssm_state", (1, 1, 8, 8), "float16"))))])
+    if not coord.enable_partial_hash_hits:
+        assert hit_alignment(proj) == align  # the library's default is vLLM's lcm rule
+    rng = random.Random(f"mixed-{attn_block}-{state_block}")
+    hits = 0
+    for case in range(200):
+        num_tokens = rng.randint(1, 12 * max(attn_block, state_block))
+        hashes = [BlockHash(b"kvpool-mixed-%d-" % case + i.to_bytes(8, "little")) for i in range(num_tokens // unit)]
+        per_group = [BlockHashListWithBlockSize(hashes, unit, attn_block), BlockHashListWithBlockSize(hashes, unit,
+                                                                                                       state_block)]
+        stored = {}
+        pool.cached_block_hash_to_block = BlockHashToBlockMap()
+        ids = iter(range(1, pool.num_gpu_blocks))
+        for g, (name, group_hashes) in enumerate(zip(("attn", "ssm"), per_group)):
+            p = rng.choice([0.3, 0.7, 1.0])
+            have = [rng.random() < p for _ in range(len(group_hashes))]
+            stored[name] = have
+            for i, ok in enumerate(have):
+                if ok:
+                    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(group_hashes[i], g),
+                                                           pool.blocks[next(ids)])
+        _, vllm_tokens, _ = coord.find_longest_cache_hit(hashes, num_tokens - 1)
+        ours = common_prefix(proj, stored, max_tokens=num_tokens - 1, alignment=align).tokens
+        assert ours == vllm_tokens, dict(case=case, num_tokens=num_tokens, stored=stored, vllm=vllm_tokens, ours=ours)
+        hits += ours > 0
+    assert hits > 20  # the cases exercise real hits, not only misses
