@@ -102,12 +102,15 @@ _TlsCa = Annotated[Optional[str], typer.Option(help="PEM CA that verifies server
                                                     "with --tls-client-certs (security.tls_ca)")]
 _TlsClientCerts = Annotated[Optional[bool], typer.Option("--tls-client-certs/--no-tls-client-certs",
                                                          help="Require client certificates signed by --tls-ca")]
+_Insecure = Annotated[Optional[bool], typer.Option(
+    "--insecure", help="Start without a cluster secret: every port open to anyone who reaches it (security.insecure)")]
 
 
-def _security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs) -> dict:
+def _security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs, insecure=None) -> dict:
     """The ``security`` overrides of the flags that were given."""
     got = {k: v for k, v in (("secret_file", secret_file), ("tls_cert", tls_cert), ("tls_key", tls_key),
-                             ("tls_ca", tls_ca), ("tls_client_certs", tls_client_certs)) if v is not None}
+                             ("tls_ca", tls_ca), ("tls_client_certs", tls_client_certs), ("insecure", insecure))
+           if v is not None}
     return {"security": got} if got else {}
 
 
@@ -139,7 +142,7 @@ def master(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt =
            join_backoff_max: Annotated[Optional[str], typer.Option(help="Cap of the doubled join deadline and wait")
                                        ] = None,
            secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None, tls_ca: _TlsCa = None,
-           tls_client_certs: _TlsClientCerts = None) -> None:
+           tls_client_certs: _TlsClientCerts = None, insecure: _Insecure = None) -> None:
     """Run one master (several may run; one leads through etcd election). Settings: the `master` section of
     --config (defaults: protocol/config.py MasterConfig), each flag overriding its key."""
     flags = {k: v for k, v in locals().items() if k in MasterConfig.__struct_fields__ and v is not None}
@@ -147,7 +150,8 @@ def master(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt =
 
     def go() -> None:
         cfg = process_config(config, cluster, etcd, log_level,
-                             {"master": flags, **_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs)})
+                             {"master": flags, **_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs,
+                                                           insecure)})
         run_master(MasterServerSettings.from_config(cfg))
 
     _run(go)
@@ -187,7 +191,7 @@ def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOp
               disk_port: Annotated[Optional[int], typer.Option(
                   help="Port of the disk tier's reads, with --disk-dir (0 = any free port)")] = None,
               secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None,
-              tls_ca: _TlsCa = None, tls_client_certs: _TlsClientCerts = None) -> None:
+              tls_ca: _TlsCa = None, tls_client_certs: _TlsClientCerts = None, insecure: _Insecure = None) -> None:
     """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N).
     Settings: its `storenodes` entry in --config (defaults: protocol/config.py StoreNodeConfig), each flag
     overriding its key."""
@@ -196,7 +200,7 @@ def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOp
 
     def go() -> None:
         common = {"master": {"node_ttl": node_ttl}} if node_ttl is not None else {}
-        common.update(_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs))
+        common.update(_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs, insecure))
         cfg = process_config(config, cluster, etcd, log_level, common, logs=False)
         entry = cfg.storenode(name) if config is not None else StoreNodeConfig(name=name)
         cfg = process_config(config, cluster, etcd, log_level,
@@ -212,6 +216,26 @@ def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOp
 
 
 # ---- objects --------------------------------------------------------------------------------
+
+@app.command()
+def credential(role: Annotated[str, typer.Option(help="client (engines: put, get, hand-offs) or operator "
+                                                      "(also settings, evictions, forced removals, drains)")],
+               output: Annotated[Path, typer.Option("-o", "--output", help="File to write (mode 0600)")],
+               secret_file: _SecretFile = None) -> None:
+    """Derive a role credential from the cluster secret: give engines a `client` credential instead of the
+    secret (their processes then cannot change settings, evict by selector or drain nodes)."""
+    from kvpool.protocol.auth import Security, write_credential_file
+
+    def go() -> None:
+        sec = Security.load(secret_file)
+        if sec.secret is None or sec.role != "cluster":
+            raise E.ConfigError("kvpool credential needs the cluster secret itself: --secret-file, "
+                              "KVPOOL_SECRET_FILE or KVPOOL_SECRET", key="security.secret_file")
+        console.print(f"{role} credential: {write_credential_file(output, sec.secret, role)} (give it as the "
+                      "process's --secret-file or KVPOOL_SECRET_FILE)", soft_wrap=True, highlight=False)
+
+    _run(go)
+
 
 @app.command()
 def put(key: str, file: Path, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,

@@ -216,6 +216,8 @@ class LocalCluster:
         self._lock_fd = lock_run_dir(self.run_dir) if self.owns_run_dir else None
         self.secret_file = self._own_secret() if secure else None
         self.security = Security.from_config(self.cfg.security)  # what its own clients use
+        if self.security.secret is None and not self.cfg.security.insecure:  # asked for an open cluster
+            self.cfg = replace(self.cfg, security=replace(self.cfg.security, insecure=True))
         self.ready_timeout_s = ready_timeout_s
         self.etcd: Child | None = None
         self.etcd_endpoint = ",".join(cfg.etcd.endpoints())  # "": start an embedded etcd

@@ -27,7 +27,8 @@ Bounds, so one client cannot stall the master or grow its memory:
 ``before_send`` runs before any reply leaves: the master flushes its notices to store nodes
 there, so a put is acknowledged only after its commit notice was handed to the node socket.
 
-Answering is ``handle(body) -> encoded Reply | Pending``; a :class:`~master.durable.Pending`
+Answering is ``handle(body, role) -> encoded Reply | Pending`` (``role``: the peer's, from
+its handshake); a :class:`~master.durable.Pending`
 is answered later through :meth:`ClientConns.answer`, when its etcd write lands.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Client:
     the reply bytes not sent yet; until it is authenticated, its TLS and handshake state."""
 
     __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed", "hs", "tls", "tin", "tout",
-                 "raw", "tls_up", "deadline", "partial_since", "first")
+                 "raw", "tls_up", "deadline", "partial_since", "first", "role")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -85,6 +86,7 @@ class Client:
         self.deadline: float | None = None  # an unauthenticated connection is closed at this time
         self.partial_since: float | None = None  # a frame has been half-received since then
         self.first = True  # nothing was read yet
+        self.role = "cluster"  # what the peer's credential allows (protocol/auth.py, "Roles"); open: all
 
 
 def _reject(err: KVPoolError, head: bytes) -> bytes:
@@ -98,12 +100,12 @@ class ClientConns:
     that :class:`~protocol.messages.HelloReply` offers)."""
 
     def __init__(self, listeners: list[socket.socket], poller: zmq.Poller,
-                 handle: Callable[[bytes], bytes | Pending], before_send: Callable[[], None] = lambda: None,
+                 handle: Callable[[bytes, str], bytes | Pending], before_send: Callable[[], None] = lambda: None,
                  security: auth.Security = auth.OPEN, max_conns: int = 1024,
                  frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
         self.security = security
         self.tls_ctx = security.server_context()
-        self._auth_key = security.derive("auth") if security.secret is not None else None
+        self._auth_key = security.auth_keys() if security.secret is not None else None
         self.max_conns = max_conns
         self.frame_timeout_s = frame_timeout_s
         self.refusals: dict[str, int] = {  # closed connections by reason (a metric)
@@ -328,6 +330,7 @@ class ClientConns:
             return None
         if not c.hs.done:
             return None
+        c.role = c.hs.role
         c.hs = c.deadline = None
         return rest
 
@@ -347,7 +350,7 @@ class ClientConns:
         while c.pending and budget and len(c.out) + len(c.raw) < OUT_MAX:
             budget -= 1
             rid, body = c.pending.popleft()
-            reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self.handle(body)
+            reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self.handle(body, c.role)
             if isinstance(reply, Pending):
                 reply.client, reply.rid = c, rid
                 c.waiting += 1

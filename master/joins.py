@@ -28,7 +28,7 @@ import zmq
 
 from kvpool.protocol import messages as M
 from kvpool.protocol.config import MasterConfig
-from kvpool.protocol.errors import InvalidRequest, NodeUnavailable
+from kvpool.protocol.errors import AuthFailed, InvalidRequest, NodeUnavailable
 
 _JOIN = MasterConfig().join_settings()  # (timeout, backoff, backoff max) in seconds
 _SLICE_S = 0.1  # a fetch looks at the stop flag this often while it waits
@@ -54,6 +54,8 @@ def fetch_table(ctx: zmq.Context, desc: M.NodeDesc, timeout_s: float,
     address is unusable), InvalidRequest for a malformed answer."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # handshake failures (a node of another secret refuses the master's CURVE key) are named
+    mon = sock.get_monitor_socket(_HANDSHAKE_FAILED) if sock.get(zmq.MECHANISM) == zmq.CURVE else None
     try:
         try:
             sock.connect(desc.ctrl_addr)
@@ -63,6 +65,8 @@ def fetch_table(ctx: zmq.Context, desc: M.NodeDesc, timeout_s: float,
                                   f"{desc.ctrl_addr!r} ({e})", node=desc.node_id) from None
         deadline = time.monotonic() + timeout_s
         while not sock.poll(int(1000 * min(_SLICE_S, max(deadline - time.monotonic(), 0)))):
+            if mon is not None and mon.poll(0):
+                _check_handshake(mon, desc)
             if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
                 raise NodeUnavailable(f"store node {desc.node_id} did not send its extent table from "
                                       f"{desc.ctrl_addr} within {timeout_s:g}s", node=desc.node_id)
@@ -75,7 +79,27 @@ def fetch_table(ctx: zmq.Context, desc: M.NodeDesc, timeout_s: float,
             raise InvalidRequest(f"store node {desc.node_id} sent a malformed extent table: {e}") from None
         return Table(inc, rows, max_gen)
     finally:
+        if mon is not None:
+            sock.disable_monitor()
+            mon.close(0)
         sock.close(0)
+
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _check_handshake(mon: zmq.Socket, desc: M.NodeDesc) -> None:
+    """Raise AuthFailed when ``mon`` (the control socket's monitor) saw the CURVE handshake
+    with ``desc`` fail: the node holds another cluster secret, or runs without one."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    while mon.poll(0):
+        ev = recv_monitor_message(mon)
+        if ev["event"] & _HANDSHAKE_FAILED:
+            raise AuthFailed(f"store node {desc.node_id} refused the master's control-channel key at "
+                             f"{desc.ctrl_addr}: it holds another cluster secret or none; give every master and "
+                             "store node the same --secret-file", cause="wrong_secret", node=desc.node_id)
 
 
 @dataclass

@@ -67,7 +67,7 @@ from kvpool.protocol import messages as M
 from kvpool.protocol import transport
 from kvpool.protocol.auth import OPEN, Security, curve_client_keys
 from kvpool.protocol.config import ClusterConfig, MasterConfig, SecurityConfig
-from kvpool.protocol.errors import ConfigError, KVPoolError, LeaderFenced, NotFound, NotLeader
+from kvpool.protocol.errors import ConfigError, Forbidden, KVPoolError, LeaderFenced, NotFound, NotLeader
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys
 from kvpool.protocol.units import parse_duration
 
@@ -122,7 +122,7 @@ class MasterServerSettings:
                             repair_in_flight=m.repair_in_flight, max_objects=m.max_objects)
         return cls(",".join(eps), cfg.cluster, m.host, m.rpc_port, m.metrics_port, parse_duration(m.membership_poll),
                    node_ttl_s, st, parse_duration(m.etcd_compaction_interval), m.etcd_compaction_retention,
-                   *m.join_settings(), security=Security.from_config(cfg.security),
+                   *m.join_settings(), security=Security.for_server(cfg.security, "this master"),
                    max_conns=cfg.security.max_conns, frame_timeout_s=parse_duration(cfg.security.frame_timeout),
                    advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd))
 
@@ -346,9 +346,10 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             elif kind == "nodes" and self.leading:
                 self._membership(ev[1])
 
-    def _handle(self, body: bytes) -> bytes | Pending:
-        """One request → its encoded Reply (a typed error for anything malformed), or a
-        :class:`Pending` when the answer waits for etcd."""
+    def _handle(self, body: bytes, role: str = "cluster") -> bytes | Pending:
+        """One request of a peer acting in ``role`` → its encoded Reply (a typed error for
+        anything malformed or not allowed to that role), or a :class:`Pending` when the
+        answer waits for etcd."""
         t0 = time.perf_counter()
         op = "invalid"
         try:
@@ -356,6 +357,10 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             op = type(req).__name__
             if type(req) is M.Hello:  # about this connection, not the cluster: standbys answer it too
                 return self.hello
+            if role == "client" and (type(req) in _OPERATOR_ONLY or type(req) is M.Remove and req.force):
+                raise Forbidden(f"{op} needs an operator credential (kvpool credential --role operator) or the "
+                                "cluster secret; this connection holds a client credential", cause="role",
+                                op=op)
             if not self.leading:
                 raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
                                 leader=self.leader_addr)
@@ -457,6 +462,8 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
 
 # answered even while fenced: they change nothing another leader must know (a read lease
 # given here is not honoured by a successor, and reads check generation and checksum)
+# requests of operators (or the cluster secret's holders) only, never of a client credential
+_OPERATOR_ONLY = frozenset((M.SetConfig, M.Evict, M.Drain))
 _READS = (M.Lookup, M.ReleaseLeases, M.Exists, M.Stats, M.ListObjects, M.GetConfig)
 
 

@@ -6,19 +6,34 @@ Without one, sockets are open (the behaviour of a trusted network); ``kvpool up`
 ``kvpool demo`` make a random one for their embedded cluster. Keys for each use are derived
 from it with HMAC-SHA256 (:meth:`Security.derive`), so the secret itself never travels.
 
+**Roles.** The cluster secret is the root credential: masters and store nodes hold it
+(they derive write-grant and control-channel keys from it). Engines and operators can be
+given a *role credential* instead, derived from it and unable to derive anything else
+(``kvpool credential --role client|operator``, a file ``kvpool-credential ROLE HEX``)::
+
+    credential(role) = HMAC-SHA256(secret, "kvpool/role/" + role)
+
+A ``client`` may put, get, look up, hand off, pin and remove its objects; an ``operator``
+may also change settings, evict by selector, force removals and drain nodes. The master
+refuses the rest with :class:`~protocol.errors.Forbidden`. Holders of the secret itself
+act in role ``cluster`` (everything).
+
 **Stream sockets** (master RPC, store-node data; TCP, Unix, UCX): with a secret, every
 connection opens with a mutual challenge-response before any request is read::
 
-    client → server   MAGIC ver nc                 (4 + 1 + 32 bytes)
+    client → server   MAGIC ver nc role            (4 + 1 + 32 + 1 bytes)
     server → client   MAGIC ver ns proof_s         (4 + 1 + 32 + 32 bytes)
     client → server   proof_c                      (32 bytes)
     server → client   status                       (1 byte: 0 accepted, 1 refused)
 
 ``proof_s = HMAC(k, "server" || purpose || nc || ns)``, ``proof_c = HMAC(k, "client" ||
-purpose || nc || ns)`` with ``k = derive("auth")`` and ``purpose`` the port's kind
-(``rpc``, ``data``), so a proof for one port or role is worthless on another and nonces
-make every proof single-use. The server reads at most 69 bytes from an unauthenticated
-peer and closes it after :data:`HANDSHAKE_S`. ``MAGIC`` read as a frame length exceeds
+purpose || nc || ns)`` with ``k = HMAC(credential(role), "kvpool/auth")`` (for role
+``cluster``, ``HMAC(secret, "kvpool/auth")``) and ``purpose`` the port's kind and the role
+(``rpc/client``, ``data/cluster``), so a proof for one port or role is worthless on
+another and nonces make every proof single-use. The server, holding the secret, derives
+the key of the role the peer names; the role is the connection's from then on. The server
+reads at most 70 bytes from an unauthenticated peer and closes it after
+:data:`HANDSHAKE_S`. ``MAGIC`` read as a frame length exceeds
 every frame bound, so a client without a secret is answered, in its own framing, with
 :class:`~protocol.errors.AuthFailed` instead of being misread.
 
@@ -36,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -50,14 +66,51 @@ SECRET_ENV = "KVPOOL_SECRET"
 SECRET_FILE_ENV = "KVPOOL_SECRET_FILE"
 MIN_SECRET = 16  # bytes
 MAGIC = b"KVPA"
-VERSION = 1
+VERSION = 2  # 2: the hello names the peer's role
 REFUSED = b"\xff"  # in place of the version: the server refuses the connection (see refusal)
 NONCE = 32
-HELLO_LEN = 4 + 1 + NONCE  # client's first message
+HELLO_LEN = 4 + 1 + NONCE + 1  # client's first message
 CHALLENGE_LEN = 4 + 1 + NONCE + 32  # server's answer
 PROOF_LEN = 32
 HANDSHAKE_S = 5.0  # seconds an unauthenticated peer may take (TLS and challenge-response together)
 RPC, DATA = b"rpc", b"data"
+ROLES = ("cluster", "client", "operator")  # the role byte of the hello is an index into this
+CREDENTIAL_TAG = "kvpool-credential"
+
+
+def role_credential(secret: bytes, role: str) -> bytes:
+    """The 32-byte credential of ``role`` (one of :data:`ROLES` but ``cluster``), derived
+    from the cluster secret with HMAC-SHA256 (key ``secret``, message ``kvpool/role/ROLE``)."""
+    return hmac.new(secret, b"kvpool/role/" + role.encode(), hashlib.sha256).digest()
+
+
+def write_credential_file(path: str | os.PathLike, secret: bytes, role: str) -> str:
+    """Write ``role``'s credential (:func:`role_credential`) to ``path`` (mode 0600), as
+    ``kvpool-credential ROLE HEX``; the path. Raises ConfigError for an unknown role."""
+    if role not in ROLES[1:]:
+        raise ConfigError(f"unknown role {role!r}; roles: {', '.join(ROLES[1:])}", key="role")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{CREDENTIAL_TAG} {role} {role_credential(secret, role).hex()}\n")
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+def _parse_credential(raw: bytes, where: str, key: str) -> tuple[bytes, str]:
+    """``(secret or credential, role)`` from a secret file's or variable's bytes."""
+    if not raw.startswith(CREDENTIAL_TAG.encode()):
+        return raw, "cluster"
+    parts = raw.decode(errors="replace").split()
+    try:
+        if len(parts) != 3 or parts[1] not in ROLES[1:]:
+            raise ValueError
+        cred = bytes.fromhex(parts[2])
+        if len(cred) != 32:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{where} holds a malformed role credential; expected `{CREDENTIAL_TAG} ROLE HEX` as "
+                          "`kvpool credential --role ROLE` writes it", key=key) from None
+    return cred, parts[1]
 
 
 def _read_secret(path: str) -> bytes:
@@ -96,6 +149,7 @@ class Security:
     tls_key: str | None = None
     tls_ca: str | None = None
     tls_client_certs: bool = False
+    role: str = "cluster"  # what ``secret`` is: the cluster secret, or a role's credential
 
     @classmethod
     def load(cls, secret_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
@@ -105,12 +159,12 @@ class Security:
         ``KVPOOL_SECRET``). Raises ConfigError for an unreadable or short secret, or a TLS
         key without its certificate."""
         env = os.environ if environ is None else environ
-        secret = None
+        secret, role = None, "cluster"
         secret_file = secret_file or env.get(SECRET_FILE_ENV) or None
         if secret_file:
-            secret = _read_secret(secret_file)
+            secret, role = _parse_credential(_read_secret(secret_file), repr(secret_file), "security.secret_file")
         elif env.get(SECRET_ENV):
-            secret = env[SECRET_ENV].strip().encode()
+            secret, role = _parse_credential(env[SECRET_ENV].strip().encode(), SECRET_ENV, SECRET_ENV)
             if len(secret) < MIN_SECRET:
                 raise ConfigError(f"{SECRET_ENV} is {len(secret)} bytes; use at least {MIN_SECRET}", key=SECRET_ENV)
         if bool(tls_cert) != bool(tls_key):
@@ -119,12 +173,33 @@ class Security:
         if tls_client_certs and not tls_ca:
             raise ConfigError("security.tls_client_certs needs security.tls_ca (the CA client certificates are "
                               "checked against)", key="security.tls_client_certs")
-        return cls(secret, secret_file, tls_cert, tls_key, tls_ca, tls_client_certs)
+        return cls(secret, secret_file, tls_cert, tls_key, tls_ca, tls_client_certs, role)
 
     @classmethod
     def from_config(cls, sec, environ: dict[str, str] | None = None) -> "Security":
         """From a :class:`~protocol.config.SecurityConfig`."""
         return cls.load(sec.secret_file, sec.tls_cert, sec.tls_key, sec.tls_ca, sec.tls_client_certs, environ)
+
+    @classmethod
+    def for_server(cls, sec, what: str) -> "Security":
+        """A master's or store node's security from its
+        :class:`~protocol.config.SecurityConfig`: it must hold the cluster secret, or be
+        started with ``security.insecure`` (then it warns, loudly, that it is open). Raises
+        ConfigError otherwise, or for a role credential."""
+        security = cls.from_config(sec)
+        if security.secret is None:
+            if not sec.insecure:
+                raise ConfigError(f"{what} has no cluster secret, so every socket would be open to anyone who "
+                                  "reaches it; give it --secret-file (security.secret_file, KVPOOL_SECRET_FILE), "
+                                  "or --insecure (security.insecure) on a trusted network",
+                                  key="security.secret_file")
+            logging.getLogger("kvpool").warning(
+                "%s runs WITHOUT a cluster secret (--insecure): any peer that reaches its ports may read, write "
+                "and evict every object and change the cluster's settings", what)
+        elif security.role != "cluster":
+            raise ConfigError(f"{what} holds a {security.role} credential; masters and store nodes need the "
+                              "cluster secret itself", key="security.secret_file")
+        return security
 
     @property
     def tls(self) -> bool:
@@ -140,9 +215,33 @@ class Security:
         return out + (["--tls-client-certs"] if self.tls_client_certs else [])
 
     def derive(self, purpose: str) -> bytes:
-        """32-byte key for ``purpose``: HMAC-SHA256(secret, "kvpool/" + purpose)."""
+        """32-byte key for ``purpose``: HMAC-SHA256(secret, "kvpool/" + purpose). Raises
+        ConfigError when this process holds a role credential, not the cluster secret."""
         assert self.secret is not None
+        if self.role != "cluster":
+            raise ConfigError(f"this process holds a {self.role} credential; masters and store nodes need the "
+                              "cluster secret itself (security.secret_file)", key="security.secret_file")
         return hmac.new(self.secret, b"kvpool/" + purpose.encode(), hashlib.sha256).digest()
+
+    def auth_key(self, role: str | None = None) -> bytes:
+        """The handshake key of ``role`` (default: this process's own): a holder of the
+        cluster secret derives any role's; a role credential only its own."""
+        assert self.secret is not None
+        role = role or self.role
+        if role == self.role:
+            base = self.secret
+        elif self.role == "cluster":
+            base = role_credential(self.secret, role)
+        else:
+            raise ConfigError(f"a {self.role} credential cannot act as {role}", key="security.secret_file")
+        return hmac.new(base, b"kvpool/auth", hashlib.sha256).digest()
+
+    def auth_keys(self) -> dict[str, bytes]:
+        """A server's handshake keys, one per role it admits (all, with the cluster secret)."""
+        if self.role != "cluster":
+            raise ConfigError(f"a server needs the cluster secret; this process holds a {self.role} credential",
+                              key="security.secret_file")
+        return {r: self.auth_key(r) for r in ROLES}
 
     def grant_key(self, incarnation: str) -> bytes:
         """A store node incarnation's write-grant key, derived from the secret (so it is never
@@ -201,14 +300,18 @@ class ServerHandshake:
     encodes an error in the port's own framing, for a peer that sent no handshake
     (``head``: its first bytes, e.g. to answer with its request id)."""
 
-    __slots__ = ("key", "purpose", "reject", "buf", "nc", "ns", "done", "error")
+    __slots__ = ("keys", "purpose", "reject", "buf", "nc", "ns", "done", "error", "role", "key")
 
-    def __init__(self, key: bytes, purpose: bytes, reject: Callable[[AuthFailed, bytes], bytes]) -> None:
-        self.key, self.purpose, self.reject = key, purpose, reject
+    def __init__(self, keys: dict[str, bytes] | bytes, purpose: bytes,
+                 reject: Callable[[AuthFailed, bytes], bytes]) -> None:
+        # ``keys``: role -> handshake key (:meth:`Security.auth_keys`); bytes: role cluster only
+        self.keys = keys if isinstance(keys, dict) else {"cluster": keys}
+        self.purpose, self.reject = purpose, reject
         self.buf = b""
-        self.nc = self.ns = b""
+        self.nc = self.ns = self.key = b""
         self.done = False
         self.error: AuthFailed | None = None
+        self.role = ""  # the peer's role, once it named one
 
     def want(self) -> int:
         """Bytes to read before the next step (never more than the handshake holds)."""
@@ -221,7 +324,12 @@ class ServerHandshake:
             return b"", data
         self.buf += data
         if not self.ns:
-            if len(self.buf) >= 4 and self.buf[:4] != MAGIC or len(self.buf) >= 5 and self.buf[4] != VERSION:
+            if len(self.buf) >= 5 and self.buf[:4] == MAGIC and self.buf[4] != VERSION:
+                self.error = AuthFailed(f"the peer speaks handshake version {self.buf[4]}, this server {VERSION}: "
+                                        "run one kvpool version across the cluster", cause="version")
+                self.buf = b""
+                return b"\x01", b""
+            if len(self.buf) >= 4 and self.buf[:4] != MAGIC:
                 self.error = AuthFailed("this server requires the cluster secret and the peer sent none; set "
                                         f"{SECRET_FILE_ENV} or {SECRET_ENV} (for kvpool processes also --secret-file or security.secret_file in --config) to the cluster's "
                                         "secret", cause="missing_secret")
@@ -229,7 +337,13 @@ class ServerHandshake:
                 return self.reject(self.error, head), b""
             if len(self.buf) < HELLO_LEN:
                 return b"", b""
-            self.nc, self.buf = self.buf[5:HELLO_LEN], self.buf[HELLO_LEN:]
+            self.nc, r, self.buf = self.buf[5:HELLO_LEN - 1], self.buf[HELLO_LEN - 1], self.buf[HELLO_LEN:]
+            role = ROLES[r] if r < len(ROLES) else f"#{r}"
+            if role not in self.keys:
+                self.error = AuthFailed(f"the peer names role {role}, which this server does not admit",
+                                        cause="unknown_role")
+                return b"\x01", b""
+            self.role, self.key, self.purpose = role, self.keys[role], self.purpose + b"/" + role.encode()
             self.ns = secrets.token_bytes(NONCE)
             out = MAGIC + bytes([VERSION]) + self.ns + proof(self.key, b"server", self.purpose, self.nc, self.ns)
             more, rest = self.feed(b"") if self.buf else (b"", b"")
@@ -239,19 +353,21 @@ class ServerHandshake:
         got, rest = self.buf[:PROOF_LEN], self.buf[PROOF_LEN:]
         self.buf = b""
         if not hmac.compare_digest(got, proof(self.key, b"client", self.purpose, self.nc, self.ns)):
-            self.error = AuthFailed("wrong cluster secret: the peer's proof does not match", cause="wrong_secret")
+            self.error = AuthFailed(f"wrong cluster secret or {self.role} credential: the peer's proof does not "
+                                    "match", cause="wrong_secret")
             return b"\x01", b""
         self.done = True
         return b"\x00", rest
 
 
 def server_handshake(sock, security: Security, purpose: bytes, reject: Callable[[AuthFailed, bytes], bytes],
-                     deadline_s: float = HANDSHAKE_S) -> None:
-    """Run the server's half on a blocking socket within ``deadline_s`` seconds. Raises
-    AuthFailed (after telling the peer) when it fails or stalls; the caller closes."""
+                     deadline_s: float = HANDSHAKE_S) -> str:
+    """Run the server's half on a blocking socket within ``deadline_s`` seconds; the peer's
+    role. Raises AuthFailed (after telling the peer) when it fails or stalls; the caller
+    closes."""
     import time
 
-    hs = ServerHandshake(security.derive("auth"), purpose, reject)
+    hs = ServerHandshake(security.auth_keys(), purpose, reject)
     end = time.monotonic() + deadline_s
     try:
         while not hs.done:
@@ -272,14 +388,16 @@ def server_handshake(sock, security: Security, purpose: bytes, reject: Callable[
     finally:
         with _suppress():
             sock.settimeout(None)
+    return hs.role
 
 
 def client_handshake(sock, security: Security, purpose: bytes, where: str) -> None:
     """The client's half on a blocking socket (its timeout applies). Raises AuthFailed
     naming the cause: the server has no secret or another one, or refused ours."""
-    key = security.derive("auth")
+    key = security.auth_key()
+    purpose = purpose + b"/" + security.role.encode()
     nc = secrets.token_bytes(NONCE)
-    sock.sendall(MAGIC + bytes([VERSION]) + nc)
+    sock.sendall(MAGIC + bytes([VERSION]) + nc + bytes([ROLES.index(security.role)]))
     got = _recv_exact(sock, 5, where)
     if got == MAGIC + REFUSED:
         raise Overloaded(f"{where} refused the connection: {_recv_rest(sock)}", addr=where)

@@ -242,6 +242,8 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     * ``frame_timeout``: the master closes a client that leaves a request frame half-sent
       this long with no whole frame meanwhile; a store node's data server closes a
       connection whose blocking ``recv`` or ``send`` waits this long.
+    * ``insecure``: let a master or store node start without a secret (every socket open
+      to anyone who reaches it); without it, such a start is refused.
     """
 
     secret_file: str | None = None
@@ -251,6 +253,7 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tls_client_certs: bool = False
     max_conns: int = 1024
     frame_timeout: str | float = "30s"
+    insecure: bool = False
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

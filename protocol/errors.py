@@ -214,6 +214,13 @@ class AuthFailed(KVPoolError):
     code = "auth_failed"
 
 
+class Forbidden(AuthFailed):
+    """The peer's role may not do this (an engine's ``client`` credential asking for an
+    operator's request: settings, evictions by selector, forced removals, drains)."""
+
+    code = "forbidden"
+
+
 class Overloaded(KVPoolError):
     """A server refused work beyond its bounds (connections, queued copies); retry later
     or raise the bound named in the message."""

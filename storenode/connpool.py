@@ -83,7 +83,7 @@ class ConnPool:
     ``refuse(conn)`` tells a connection accepted at the cap that the server is full (its
     socket is closed after)."""
 
-    def __init__(self, workers: int, frame_timeout_s: float, tls: ssl.SSLContext | None, auth_key: bytes | None,
+    def __init__(self, workers: int, frame_timeout_s: float, tls: ssl.SSLContext | None, auth_key: dict[str, bytes] | None,
                  reject: Callable[[AuthFailed, bytes], bytes], opened: Callable[[Conn], None],
                  serve: Callable[[Conn], bool], closed: Callable[[Conn], None],
                  failed: Callable[[BaseException], None], refuse: Callable[[Conn], None] = lambda c: None) -> None:

@@ -77,7 +77,7 @@ class DataServer:
         self._tls = security.server_context()
         self._local = threading.local()  # each worker's FrameReader
         self.pool = ConnPool(workers, frame_timeout_s, self._tls,
-                             security.derive("auth") if security.secret is not None else None,
+                             security.auth_keys() if security.secret is not None else None,
                              lambda e, _head: frame(DataReply(False, e.to_wire())),
                              self._opened, self._serve, self._closed, self._auth_failed,
                              lambda c: self._refuse(c.sock, "unix" if c.unix else "tcp"))

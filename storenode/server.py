@@ -107,7 +107,7 @@ class NodeSettings:
                               "file (a store node does not start etcd; `kvpool up` does)", key="etcd.endpoint")
         return cls(",".join(eps), cfg.cluster, node.name, parse_size(node.memory), node.host, node.data_port,
                    node.host_id, parse_duration(cfg.master.node_ttl), run_dir, node.device, node.ucx,
-                   node.metrics_port, Security.from_config(cfg.security), cfg.security.max_conns, node.advertise,
+                   node.metrics_port, Security.for_server(cfg.security, "this store node"), cfg.security.max_conns, node.advertise,
                    node.control_port, node.ucx_port, EtcdAuth.from_config(cfg.etcd), node.data_workers,
                    parse_duration(cfg.security.frame_timeout), node.disk_dir, parse_size(node.disk_capacity),
                    node.disk_high_watermark, node.disk_low_watermark, node.disk_readers,

@@ -277,7 +277,7 @@ def test_handshake_state_machine_is_bounded():
     assert out == b"NO" and hs.error is not None and hs.error.fields["cause"] == "missing_secret"
     assert hs.buf == b""  # nothing of it is kept
     hs = auth.ServerHandshake(b"k" * 32, auth.RPC, lambda e, head: b"NO")
-    out, _ = hs.feed(auth.MAGIC + bytes([auth.VERSION]) + b"n" * 32)
+    out, _ = hs.feed(auth.MAGIC + bytes([auth.VERSION]) + b"n" * 32 + b"\x00")  # role cluster
     assert out[:5] == auth.MAGIC + bytes([auth.VERSION]) and len(out) == auth.CHALLENGE_LEN
     out, _ = hs.feed(b"p" * 32)
     assert out == b"\x01" and hs.error.fields["cause"] == "wrong_secret"
@@ -297,3 +297,21 @@ def test_unauthenticated_idle_connections_are_closed(secure):
     assert time.monotonic() - t0 < auth.HANDSHAKE_S + 10
     with secure.client() as c:
         wait_for(lambda: c.stats() is not None, 5)
+
+
+def test_a_master_of_another_secret_is_told_the_node_refused_its_key(secure):
+    from kvpool.master.joins import fetch_table
+
+    ctx = zmq.Context()
+    spk, pk, sk = auth.curve_client_keys(WRONG)
+    ctx.setsockopt(zmq.CURVE_SERVERKEY, spk)
+    ctx.setsockopt(zmq.CURVE_PUBLICKEY, pk)
+    ctx.setsockopt(zmq.CURVE_SECRETKEY, sk)
+    try:
+        d = _descs(secure)[0]
+        t0 = time.monotonic()
+        with pytest.raises(AuthFailed, match="refused the master's control-channel key"):
+            fetch_table(ctx, d, 30.0)
+        assert time.monotonic() - t0 < 25  # named at the failed handshake, not at the deadline
+    finally:
+        ctx.term()
