@@ -175,7 +175,7 @@ class _ShmCopies:
         try:
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hash")
-            fut = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
+            fut = self._hasher.submit(_hash_one, data)
         except RuntimeError:  # shut down (close(), or the interpreter is exiting): hash inline
             self._hasher_free.release()
             return None
@@ -285,3 +285,8 @@ class _ShmCopies:
             op.error = KVPoolError(f"extent [{r.offset}, +{r.size}) does not fit the mapped segment")
             return None
         return seg[r.offset:r.offset + r.size]
+
+
+def _hash_one(data) -> int:
+    """The xxh3_64 of ``data``, without the GIL when the native module is built."""
+    return copyhash.hash_many([data])[0]

@@ -24,8 +24,8 @@ Bounds, so one client cannot stall the master or grow its memory:
   (:data:`NOT_TLS`) and closes it, so the client's TLS handshake fails at once.
   ``refusals`` counts the connections closed for each reason (the master exports it).
 
-``before_send`` runs before any reply leaves: the master flushes its notices to store nodes
-there, so a put is acknowledged only after its commit notice was handed to the node socket.
+``before_send`` runs before any reply leaves (a hook; the master's notices to store nodes
+go out on their own schedule, master/nodes.py).
 
 Answering is ``handle(body, role) -> encoded Reply | Pending`` (``role``: the peer's, from
 its handshake); a :class:`~master.durable.Pending`

@@ -27,6 +27,8 @@ from kvpool.protocol.errors import KVPoolError, StaleTerm
 from kvpool.protocol.terms import first_gen
 
 log = logging.getLogger("kvpool.master")
+NOTICE_DELAY_S = 0.005  # seconds a notice to a store node may wait to go out with later ones
+NOTICE_BATCH = 256  # ... or until this many are queued
 
 
 class _StoreNodes:
@@ -174,6 +176,21 @@ class _StoreNodes:
                         self.state.tier_done(nid, done, rep.error, time.monotonic())
                     continue
                 self.state.repair_done(done, rep.error is None)
+
+    def _flush_due(self) -> None:
+        """Send the state's notices once the oldest has waited :data:`NOTICE_DELAY_S` or
+        :data:`NOTICE_BATCH` are queued (called every turn of the RPC loop)."""
+        outbox = self.state.outbox
+        if not outbox:
+            self._outbox_since = 0.0
+            return
+        now = time.monotonic()
+        if not self._outbox_since:
+            self._outbox_since = now
+        if now - self._outbox_since >= NOTICE_DELAY_S or sum(len(m) for m in outbox.values()) >= NOTICE_BATCH:
+            self._flush()
+            if not self.state.outbox:
+                self._outbox_since = 0.0
 
     def _flush(self) -> None:
         """Send the state's notices to the store nodes, stamped with this leader's term; they

@@ -60,7 +60,7 @@ from kvpool.master.durable import DurableWrites, Pending
 from kvpool.master.etcd_thread import _EtcdThread
 from kvpool.master.fencing import Fence
 from kvpool.master.metrics import Metrics
-from kvpool.master.nodes import _StoreNodes
+from kvpool.master.nodes import NOTICE_DELAY_S, _StoreNodes
 from kvpool.master.state import MasterSettings, MasterState
 from kvpool.master.stats import StatsWalks
 from kvpool.protocol import messages as M
@@ -152,6 +152,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         self.etcd_ok = True
         self.etcd: Etcd | None = None
         self.rpc_beat = time.monotonic()  # last turn of the RPC loop (/healthz)
+        self._outbox_since = 0.0  # when the oldest notice to a store node was queued (master/nodes.py)
         public = transport.advertise_host(s.host, s.advertise, "master.advertise")  # before binding: ConfigError
         listeners = [transport.listen(f"tcp://{transport.host_port(s.host, s.rpc_port)}")]
         # what clients dial and the leader key holds: the advertised host, the bound port
@@ -170,8 +171,8 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                                                                          transport.default_host_id(),
                                                                          M.WIRE_VERSION)))))
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
-        self.conns = ClientConns(listeners, self.poller, self._handle, self._flush, s.security, s.max_conns,
-                                 s.frame_timeout_s)
+        self.conns = ClientConns(listeners, self.poller, self._handle, security=s.security, max_conns=s.max_conns,
+                                 frame_timeout_s=s.frame_timeout_s)
         self.metrics.refusals = self.conns.refusals
         self._settings_write: Pending | None = None  # the settings change on its way to etcd, if any
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
@@ -267,7 +268,10 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         while not self.stop.is_set():
             self.rpc_beat = time.monotonic()  # /healthz: the loop turns
             served = set()
-            for sock, ev in self.poller.poll(0 if conns.busy else 5 if self.durable or self.stats.walking else 50):
+            wait = 0 if conns.busy else 5 if self.durable or self.stats.walking else 50
+            if self.state.outbox:  # notices wait at most NOTICE_DELAY_S (master/nodes.py)
+                wait = min(wait, max(0, int((self._outbox_since + NOTICE_DELAY_S - time.monotonic()) * 1000) + 1))
+            for sock, ev in self.poller.poll(wait):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
                     c = conns.on_event(sock, ev)
                     if c is not None:
@@ -289,7 +293,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                         self._etcd_forget(key)
             for key in self.state.take_unpinned():  # pinned objects removed, evicted or lost
                 self._etcd_forget(self.keys.pin(key))
-            self._flush()
+            self._flush_due()
 
     def _answer(self, d: Pending, result, error: KVPoolError | None) -> None:
         """Send a durable write's answer to the client that asked (if it still listens)."""

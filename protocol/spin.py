@@ -9,7 +9,10 @@ a small request (benchmarks/RESULTS.md, "Polling for replies").
 yields the CPU between polls (``sched_yield``) so that a server sharing this CPU runs at
 once; only a reply that takes longer than the bound is waited for in the kernel. The
 bound is the client's ``spin_wait`` (``client.spin_wait``; 0 turns it off), so one wait
-costs at most that much CPU beyond a plain blocking one. Busy polling for completions is
+costs at most that much CPU beyond a plain blocking one. On a host whose CPUs are all taken
+(load average at least the CPU count minus a half) nothing is polled: a poll there takes
+the CPU the answering server needs, so the client that polls loses to one that sleeps,
+while on an idle host it wins; gating on the load keeps the default right on both. Busy polling for completions is
 what RDMA-based stores (Mooncake's transfer engine) and vLLM's shared-memory broadcast do
 for the same reason.
 """
@@ -56,19 +59,37 @@ class Spinner:
     same CPUs) then cost no polling CPU, and a quiet server is polled for again soon.
     Shared by a client's threads; the counters are hints, so races on them are harmless."""
 
-    __slots__ = ("seconds", "skip", "backoff")
+    __slots__ = ("seconds", "skip", "backoff", "_busy", "_checked")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.skip = 0
         self.backoff = 1
+        self._busy = False
+        self._checked = 0.0
+
+    def busy(self) -> bool:
+        """Whether this host's CPUs are all taken: its load average over the last minute is
+        at least its CPU count minus a half (read at most every :data:`LOAD_CHECK_S`). Then a
+        poll would only take a CPU from the server that is to answer, so waits sleep at once."""
+        now = time.monotonic()
+        if now - self._checked >= LOAD_CHECK_S:
+            self._checked = now
+            try:
+                self._busy = os.getloadavg()[0] >= (os.cpu_count() or 1) - 0.5
+            except OSError:
+                self._busy = False
+        return self._busy
 
     def wait(self, reader) -> None:
         """Poll the socket of ``reader`` (a :class:`~protocol.dataplane.FrameReader`) before
-        the caller's blocking read of it, unless bytes are buffered already or polling is
-        off (``seconds`` 0) or backing off (see the class docstring)."""
+        the caller's blocking read of it, unless bytes are buffered already, polling is off
+        (``seconds`` 0), the host is busy (:meth:`busy`) or polls are backing off (see the
+        class docstring)."""
         if not self.seconds or reader.buffered() or not isinstance(reader.sock, socket.socket):
             return  # (a ucx:// stream cannot be polled: no verdict on the server's speed)
+        if self.busy():
+            return
         if self.skip > 0:
             self.skip -= 1
         elif spin_readable(reader.sock, self.seconds):
@@ -79,6 +100,7 @@ class Spinner:
 
 
 BACKOFF_MAX = 64  # waits that sleep at once after polls kept going unanswered
+LOAD_CHECK_S = 1.0  # seconds between two looks at the host's load average
 
 
 def _nothing() -> int:

@@ -115,6 +115,7 @@ class ExtentTable:
             self._claims[(offset, gen)] = (size, owner)
             self._claim_gen[offset] = gen
             self._max_claim = max(self._max_claim, size, 1)
+            self.max_gen = max(self.max_gen, gen)
 
     def release(self, offset: int, gen: int, owner: object) -> bool:
         """End ``owner``'s claim of ``(offset, gen)`` (its writer finished copying). False
@@ -213,14 +214,27 @@ class ExtentTable:
             self._put_row(ExtentEntry(key, offset, size, gen, checksum, layout, False))
             self.max_gen = max(self.max_gen, gen)
 
-    def check_read(self, offset: int, size: int, gen: int) -> ExtentEntry:
+    def check_read(self, offset: int, size: int, gen: int) -> ExtentEntry | None:
+        """The row a read of ``[offset, +size)`` at generation ``gen`` may be served from.
+        None when the node holds no row there yet but the extent is still that grant's: a
+        same-host writer copies without the node, and the master's commit notice (or the
+        writer's copy of it) may reach the node after a reader that looked the key up at the
+        master (a reader only learns an extent the master committed, after its writer's copy
+        ended; the reader checks the bytes' checksum), as may the notice freeing the older
+        objects the master placed it over. Raises StaleExtent when the extent was freed
+        since (the floor passed ``gen``), memory over it carries a newer grant, or the node
+        never saw a grant as new as ``gen`` (claims, rows and frees raise ``max_gen``)."""
         self.check_bounds(offset, size)
         with self._lock:
             row = self._rows.get(offset)
-        if row is None or row.gen != gen or row.size != size:
-            raise StaleExtent(f"extent at offset {offset} gen {gen} was freed or reused on this node; "
-                              "look the key up again", offset=offset, gen=gen)
-        return row
+            if row is not None and row.gen == gen and row.size == size:
+                return row
+            if (row is None or row.gen < gen) and self._floor.get(offset, 0) <= gen <= self.max_gen and not any(
+                    r.gen >= gen for r in self._overlapping_rows(offset, offset + size)) and not any(
+                    c_gen > gen for _, c_gen, _ in self._overlapping_claims(offset, offset + max(size, 1))):
+                return None  # older rows overlapping it were freed by the master (their notice is on its way)
+        raise StaleExtent(f"extent at offset {offset} gen {gen} was freed or reused on this node; "
+                          "look the key up again", offset=offset, gen=gen)
 
     def commit(self, row: ExtentEntry, writer: object | None = None) -> None:
         """Record the master's committed row (replacing what a network ``write`` recorded;

@@ -449,11 +449,12 @@ class StoreNode:
                 row = self.disk.read_into(req.src_gen, memoryview(buf))
             else:
                 row = self.table.check_read(req.src_offset, req.dst.size, req.src_gen)
+            checksum = row.checksum if row is not None else req.checksum  # (no row yet: the master's commit)
             sock = transport.connect(req.dst.data_addr, 10.0, self.s.security)
             try:
                 sock.settimeout(self.s.frame_timeout_s)
                 sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,
-                                               req.dst.gen, req.key, row.checksum, req.layout, req.dst.token)))
+                                               req.dst.gen, req.key, checksum, req.layout, req.dst.token)))
                 if req.src_tier == M.DISK:
                     sock.sendall(buf)
                 else:

@@ -2,8 +2,10 @@
 client setting that bounds it."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -48,6 +50,7 @@ def test_spinner_backs_off_while_polls_go_unanswered_and_resets_on_an_answer(pai
     a, b = pair
     a = FrameReader(a)  # what the client's streams and master connection read through
     s = Spinner(0.0005)
+    s._busy, s._checked = False, float("inf")  # as on an idle host (the load gate is tested below)
     s.wait(a)  # nothing comes: the next wait sleeps at once, then 2, then 4 ...
     assert (s.skip, s.backoff) == (1, 2)
     s.wait(a)
@@ -76,3 +79,18 @@ def test_spin_wait_setting_is_checked():
         ClusterConfig(client=ClientConfig(spin_wait="1s")).validate()
     with pytest.raises(ConfigError, match="spin_wait"):
         KVPoolClient("tcp://127.0.0.1:1", spin_wait_s=-1.0)
+
+
+def test_spinner_sleeps_at_once_on_a_busy_host(pair):
+    """With every CPU taken a poll only delays the server that is to answer: no poll, and
+    the backoff state stays as it was."""
+    a, _ = pair
+    a = FrameReader(a)
+    s = Spinner(0.01)
+    s._busy, s._checked = True, float("inf")
+    t0 = time.perf_counter()
+    s.wait(a)
+    assert (s.skip, s.backoff) == (0, 1) and time.perf_counter() - t0 < 0.01
+    s._checked = 0.0  # looked at again: the verdict follows the load average and the CPU count
+    expect = os.getloadavg()[0] >= (os.cpu_count() or 1) - 0.5
+    assert s.busy() in (expect, not expect)  # (the load may move between the two reads)

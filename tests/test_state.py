@@ -337,6 +337,23 @@ def test_node_extent_table_records_committed_rows_and_ignores_stale_ones():
         t.commit(ExtentEntry("x", 10 * MiB, 1, 3, 0, None, True))
 
 
+def test_node_serves_a_claimed_grant_before_its_commit_notice_but_no_unseen_one():
+    from kvpool.protocol.messages import ExtentEntry
+    from kvpool.storenode.extents import ExtentTable
+
+    t = ExtentTable(10 * MiB)
+    t.commit(ExtentEntry("old", 0, MiB, 1, 9, None, True))
+    owner = object()
+    t.claim(0, MiB, 3, owner)  # a same-host writer over memory the master freed (notice on its way)
+    t.release(0, 3, owner)
+    assert t.check_read(0, MiB, 3) is None  # served on the reader's checksum until the commit lands
+    with pytest.raises(E.StaleExtent):
+        t.check_read(0, MiB, 4)  # a generation this node never saw
+    t.free(0, 3)
+    with pytest.raises(E.StaleExtent):
+        t.check_read(0, MiB, 3)  # freed since
+
+
 def test_node_notices_keep_their_order_when_coalesced():
     from kvpool.master.nodes import _coalesce
     from kvpool.protocol.messages import ExtentEntry
