@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import ssl
 import struct
+import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -160,11 +162,21 @@ def sendv(sock, bufs: list) -> None:
                 break
 
 
+class Stalled(NodeUnavailable):
+    """A peer sent a frame too slowly while other connections waited for a worker (the
+    server closes it)."""
+
+
 class FrameReader:
     """Buffered reader of ``u32 length || body`` frames and raw payloads from a stream.
-    Raises NodeUnavailable (:attr:`eof_message`) when the peer closes mid-frame."""
+    Raises NodeUnavailable (:attr:`eof_message`) when the peer closes mid-frame.
 
-    __slots__ = ("sock", "buf", "view", "lo", "hi")
+    ``patience(seconds, bytes)``, when set, is asked after every receive and every receive
+    timeout (the socket's deadline is then a short slice) with the seconds since the current
+    frame began and the bytes received for it since: False ends the frame with
+    :class:`Stalled` (a peer too slow while others wait; storenode/connpool.py)."""
+
+    __slots__ = ("sock", "buf", "view", "lo", "hi", "patience", "t0", "got")
     eof_message = "data connection closed mid-frame"
 
     def __init__(self, sock, size: int = READ_BUF) -> None:
@@ -172,6 +184,27 @@ class FrameReader:
         self.buf = bytearray(size)
         self.view = memoryview(self.buf)
         self.lo = self.hi = 0
+        self.patience: Callable[[float, int], bool] | None = None
+        self.t0 = 0.0  # monotonic start of the current frame (with patience)
+        self.got = 0  # bytes received for it
+
+    def _recv(self, view: memoryview, n: int) -> int:
+        """``recv_into`` with the patience rule (module docstring)."""
+        if self.patience is None:
+            return self.sock.recv_into(view, n)
+        while True:
+            try:
+                got = self.sock.recv_into(view, n)
+            except (BlockingIOError, TimeoutError):  # the slice passed with nothing received
+                if not self.patience(time.monotonic() - self.t0, self.got):
+                    raise Stalled(f"data connection sent {self.got} bytes of a frame in "
+                                  f"{time.monotonic() - self.t0:.1f}s while others waited") from None
+                continue
+            self.got += got
+            if got and not self.patience(time.monotonic() - self.t0, self.got):
+                raise Stalled(f"data connection sent {self.got} bytes of a frame in "
+                              f"{time.monotonic() - self.t0:.1f}s while others waited")
+            return got
 
     def buffered(self) -> int:
         return self.hi - self.lo
@@ -196,7 +229,7 @@ class FrameReader:
             self.lo, self.hi = 0, n
         while self.hi - self.lo < need:
             want = len(self.buf) - self.hi if greedy else need - (self.hi - self.lo)
-            got = self.sock.recv_into(self.view[self.hi:self.hi + want], want)
+            got = self._recv(self.view[self.hi:self.hi + want], want)
             if got == 0:
                 raise NodeUnavailable(self.eof_message)
             self.hi += got
@@ -204,6 +237,8 @@ class FrameReader:
     def frame(self, greedy: bool = True) -> memoryview:
         """The next frame's body (valid until the next call). InvalidRequest when its
         declared length exceeds MAX_HEADER."""
+        if self.patience is not None:
+            self.t0, self.got = time.monotonic(), 0
         self._fill(4, greedy)
         (n,) = _LEN.unpack_from(self.buf, self.lo)
         if n > MAX_HEADER:
@@ -222,7 +257,7 @@ class FrameReader:
             self.lo += take
         pos = take
         while pos < n:
-            got = self.sock.recv_into(dst[pos:], n - pos)
+            got = self._recv(dst[pos:], n - pos)
             if got == 0:
                 raise NodeUnavailable(self.eof_message)
             pos += got
@@ -234,7 +269,7 @@ class FrameReader:
         n -= take
         while n:
             self.lo = self.hi = 0
-            got = self.sock.recv_into(self.view, min(n, len(self.buf)))
+            got = self._recv(self.view, min(n, len(self.buf)))
             if got == 0:
                 raise NodeUnavailable(self.eof_message)
             n -= got

@@ -22,11 +22,17 @@ for its next request, while another worker is free: a client that sends one requ
 reply is then not handed between threads on every request. A connection made readable
 meanwhile waits at most that long for a worker, and only when every other worker is busy.
 
-While a worker holds a connection its socket is blocking with a deadline of
-``frame_timeout_s`` on every ``recv`` and ``send`` (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on plain
-sockets, the socket timeout under TLS); a deadline that passes closes the connection. So a
-peer that sends a frame slowly, or does not read its replies, holds one worker for at most
-that deadline per stalled call; with every worker so held, other connections wait their turn.
+While a worker holds a connection its socket is blocking with a deadline on every ``recv``
+and ``send`` (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on plain sockets, the socket timeout under TLS);
+a deadline that passes closes the connection. Sends and TLS receives wait
+``frame_timeout_s``. A plain socket's receives wait in slices of :data:`SLICE_S`, and
+between slices the server's :meth:`ConnPool.patience` decides, charging the frame for the
+bytes it actually brought: a frame may take ``frame_timeout_s`` from its first byte while
+no other connection waits for a worker, but once one waits, a frame older than
+:data:`STALL_S` that brought less than :data:`MIN_RATE` bytes per second is cut off
+(:class:`~protocol.dataplane.Stalled`) and its connection closed. So peers that send
+frames slowly, however many and however they pace their bytes, hold the workers for about
+``STALL_S`` each while honest clients wait, instead of the frame deadline.
 """
 from __future__ import annotations
 
@@ -50,6 +56,9 @@ _log = logging.getLogger("kvpool.storenode")
 _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
 _SWEEP_S = 0.25  # the selector wakes at least this often while handshakes are under way
 LINGER_S = 0.005  # a worker waits this long for a served connection's next request (another worker free)
+SLICE_S = 0.25  # seconds: a plain socket's receive deadline, after which patience is asked
+STALL_S = 1.0  # seconds a frame may take, whatever its pace, while other connections wait
+MIN_RATE = 1 << 20  # bytes per second a frame older than STALL_S must average while others wait
 
 
 class Conn:
@@ -90,6 +99,8 @@ class ConnPool:
         self.workers = workers
         self.frame_timeout_s = frame_timeout_s
         self._timeval = struct.pack("ll", int(frame_timeout_s), int(frame_timeout_s % 1 * 1e6))
+        slice_s = min(SLICE_S, frame_timeout_s)
+        self._slice = struct.pack("ll", int(slice_s), int(slice_s % 1 * 1e6))
         self._tls, self._key, self._reject = tls, auth_key, reject
         self._opened, self._serve, self._closed, self._failed, self._refuse = opened, serve, closed, failed, refuse
         self._sel = selectors.DefaultSelector()
@@ -268,7 +279,7 @@ class ConnPool:
             if c.tls:
                 s.settimeout(self.frame_timeout_s)
             else:  # kernel deadlines: no extra poll per call
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._timeval)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._slice)  # patience() decides
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._timeval)
         except OSError as e:
             return self._fail(c, e)
@@ -306,6 +317,17 @@ class ConnPool:
             else:
                 self._back.append(c)
                 self._wake()
+
+    def patience(self, seconds: float, got: int) -> bool:
+        """Whether a worker keeps waiting for a frame begun ``seconds`` ago that brought
+        ``got`` bytes so far (module docstring): within ``frame_timeout_s`` while no
+        connection waits for a worker; once one waits, only a frame younger than STALL_S
+        or averaging MIN_RATE bytes per second."""
+        if seconds < STALL_S:
+            return True
+        if seconds >= self.frame_timeout_s:
+            return False
+        return self._work.empty() or got >= MIN_RATE * seconds
 
     @staticmethod
     def _linger(c: Conn) -> bool:

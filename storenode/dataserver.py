@@ -177,6 +177,8 @@ class DataServer:
         if rd is None:
             rd = self._local.rd = FrameReader(sock)
         rd.sock, rd.lo, rd.hi = sock, 0, 0
+        # a plain socket's receives wait in slices, the pool deciding between them
+        rd.patience = self.pool.patience if type(sock) is socket.socket else None
         return rd
 
     def _serve(self, c: Conn, ready: bool = True) -> bool:

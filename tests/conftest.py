@@ -20,7 +20,7 @@ from kvpool.protocol.config import load_config
 
 # processes the tests start by hand (not through LocalCluster) may run without a secret;
 # tests/test_roles.py checks the refusal without this
-os.environ.setdefault("KVPOOL_SECURITY__INSECURE", "1")
+os.environ.setdefault("KVPOOL_SECURITY__INSECURE", "true")
 
 
 def wait_for(cond: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):
