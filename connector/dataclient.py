@@ -65,6 +65,7 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 
 from kvpool.connector.claims import _SharedClaims
+from kvpool.connector.ops import ReadOp, WriteOp
 from kvpool.connector.datastream import ReplicaDeadline, _Connections, _Stream, _wait_bytes, readable
 from kvpool.connector.dma import _CudaDirect, _stage
 from kvpool.connector.scatter_out import ScatterOut
@@ -84,36 +85,6 @@ _NET_ASIDE_MIN = 1 << 20  # network writes at least this big, not hashed yet, ar
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
 _RELEASE_S = 0.5  # seconds the release of unanswered claims may wait to be sent
 _READ_OP = ("read", "dread")  # by ExtentRef.tier: a memory extent, a disk-tier file (storenode/disk_reads.py)
-
-
-class WriteOp:
-    """Write ``data`` (a byte memoryview, or a :class:`~connector.device_buffer.DeviceBuffer`)
-    into the granted extent ``ref``. ``checksum=None`` asks the data plane
-    to hash the bytes as it copies or sends them and set :attr:`checksum` (xxh3_64); the
-    node learns it from the master's commit."""
-
-    __slots__ = ("ref", "data", "key", "checksum", "layout", "error", "replicas")
-
-    def __init__(self, ref: ExtentRef, data, key: str, checksum: int | None, layout: bytes | None,
-                 replicas: int = 0):
-        self.ref, self.data, self.key, self.checksum, self.layout = ref, data, key, checksum, layout
-        self.replicas = replicas  # the object's wanted replica count (for the writer's commit copy)
-        self.error: KVPoolError | None = None
-
-
-class ReadOp:
-    """Read ``ref`` into ``out`` (a writable byte memoryview, a
-    :class:`~connector.device_buffer.DeviceBuffer` or a
-    :class:`~connector.scatter_out.ScatterOut`). With ``digest=True`` the data plane also sets
-    :attr:`digest` to the xxh3_64 of the bytes as they landed in ``out`` (computed chunk by
-    chunk during the copy), so the caller need not hash them again."""
-
-    __slots__ = ("ref", "out", "error", "digest")
-
-    def __init__(self, ref: ExtentRef, out, digest: bool = False):
-        self.ref, self.out = ref, out
-        self.error: KVPoolError | None = None
-        self.digest: int | bool | None = True if digest else None
 
 
 class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClaims):

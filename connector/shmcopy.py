@@ -18,7 +18,7 @@ from kvpool.protocol.errors import InvalidRequest, KVPoolError, LoadCancelled, N
 from kvpool.protocol.messages import ExtentRef
 
 if TYPE_CHECKING:
-    from kvpool.connector.dataclient import ReadOp, WriteOp
+    from kvpool.connector.ops import ReadOp, WriteOp
 
 _CHUNK = 256 << 10      # shm copy+hash granularity: fits L2, so the hash reads hot bytes
 _PAGE = 4096

@@ -15,7 +15,8 @@ from kvpool.protocol import errors as E
 from kvpool.protocol.messages import EvictReport, EvictSelector
 
 if TYPE_CHECKING:
-    from kvpool.master.state import Node, Obj
+    from kvpool.master.members import Node
+    from kvpool.master.objects import Obj
 
 
 _LISTS = ("lru", "soft_lru")

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpool.master.state import Node
+    from kvpool.master.members import Node
 
 
 def room(node: Node, high_watermark: float) -> float:

@@ -26,7 +26,8 @@ from kvpool.protocol.grants import grant_token
 from kvpool.protocol.messages import ExtentEntry, ExtentRef, NodeCommit, NodeCopy, NodeFree
 
 if TYPE_CHECKING:
-    from kvpool.master.state import Node, Obj
+    from kvpool.master.members import Node
+    from kvpool.master.objects import Obj
 
 REPAIR_SCAN = 256  # queued objects one pump looks at, at most
 REPAIR_RETRY_S = 5.0  # parked objects are queued again after this many seconds (or when a node joins)

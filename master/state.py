@@ -24,9 +24,8 @@ import itertools
 import math
 import os
 import random
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from kvpool.master.allocator import RangeAllocator, align_up
 from kvpool.master.objects import COMMITTED, PENDING, Obj
@@ -36,7 +35,8 @@ from kvpool.master.placement import spread
 from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
 from kvpool.master.reservations import Held, ReservationMixin
 from kvpool.master.stats import StatsSnapshot
-from kvpool.master.tiers import DiskTier, TierMixin
+from kvpool.master.members import Node
+from kvpool.master.tiers import TierMixin
 from kvpool.protocol import errors as E
 from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
@@ -60,48 +60,6 @@ class MasterSettings(ClusterSettings, frozen=True):
     repair_rate: float = MasterConfig().repair_rate  # re-replication copies started per second (average)
     repair_in_flight: int = MasterConfig().repair_in_flight  # re-replication copies in flight at most
     max_objects: int = MasterConfig().max_objects  # objects in the index (committed + pending) at most; 0: no bound
-
-
-@dataclass(eq=False, slots=True)
-class Node:
-    desc: NodeDesc
-    alloc: RangeAllocator
-    # every key with a replica here is in exactly one of: lru (plain), soft_lru (soft-pinned)
-    # or fixed (pending, held, hard-pinned, or between two LRU moves); see all_keys()
-    lru: OrderedDict = field(default_factory=OrderedDict)
-    soft_lru: OrderedDict = field(default_factory=OrderedDict)
-    fixed: set[str] = field(default_factory=set)
-    quarantine: list[tuple[float, int, int]] = field(default_factory=list)
-    draining: bool = False
-    suspect_until: float = 0.0
-    reserved: int = 0  # bytes of extents reserved ahead of need here (master/reservations.py)
-    next_gen: itertools.count = field(default_factory=lambda: itertools.count(1))
-    # keys removed or evicted while this incarnation was away (see MasterState.departed):
-    # its rows for them are stale and are not indexed again when it comes back
-    gone: set[str] | None = field(default_factory=set)  # None: too much changed, index nothing
-    disk: DiskTier | None = None  # its disk tier, if it has one (master/tiers.py)
-
-    @property
-    def node_id(self) -> str:
-        return self.desc.node_id
-
-    def all_keys(self) -> list[str]:
-        """Every key with a replica (pending or committed, in memory or on disk) on this node."""
-        if self.disk is not None:
-            return [*self.lru, *self.soft_lru, *self.fixed, *self.disk.keys()]
-        return [*self.lru, *self.soft_lru, *self.fixed]
-
-    def drop_key(self, key: str) -> None:
-        """``key`` has no replica here any more."""
-        self.lru.pop(key, None)
-        self.soft_lru.pop(key, None)
-        self.fixed.discard(key)
-        if self.disk is not None:
-            self.disk.lru.pop(key, None)
-            self.disk.soft_lru.pop(key, None)
-
-    def usage(self) -> float:
-        return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
 
 
 class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, TierMixin):

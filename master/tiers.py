@@ -45,19 +45,15 @@ away (within ``DEPARTED_KEEP_S``) are not brought back, also when the node resta
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvpool.master.allocator import align_up
+from kvpool.master.members import DiskTier, Node
 from kvpool.master.objects import COMMITTED, Obj, disk_ref
 from kvpool.master.repair import grant
 from kvpool.protocol.errors import ErrorInfo
 from kvpool.protocol.layout import LayoutSpec
 from kvpool.protocol.messages import DISK, MEMORY, ExtentRef, NodeDemote, NodeDiskFree, NodeFree, NodePromote, TierDone
 
-if TYPE_CHECKING:
-    from kvpool.master.state import Node
 
 DEMOTE_IN_FLIGHT = 32  # demotions in flight per node, at most (the node queues up to 256)
 DEMOTE_BYTES_IN_FLIGHT = 256 << 20  # ... and at most this many bytes of them
@@ -68,33 +64,6 @@ TIER_TIMEOUT_S = 60.0  # a move the node has not answered in this long is counte
 DISK_READS_MAX = 100_000  # disk-resident keys whose reads are counted (the oldest forgotten first)
 # failures of a demotion that are not the disk's fault (the source went, or a leader changed)
 _MOVE_ERRORS = ("stale_extent", "checksum_mismatch", "stale_term", "not_leader", "invalid_request")
-
-
-@dataclass(eq=False, slots=True)
-class DiskTier:
-    """The master's record of one node's disk tier: bytes (payload), watermarks
-    (fractions of ``capacity``), LRU lists of its disk-resident objects and the tier moves
-    in flight; counters of what it did."""
-
-    capacity: int
-    high: float
-    low: float
-    used: int = 0  # bytes of indexed files (retired ones included until deleted)
-    lru: OrderedDict = field(default_factory=OrderedDict)
-    soft_lru: OrderedDict = field(default_factory=OrderedDict)
-    demoting: int = 0  # bytes of demotions in flight
-    jobs: int = 0  # demotions in flight
-    promoting: int = 0  # promotions in flight
-    paused_until: float = 0.0  # a demotion failed: evict instead until then (monotonic)
-    retire: list = field(default_factory=list)  # (lease ends, disk id, size): promoted files kept for readers
-    gone: set[str] | None = field(default_factory=set)  # keys dropped while an earlier incarnation was away
-    demotions: int = 0
-    demotion_s: float = 0.0
-    promotions: int = 0
-    promotion_s: float = 0.0
-
-    def keys(self) -> list[str]:
-        return [*self.lru, *self.soft_lru]
 
 
 class TierMixin:

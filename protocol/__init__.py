@@ -2,4 +2,6 @@
 
 Everything here is free of process state; master, storenode and connector import it
 and never each other (DESIGN.md §1).
+
+Installed as ``kvpool.protocol`` (this folder; see docs/development.md).
 """
