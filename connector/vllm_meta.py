@@ -331,9 +331,10 @@ def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: 
         tensors = tuple(TensorSpec(f"{n}/{layer}", shape, dt) for layer in layers
                         for n, (shape, dt) in zip(names, parts))
         replicated = bool(getattr(spec, "tp_replicated", False))
+        # a replicated state is described by its storage layout (tp_size 1, rank 0), as MLA below
         layout = LayoutSpec(kind="mamba", tokens_per_block=block_size, tensors=tensors,
-                            num_kv_heads=int(spec.num_heads), tp_size=tp_size, tp_rank=0 if replicated else tp_rank,
-                            parallel="replicate" if replicated else "split")
+                            num_kv_heads=int(spec.num_heads), tp_size=1 if replicated else tp_size,
+                            tp_rank=0 if replicated else tp_rank, parallel="replicate" if replicated else "split")
         return GroupLayout(gid, layers, parts, layout, GroupRule("mamba"))
     if not isinstance(spec, AttentionSpec) or type(spec) not in (FullAttentionSpec, MLAAttentionSpec,
                                                                    SlidingWindowSpec):
@@ -357,7 +358,10 @@ def _group_layout(gid: int, group: Any, block_size: int, tp_size: int, tp_rank: 
     tensors = tuple(TensorSpec(name, page, dtype) for name in layers)
     layout = LayoutSpec(kind=kind, tokens_per_block=block_size, tensors=tensors,
                         num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
-                        latent_dim=int(spec.head_size) if mla else 0, tp_size=tp_size,
+                        # a replicated (MLA) layout holds the same bytes at every TP size: it is
+                        # described by its storage layout (protocol.groups.storage_layout), so the
+                        # descriptor stored with each object and in hand-off records is one for all
+                        latent_dim=int(spec.head_size) if mla else 0, tp_size=1 if mla else tp_size,
                         tp_rank=0 if mla else tp_rank, parallel="replicate" if mla else "split",
                         sliding_window=window)
     return GroupLayout(gid, layers, ((page, dtype),), layout, rule)

