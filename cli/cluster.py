@@ -247,6 +247,18 @@ class LocalCluster:
         self.wait_nodes(len(self.cfg.storenodes))
 
     def start_etcd(self) -> None:
+        """Start the embedded etcd on two free ports, on others when another process took
+        one of them between their choice and etcd's bind (up to three tries)."""
+        for attempt in range(3):
+            try:
+                return self._start_etcd()
+            except KVPoolError as e:
+                if attempt == 2 or "address already in use" not in str(e):
+                    raise
+                self.etcd.stop()
+                self.etcd = None
+
+    def _start_etcd(self) -> None:
         binary = find_etcd()
         cport, pport = free_port(), free_port()
         self.etcd_endpoint = f"http://127.0.0.1:{cport}"

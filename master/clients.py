@@ -24,8 +24,9 @@ Bounds, so one client cannot stall the master or grow its memory:
   (:data:`NOT_TLS`) and closes it, so the client's TLS handshake fails at once.
   ``refusals`` counts the connections closed for each reason (the master exports it).
 
-``before_send`` runs before any reply leaves (a hook; the master's notices to store nodes
-go out on their own schedule, master/nodes.py).
+``before_send`` runs before any reply leaves: the master sends its queued frees (and any
+notice but a commit) to the store nodes there, so no reply can place a writer over memory
+whose free is still queued (commits wait up to a few milliseconds, master/nodes.py).
 
 Answering is ``handle(body, role) -> encoded Reply | Pending`` (``role``: the peer's, from
 its handshake); a :class:`~master.durable.Pending`

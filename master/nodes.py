@@ -177,6 +177,23 @@ class _StoreNodes:
                     continue
                 self.state.repair_done(done, rep.error is None)
 
+    def _flush_urgent(self) -> None:
+        """Send the queued notices now when any is not a commit (runs before replies leave):
+        a free must reach the node before a reply can place a writer over its memory, so a
+        reader's lease on the freed grant meets StaleExtent, not another object's bytes.
+        Commits alone wait for :meth:`_flush_due`."""
+        outbox = self.state.outbox
+        if not outbox:
+            return
+        seen = self._notices_seen  # node id -> notices already looked at (all commits)
+        for node_id, msgs in outbox.items():
+            start = seen.get(node_id, 0)
+            for i in range(start, len(msgs)):
+                if type(msgs[i]) is not M.NodeCommit:
+                    self._flush()
+                    return
+            seen[node_id] = len(msgs)
+
     def _flush_due(self) -> None:
         """Send the state's notices once the oldest has waited :data:`NOTICE_DELAY_S` or
         :data:`NOTICE_BATCH` are queued (called every turn of the RPC loop)."""
@@ -197,6 +214,7 @@ class _StoreNodes:
         wait while fenced (and go with the state if the leadership ends)."""
         if not self.state.outbox or not self.leading or self.fence.fenced():
             return
+        self._notices_seen.clear()
         for node_id, msgs in self.state.take_outbox().items():
             sock = self._sock(node_id)
             if sock is None:

@@ -153,6 +153,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         self.etcd: Etcd | None = None
         self.rpc_beat = time.monotonic()  # last turn of the RPC loop (/healthz)
         self._outbox_since = 0.0  # when the oldest notice to a store node was queued (master/nodes.py)
+        self._notices_seen: dict[str, int] = {}  # master/nodes.py _flush_urgent
         public = transport.advertise_host(s.host, s.advertise, "master.advertise")  # before binding: ConfigError
         listeners = [transport.listen(f"tcp://{transport.host_port(s.host, s.rpc_port)}")]
         # what clients dial and the leader key holds: the advertised host, the bound port
@@ -171,8 +172,8 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                                                                          transport.default_host_id(),
                                                                          M.WIRE_VERSION)))))
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
-        self.conns = ClientConns(listeners, self.poller, self._handle, security=s.security, max_conns=s.max_conns,
-                                 frame_timeout_s=s.frame_timeout_s)
+        self.conns = ClientConns(listeners, self.poller, self._handle, self._flush_urgent, s.security, s.max_conns,
+                                 s.frame_timeout_s)
         self.metrics.refusals = self.conns.refusals
         self._settings_write: Pending | None = None  # the settings change on its way to etcd, if any
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
@@ -293,6 +294,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                         self._etcd_forget(key)
             for key in self.state.take_unpinned():  # pinned objects removed, evicted or lost
                 self._etcd_forget(self.keys.pin(key))
+            self._flush_urgent()
             self._flush_due()
 
     def _answer(self, d: Pending, result, error: KVPoolError | None) -> None:
