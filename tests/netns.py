@@ -156,7 +156,7 @@ def own_host(hostname: str, argv: list[str], private_dirs: tuple[str, ...] = ())
     separate machine gives, where a network namespace alone shares the hostname and every
     file (so also every Unix socket path) with the test machine. Compose with
     :meth:`Net.argv`: ``net.argv(host, own_host("h1", cmd))``."""
-    script = f'echo "$0" > /proc/sys/kernel/hostname && ' + "".join(
+    script = 'echo "$0" > /proc/sys/kernel/hostname && ' + "".join(
         f'mount -t tmpfs kvp-{i} "${i + 1}" && ' for i in range(len(private_dirs))) + \
         f'shift {len(private_dirs)} && exec "$@"'
     return ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script, hostname,

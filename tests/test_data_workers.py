@@ -5,7 +5,6 @@ mid-frame holds a worker for at most ``security.frame_timeout``. Real processes;
 printed (``-s``); the asserts are thread counts and loose bounds, never speeds."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
