@@ -9,6 +9,7 @@ instead of evicting (:mod:`master.tiers`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvpool.protocol import errors as E
@@ -98,8 +99,14 @@ class EvictionMixin:
                 return node.alloc.used <= target_used
             return node.alloc.fits(need)
 
+        return self._evict_lrus((node.lru, node.soft_lru), done, now, reason)
+
+    def _evict_lrus(self, lrus, done: Callable[[], bool], now: float, reason: str) -> int:
+        """Drop objects from the cold end of each LRU list of ``lrus`` in turn (plain, then
+        soft-pinned) until ``done()``, skipping leased ones (they stay at the cold end for
+        next time); returns how many went. Memory and disk tiers share it."""
         evicted = 0
-        for lru in (node.lru, node.soft_lru):
+        for lru in lrus:
             skipped: list[str] = []
             while lru and not done():
                 key, _ = lru.popitem(last=False)
@@ -111,7 +118,7 @@ class EvictionMixin:
                     continue
                 self._drop(obj, reason=reason)
                 evicted += 1
-            for key in reversed(skipped):  # leased objects stay, at the cold end, for next time
+            for key in reversed(skipped):
                 lru[key] = None
                 lru.move_to_end(key, last=False)
             if done():

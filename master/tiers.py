@@ -205,25 +205,8 @@ class TierMixin:
     def _evict_disk(self, node: Node, target_used: int, now: float) -> int:
         """Evict LRU disk objects of ``node`` (plain, then soft-pinned; leased ones skipped)
         until its disk used is at most ``target_used`` bytes; returns how many went."""
-        d, n = node.disk, 0
-        for lru in (d.lru, d.soft_lru):
-            skipped: list[str] = []
-            while lru and d.used > target_used:
-                key, _ = lru.popitem(last=False)
-                obj = self.objects.get(key)
-                if obj is None:
-                    continue
-                if obj.lease_until > now:
-                    skipped.append(key)
-                    continue
-                self._drop(obj, reason="disk")
-                n += 1
-            for key in reversed(skipped):
-                lru[key] = None
-                lru.move_to_end(key, last=False)
-            if d.used <= target_used:
-                break
-        return n
+        d = node.disk
+        return self._evict_lrus((d.lru, d.soft_lru), lambda: d.used <= target_used, now, "disk")
 
     def tier_done(self, node_id: str, done: TierDone, error: ErrorInfo | None, now: float) -> None:
         """A store node answered a demotion or promotion (``error``: it failed)."""
