@@ -160,7 +160,9 @@ def test_disk_objects_survive_a_master_failover_and_a_drain_copies_from_disk(sta
         read_back(c, data)
         # a drain moves the pinned object off node-0: copied from its file to node-1
         c.drain("node-0")
-        wait_for(lambda: c.ls(pinned)[0].nodes == ["node-1"], 20, what="the pinned object to move")
+        # ls lists by prefix: pick the pinned key's own row (fo/1 also prefixes fo/10, fo/100, ...)
+        wait_for(lambda: [r.nodes for r in c.ls(pinned) if r.key == pinned] == [["node-1"]], 20,
+                 what="the pinned object to move")
         assert c.stats().counters.get("repairs_done", 0) >= 1 and c.get(pinned) == data[pinned]
 
 
