@@ -46,14 +46,14 @@ from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, ExtentBusy, I
                              PutRevoked, StaleExtent, StaleTerm, from_wire)
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import LayoutSpec, check_layout
-from kvpool.protocol.config import ClientConfig
+from kvpool.protocol.config import CLIENT_DEFAULTS
 from kvpool.protocol.spin import SPIN_WAIT_MAX_S
 from kvpool.protocol.transport import default_host_id
-from kvpool.protocol.units import parse_duration
 
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
 _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
-SPIN_WAIT_S = parse_duration(ClientConfig().spin_wait)  # seconds; see protocol/spin.py
+_D = CLIENT_DEFAULTS  # the defaults below: protocol/config.py ClientConfig, parsed once
+SPIN_WAIT_S = _D["spin_wait_s"]  # seconds; see protocol/spin.py
 PIPELINE_KEYS = 64  # a batch get of more keys looks up each slice of this many while reading the one before
 _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
 PUT_ROUNDS = 3  # placements a put_start/put_end put gets at most (a dead node, a busy extent, a revoked grant)
@@ -200,13 +200,16 @@ class KVPoolClient(ReservedPuts, HintedReads):
     """
 
     def __init__(self, master: str | None = None, *, etcd: str | None = None, cluster: str = "default",
-                 transport: str = "auto", host_id: str | None = None, rpc_timeout_s: float = 10.0,
-                 io_timeout_s: float = 30.0, lease_retries: int = 1, in_flight_wait_s: float = 5.0,
-                 streams_per_node: int = 1, read_hook: Callable[[str], None] | None = None,
-                 cuda_direct: bool = True, replica_timeout_s: float | None = 1.0,
-                 hedge_after_s: float | None = 0.1, security: Security | None = None,
-                 write_timeout_s: float | None = 2.0, etcd_auth=None, reserve_bytes: int = 64 << 20,
-                 reserve_max_object_bytes: int = 64 << 20, spin_wait_s: float = SPIN_WAIT_S) -> None:
+                 transport: str = _D["transport"], host_id: str | None = None,
+                 rpc_timeout_s: float = _D["rpc_timeout_s"], io_timeout_s: float = _D["io_timeout_s"],
+                 lease_retries: int = 1, in_flight_wait_s: float = 5.0,
+                 streams_per_node: int = _D["streams_per_node"], read_hook: Callable[[str], None] | None = None,
+                 cuda_direct: bool = True, replica_timeout_s: float | None = _D["replica_timeout_s"],
+                 hedge_after_s: float | None = _D["hedge_after_s"], security: Security | None = None,
+                 write_timeout_s: float | None = _D["write_timeout_s"], etcd_auth=None,
+                 reserve_bytes: int = _D["reserve_bytes"],
+                 reserve_max_object_bytes: int = _D["reserve_max_object_bytes"],
+                 spin_wait_s: float = _D["spin_wait_s"]) -> None:
         if not (isinstance(spin_wait_s, (int, float)) and 0 <= spin_wait_s <= SPIN_WAIT_MAX_S):
             raise ConfigError(f"spin_wait_s must be seconds from 0 to {SPIN_WAIT_MAX_S:g}, got {spin_wait_s!r}",
                               key="spin_wait")
@@ -242,18 +245,9 @@ class KVPoolClient(ReservedPuts, HintedReads):
         """A client with the settings of ``cfg.client`` (and its etcd and security sections);
         ``overrides``: constructor arguments that replace them."""
         from kvpool.protocol.etcd import EtcdAuth
-        from kvpool.protocol.units import parse_size
 
-        kw = dict(etcd=cfg.etcd.endpoint, cluster=cfg.cluster, transport=cfg.client.transport,
-                  host_id=cfg.client.host_id, rpc_timeout_s=parse_duration(cfg.client.rpc_timeout),
-                  io_timeout_s=parse_duration(cfg.client.io_timeout), streams_per_node=cfg.client.streams_per_node,
-                  replica_timeout_s=_seconds_or_none(cfg.client.replica_timeout),
-                  hedge_after_s=_seconds_or_none(cfg.client.hedge_after),
-                  write_timeout_s=_seconds_or_none(cfg.client.write_timeout),
-                  security=Security.from_config(cfg.security), etcd_auth=EtcdAuth.from_config(cfg.etcd),
-                  reserve_bytes=parse_size(cfg.client.reserve, key="client.reserve"),
-                  reserve_max_object_bytes=parse_size(cfg.client.reserve_max_object, key="client.reserve_max_object"),
-                  spin_wait_s=parse_duration(cfg.client.spin_wait, key="client.spin_wait"))
+        kw = dict(etcd=cfg.etcd.endpoint, cluster=cfg.cluster, **cfg.client.client_kwargs(),
+                  security=Security.from_config(cfg.security), etcd_auth=EtcdAuth.from_config(cfg.etcd))
         return cls(master, **{**kw, **overrides})
 
     def close(self) -> None:
@@ -858,13 +852,6 @@ def disk_lanes(ops: Sequence) -> list[list]:
     after the other)."""
     k = min(DISK_STREAMS, len(ops))
     return [list(ops[j::k]) for j in range(k)]
-
-
-def _seconds_or_none(v) -> float | None:
-    """A config duration; None stays None (off)."""
-    from kvpool.protocol.units import parse_duration
-
-    return None if v is None else parse_duration(v)
 
 
 def _per_key(v, n: int) -> list:

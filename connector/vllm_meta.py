@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvpool.protocol.config import CLIENT_DEFAULTS
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.keys import block_hashes, extra_bytes, group_key
 from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
@@ -147,8 +148,8 @@ class ConnectorSettings:
             master=master, etcd=etcd, cluster=str(extra.get("cluster", "default")),
             namespace=str(extra.get("namespace", "vllm")).strip("/") or "vllm", model_id=model,
             policy=policy, role=str(ktc.kv_role), handoff_ttl_s=num("handoff_ttl_s", 60.0, 0.001),
-            transport=transport, rpc_timeout_s=num("rpc_timeout_s", 10.0, 0.001),
-            io_timeout_s=num("io_timeout_s", 30.0, 0.001),
+            transport=transport, rpc_timeout_s=num("rpc_timeout_s", CLIENT_DEFAULTS["rpc_timeout_s"], 0.001),
+            io_timeout_s=num("io_timeout_s", CLIENT_DEFAULTS["io_timeout_s"], 0.001),
             max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
             lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode, on_auth_failure=on_auth,
             prompt_saves=prompt_saves)

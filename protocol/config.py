@@ -227,6 +227,23 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the CPU, before it sleeps (protocol/spin.py): no wake-up for a quick reply; 0 = sleep at once
     spin_wait: str | float = "100us"
 
+    def client_kwargs(self) -> dict:
+        """These settings as :class:`~connector.client.KVPoolClient` keyword arguments
+        (durations in seconds, sizes in bytes, parsed here once); ``None`` where unset."""
+        def secs(name):
+            v = getattr(self, name)
+            return None if v is None else parse_duration(v, key=f"client.{name}")
+        return dict(transport=self.transport, host_id=self.host_id, rpc_timeout_s=secs("rpc_timeout"),
+                    io_timeout_s=secs("io_timeout"), streams_per_node=self.streams_per_node,
+                    replica_timeout_s=secs("replica_timeout"), hedge_after_s=secs("hedge_after"),
+                    write_timeout_s=secs("write_timeout"),
+                    reserve_bytes=parse_size(self.reserve, key="client.reserve"),
+                    reserve_max_object_bytes=parse_size(self.reserve_max_object, key="client.reserve_max_object"),
+                    spin_wait_s=secs("spin_wait"))
+
+
+CLIENT_DEFAULTS = ClientConfig().client_kwargs()  # the one place client defaults are stated
+
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Peer authentication and TLS (:mod:`protocol.auth`).
