@@ -393,7 +393,8 @@ def server_handshake(sock, security: Security, purpose: bytes, reject: Callable[
 
 def client_handshake(sock, security: Security, purpose: bytes, where: str) -> None:
     """The client's half on a blocking socket (its timeout applies). Raises AuthFailed
-    naming the cause: the server has no secret or another one, or refused ours."""
+    naming the cause: the server has no secret or another one, or refused ours;
+    NodeUnavailable (retryable) when it does not answer within the timeout."""
     key = security.auth_key()
     purpose = purpose + b"/" + security.role.encode()
     nc = secrets.token_bytes(NONCE)
@@ -441,8 +442,9 @@ def _recv_exact(sock, n: int, where: str) -> bytes:
         try:
             part = sock.recv(n - len(buf))
         except (socket.timeout, TimeoutError):
-            raise AuthFailed(f"{where} did not answer the cluster-secret handshake in time", cause="timeout",
-                             addr=where) from None
+            # a server too busy to answer in time is not refusing us: retryable, as a dropped connection
+            raise NodeUnavailable(f"{where} did not answer the cluster-secret handshake in time (overloaded, "
+                                  "or not a kvpool server)", addr=where) from None
         if not part:
             raise AuthFailed(f"{where} closed the connection during the cluster-secret handshake (it may use "
                              "TLS, or another secret)", cause="closed", addr=where)

@@ -315,3 +315,16 @@ def test_a_master_of_another_secret_is_told_the_node_refused_its_key(secure):
         assert time.monotonic() - t0 < 25  # named at the failed handshake, not at the deadline
     finally:
         ctx.term()
+
+
+def test_a_server_too_busy_to_answer_the_handshake_is_retryable_not_refused():
+    """Pure: a server that accepts and does not answer in time (a master whose request loop is
+    busy) gives NodeUnavailable, which callers retry, not AuthFailed, which they do not."""
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(0.3)
+        with pytest.raises(NodeUnavailable, match="did not answer the cluster-secret handshake in time"):
+            auth.client_handshake(a, Security(secret=b"s" * 32), auth.RPC, "busy-master")
+    finally:
+        a.close()
+        b.close()
