@@ -221,16 +221,21 @@ def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOp
 def credential(role: Annotated[str, typer.Option(help="client (engines: put, get, hand-offs) or operator "
                                                       "(also settings, evictions, forced removals, drains)")],
                output: Annotated[Path, typer.Option("-o", "--output", help="File to write (mode 0600)")],
-               secret_file: _SecretFile = None) -> None:
-    """Derive a role credential from the cluster secret: give engines a `client` credential instead of the
-    secret (their processes then cannot change settings, evict by selector or drain nodes)."""
+               secret_file: _SecretFile = None, cluster: ClusterOpt = None) -> None:
+    """Derive a role credential from the cluster secret (--secret-file, the environment, else the secret of
+    the local cluster `kvpool up` runs): give engines a `client` credential instead of the secret (their
+    processes then cannot change settings, evict by selector or drain nodes)."""
+    from kvpool.cli.common import recorded_secret_file
     from kvpool.protocol.auth import Security, write_credential_file
 
     def go() -> None:
         sec = Security.load(secret_file)
+        if sec.secret is None and (recorded := recorded_secret_file(cluster)):
+            sec = Security.load(recorded)
         if sec.secret is None or sec.role != "cluster":
             raise E.ConfigError("kvpool credential needs the cluster secret itself: --secret-file, "
-                              "KVPOOL_SECRET_FILE or KVPOOL_SECRET", key="security.secret_file")
+                              "KVPOOL_SECRET_FILE, KVPOOL_SECRET, or a local cluster started by `kvpool up`",
+                              key="security.secret_file")
         console.print(f"{role} credential: {write_credential_file(output, sec.secret, role)} (give it as the "
                       "process's --secret-file or KVPOOL_SECRET_FILE)", soft_wrap=True, highlight=False)
 

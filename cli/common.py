@@ -18,7 +18,6 @@ from rich.markup import escape
 from kvpool.cli.cluster import RUN_DIR_PREFIX, probe_run_dir
 from kvpool.protocol import errors as E
 from kvpool.protocol.config import ClusterConfig, load_config
-from kvpool.protocol.units import parse_duration
 
 # a pipe or a file (no terminal, no $COLUMNS) would squeeze tables to 80 columns and cut addresses
 console = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=200)
@@ -210,12 +209,28 @@ def connect(config: Path | None, master: str | None, etcd: str | None, cluster: 
         from kvpool.protocol.auth import Security
 
         sec = cfg.security
-        if info.get("secret_file") and not sec.secret_file:  # the secret `kvpool up` made for its cluster
+        if info.get("secret_file") and not _secret_given(sec):  # the secret `kvpool up` made for its cluster
             sec = msgspec.structs.replace(sec, secret_file=info["secret_file"])
+        kw = {k: v for k, v in cfg.client.client_kwargs().items() if k in ("transport", "host_id", "rpc_timeout_s")}
         return KVPoolClient(None if info.get("etcd") else info["master"], etcd=info.get("etcd"),
-                            cluster=cfg.cluster, transport=cfg.client.transport, host_id=cfg.client.host_id,
-                            rpc_timeout_s=parse_duration(cfg.client.rpc_timeout), security=Security.from_config(sec))
+                            cluster=cfg.cluster, security=Security.from_config(sec), **kw)
     return KVPoolClient.from_config(cfg, master)
+
+
+def _secret_given(sec) -> bool:
+    """A secret or credential was named for this command (config ``security.secret_file``,
+    ``KVPOOL_SECRET_FILE`` or ``KVPOOL_SECRET``): it, not the local cluster's recorded
+    secret, is what the command proves."""
+    from kvpool.protocol.auth import SECRET_ENV, SECRET_FILE_ENV
+
+    return bool(sec.secret_file or os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV))
+
+
+def recorded_secret_file(cluster: str | None) -> str | None:
+    """The secret file the running `kvpool up` of ``cluster`` recorded, if any."""
+    f = state_file(cluster or "default")
+    info = _recorded(f) if f.exists() else None
+    return (info or {}).get("secret_file") or None
 
 
 def local_metrics(config: Path | None, master: str | None, etcd: str | None, cluster: str | None) -> dict[str, str]:

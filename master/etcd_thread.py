@@ -36,8 +36,7 @@ class _EtcdThread:
     def _etcd_main(self) -> None:
         try:
             asyncio.run(self._etcd_async())
-        except KVPoolError as e:
-            log.error("master: %s", e)
+        except KVPoolError as e:  # logged once, by main(), when run() raises it again
             self.fatal = e
             self.stop.set()
 

@@ -37,6 +37,19 @@ def test_up_status_and_clean_teardown(tmp_path):
         assert r.returncode == 0, r.stderr
         r = subprocess.run(base + ["get", "k", "--config", str(cfg)], capture_output=True, timeout=60)
         assert r.stdout == b"hello"
+        # an engine's client credential, derived from the secret `up` made: commands prove it,
+        # not the recorded secret, so operator requests are refused
+        cred = tmp_path / "client.cred"
+        r = subprocess.run(base + ["credential", "--role", "client", "-o", str(cred), "--cluster", cluster],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        env = {**os.environ, "KVPOOL_SECRET_FILE": str(cred)}
+        r = subprocess.run(base + ["put", "k2", str(src), "--config", str(cfg)], capture_output=True, text=True,
+                           timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run(base + ["settings", "--set", "lease_ttl=5", "--config", str(cfg)], capture_output=True,
+                           text=True, timeout=60, env=env)
+        assert r.returncode == 7 and "operator credential" in r.stderr, (r.returncode, r.stderr)
     finally:
         p.send_signal(signal.SIGINT)
         out, _ = p.communicate(timeout=60)
