@@ -375,7 +375,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                                    f"etcd for {self.fence.clock.age():.1f}s, so it acknowledges no change until etcd "
                                    "answers again or a new leader is elected (reads still work); check etcd and "
                                    "the master's route to it, then retry", term=self.term)
-            result = self._dispatch(req)
+            result = self._dispatch(req, role)
             if isinstance(result, Pending):
                 result.op, result.t0 = op, t0
                 return result
@@ -390,7 +390,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         self.metrics.observe(op, time.perf_counter() - t0)
         return out
 
-    def _dispatch(self, req):
+    def _dispatch(self, req, role: str = "cluster"):
         st, now = self.state, time.monotonic()  # every lease, pin, hold and deadline: this clock
         if isinstance(req, M.PutStart):
             return st.put_start(req.items, req.host_id, req.replicas, now)
@@ -446,7 +446,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         if isinstance(req, M.ReportDead):
             return st.report_dead(req.node_id, req.incarnation, now)
         if isinstance(req, M.ReportCorrupt):
-            return st.report_corrupt(req.key, req.node_id, req.gen, req.incarnation)
+            return st.report_corrupt(req.key, req.node_id, req.gen, req.incarnation, trusted=role != "client")
         if isinstance(req, M.HandoffPublish):
             rec = st.handoff_publish(msgspec.structs.replace(req.record, published_at=time.time()), now)
             key, val = self.keys.handoff(rec.request_id), M.encode(rec)

@@ -181,15 +181,23 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             node.suspect_until = now + self.s.suspect_s
             self.counters["nodes_reported_dead"] += 1
 
-    def report_corrupt(self, key: str, node_id: str, gen: int, incarnation: str = "") -> None:
+    def report_corrupt(self, key: str, node_id: str, gen: int, incarnation: str = "",
+                       trusted: bool = True) -> None:
         """A reader found this replica failing its checksum under a live lease: drop it (the
-        object goes when it has no replica left, so a later put can store it again)."""
+        object goes when it has no replica left, so a later put can store it again). An
+        untrusted reader's report (a client credential, protocol/auth.py "Roles") never
+        drops the last replica of a pinned or held object: a client may not remove those,
+        so its report only counts (``corrupt_reports_kept``); readers keep checking the
+        checksum, so no wrong byte is served meanwhile."""
         obj = self.objects.get(key)
         if obj is None:
             return
         bad = [r for r in obj.replicas if r.node_id == node_id and r.gen == gen
                and (not incarnation or r.incarnation == incarnation)]
         if not bad:
+            return
+        if not trusted and len(obj.replicas) == 1 and (obj.pin or obj.holds):
+            self.counters["corrupt_reports_kept"] += 1
             return
         self.counters["replicas_corrupt"] += 1
         if len(obj.replicas) == 1:

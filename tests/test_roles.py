@@ -59,6 +59,23 @@ def test_a_client_credential_puts_and_gets_but_cannot_administer(secure, tmp_pat
         assert c.get("roles/a") is None
 
 
+def test_a_client_credentials_corruption_reports_cannot_destroy_pinned_objects(secure, tmp_path):
+    with _as(secure, tmp_path, "client") as c:
+        keys = [f"roles/pinned-{i}" for i in range(5)]
+        for k in keys:
+            assert c.put(k, k.encode() * 100, replicas=1)
+            c.pin(k)
+        for _ in range(10):  # a flood of well-formed reports naming every replica
+            for info in c.lookup(keys):
+                for r in info.replicas:
+                    c.rpc.call(M.ReportCorrupt(info.key, r.node_id, r.gen, r.incarnation))
+        assert [c.get(k) for k in keys] == [k.encode() * 100 for k in keys]
+        assert c.stats().counters.get("corrupt_reports_kept", 0) >= 50
+        for k in keys:
+            c.unpin(k)
+            c.remove(k)
+
+
 def test_an_operator_credential_administers(secure, tmp_path):
     with _as(secure, tmp_path, "operator") as c:
         before = c.config().lease_ttl_s

@@ -298,6 +298,22 @@ def test_corrupt_replica_is_dropped_and_key_heals():
     assert "one" not in st.objects and put(st, "one").status == "write"
 
 
+def test_a_client_credentials_corruption_report_cannot_remove_a_pinned_object():
+    """A client credential may not remove a pinned object, so neither may its corruption
+    report of the object's last replica; the holders of the cluster secret still can."""
+    st = make(nodes=2)
+    g = put(st, "p")
+    st.pin("p", None, 0.0)
+    r = g.replicas[0]
+    st.report_corrupt("p", r.node_id, r.gen, trusted=False)
+    assert "p" in st.objects and st.counters["corrupt_reports_kept"] == 1
+    g2 = put(st, "plain")
+    st.report_corrupt("plain", g2.replicas[0].node_id, g2.replicas[0].gen, trusted=False)
+    assert "plain" not in st.objects  # an unpinned object: a client could remove it anyway
+    st.report_corrupt("p", r.node_id, r.gen)
+    assert "p" not in st.objects
+
+
 def test_stuck_repair_times_out_and_frees_its_extent():
     st = make(nodes=2, replicas=2)
     put(st, "p", replicas=1, host="h0")
