@@ -58,6 +58,8 @@ from kvpool.storenode.segment import Segment
 log = logging.getLogger("kvpool.storenode")
 _NODE = StoreNodeConfig()  # the defaults, stated once (protocol/config.py)
 COPY_MAX = 64  # copy requests queued or running at once; more are answered Overloaded
+COPIERS = 4  # threads pushing copies
+COPY_CONNECT_S = 10.0  # seconds a copy waits to connect to (and authenticate with) its destination
 CTRL_MAX_MSG = 256 << 20  # bytes: the largest control message accepted (a batch of commit rows)
 
 
@@ -142,7 +144,7 @@ class StoreNode:
             self._open_disk(run_dir)
         self._copies = 0  # copy requests queued or running (at most COPY_MAX)
         self._copies_lock = threading.Lock()
-        self._copier = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvpool-copy")
+        self._copier = concurrent.futures.ThreadPoolExecutor(COPIERS, thread_name_prefix="kvpool-copy")
         self.control: ControlChannel | None = None
         self.host_id = s.host_id or transport.default_host_id()
         self._stop = asyncio.Event()
@@ -450,7 +452,7 @@ class StoreNode:
             else:
                 row = self.table.check_read(req.src_offset, req.dst.size, req.src_gen)
             checksum = row.checksum if row is not None else req.checksum  # (no row yet: the master's commit)
-            sock = transport.connect(req.dst.data_addr, 10.0, self.s.security)
+            sock = transport.connect(req.dst.data_addr, COPY_CONNECT_S, self.s.security)
             try:
                 sock.settimeout(self.s.frame_timeout_s)
                 sock.sendall(frame(DataRequest("write", req.dst.incarnation, req.dst.offset, req.dst.size,

@@ -160,7 +160,7 @@ def test_copy_request_flood_is_refused_not_queued(lc):
     """An authenticated control peer (holding the secret) floods a node with copy requests
     whose destination never answers: at most storenode.server.COPY_MAX are taken, the rest
     are answered Overloaded at once; the node keeps its etcd lease and serves."""
-    from kvpool.storenode.server import COPY_MAX
+    from kvpool.storenode.server import COPIERS, COPY_CONNECT_S, COPY_MAX
 
     with lc.client() as c:
         c.put("copy-src", b"c" * 4096, replicas=2)  # on both nodes, so node-0 holds a row to copy
@@ -169,6 +169,7 @@ def test_copy_request_flood_is_refused_not_queued(lc):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)  # keep every reply: past the high-water mark the node's ROUTER drops them
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = auth.curve_client_keys(lc.security)
     sock.connect(d.ctrl_addr)
     sock.send(M.encode(M.NodeList()))
@@ -199,7 +200,10 @@ def test_copy_request_flood_is_refused_not_queued(lc):
     grown = _rss(node) - before
     _honest(lc, "during-copy-flood")
     print(f"\ncopy flood: {n} requests, {refused} refused Overloaded in {took:.1f}s, node +{grown / MiB:.1f} MiB")
-    assert refused >= n - COPY_MAX
+    # at most COPY_MAX taken at once; a taken copy ends (its destination never answers) after
+    # COPY_CONNECT_S, freeing its slot, so a flood served slowly (a busy machine) may see a
+    # few more taken over its span, never an unbounded queue
+    assert n - refused <= COPY_MAX + COPIERS * (int(took / COPY_CONNECT_S) + 1), (refused, took)
     assert grown < 64 * MiB
     assert node.alive()
     sink.close()
