@@ -70,14 +70,16 @@ class Node:
             return [*self.lru, *self.soft_lru, *self.fixed, *self.disk.keys()]
         return [*self.lru, *self.soft_lru, *self.fixed]
 
+    def lru_lists(self) -> tuple[OrderedDict, ...]:
+        """Its LRU lists, plain then soft-pinned: memory's, then its disk tier's if it has one."""
+        d = self.disk
+        return (self.lru, self.soft_lru) if d is None else (self.lru, self.soft_lru, d.lru, d.soft_lru)
+
     def drop_key(self, key: str) -> None:
         """``key`` has no replica here any more."""
-        self.lru.pop(key, None)
-        self.soft_lru.pop(key, None)
+        for lru in self.lru_lists():
+            lru.pop(key, None)
         self.fixed.discard(key)
-        if self.disk is not None:
-            self.disk.lru.pop(key, None)
-            self.disk.soft_lru.pop(key, None)
 
     def usage(self) -> float:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0

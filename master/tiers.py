@@ -111,16 +111,11 @@ class TierMixin:
             node = self.nodes.get(nid)
             if node is None:
                 continue
-            d = node.disk
-            node.lru.pop(key, None)
-            node.soft_lru.pop(key, None)
-            if d is not None:
-                d.lru.pop(key, None)
-                d.soft_lru.pop(key, None)
+            node.drop_key(key)
             if kind == "none":
                 node.fixed.add(key)
                 continue
-            node.fixed.discard(key)
+            d = node.disk
             home = d if tier == DISK and d is not None else node
             (home.soft_lru if kind == "soft" else home.lru)[key] = None
 
@@ -130,9 +125,7 @@ class TierMixin:
             node = self.nodes.get(nid)
             if node is None:
                 continue
-            d = node.disk
-            if (node.lru.pop(key, 0) is None or node.soft_lru.pop(key, 0) is None
-                    or (d is not None and (d.lru.pop(key, 0) is None or d.soft_lru.pop(key, 0) is None))):
+            if any(lru.pop(key, 0) is None for lru in node.lru_lists()):  # it was in one of them
                 node.fixed.add(key)
 
     def _touch_tiered(self, obj: Obj, now: float) -> None:
@@ -143,8 +136,7 @@ class TierMixin:
             node = self.nodes.get(nid)
             if node is None:
                 continue
-            d = node.disk
-            for lru in (node.lru, node.soft_lru) if d is None else (node.lru, node.soft_lru, d.lru, d.soft_lru):
+            for lru in node.lru_lists():
                 if key in lru:
                     lru.move_to_end(key)
                     break
