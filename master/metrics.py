@@ -90,11 +90,7 @@ class _StateCollector:
         yield refused
         rpc = HistogramMetricFamily("kvpool_rpc_seconds", "Master RPC handling latency (seconds)", labels=["op"])
         for op, (counts, total) in rpc_hist.items():
-            cum, buckets = 0, []
-            for le, n in zip((*map(str, BUCKETS), "+Inf"), counts):
-                cum += n
-                buckets.append((le, cum))
-            rpc.add_metric([op], buckets, total)
+            rpc.add_metric([op], _cumulative(BUCKETS, counts), total)
         yield rpc
         hold = HistogramMetricFamily("kvpool_handoff_hold_seconds", "How long P/D hand-offs held their blocks, "
                                      "from publish to ack, release or expiry, by outcome (seconds)",
