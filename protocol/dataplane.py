@@ -196,15 +196,16 @@ class FrameReader:
             try:
                 got = self.sock.recv_into(view, n)
             except (BlockingIOError, TimeoutError):  # the slice passed with nothing received
-                if not self.patience(time.monotonic() - self.t0, self.got):
-                    raise Stalled(f"data connection sent {self.got} bytes of a frame in "
-                                  f"{time.monotonic() - self.t0:.1f}s while others waited") from None
-                continue
-            self.got += got
-            if got and not self.patience(time.monotonic() - self.t0, self.got):
-                raise Stalled(f"data connection sent {self.got} bytes of a frame in "
-                              f"{time.monotonic() - self.t0:.1f}s while others waited")
-            return got
+                got = None
+            else:
+                self.got += got
+            if got != 0:  # (EOF is the caller's to raise)
+                took = time.monotonic() - self.t0
+                if not self.patience(took, self.got):
+                    raise Stalled(f"data connection sent {self.got} bytes of a frame in {took:.1f}s while "
+                                  "others waited")
+            if got is not None:
+                return got
 
     def buffered(self) -> int:
         return self.hi - self.lo
