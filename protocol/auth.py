@@ -89,11 +89,7 @@ def write_credential_file(path: str | os.PathLike, secret: bytes, role: str) -> 
     ``kvpool-credential ROLE HEX``; the path. Raises ConfigError for an unknown role."""
     if role not in ROLES[1:]:
         raise ConfigError(f"unknown role {role!r}; roles: {', '.join(ROLES[1:])}", key="role")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{CREDENTIAL_TAG} {role} {role_credential(secret, role).hex()}\n")
-    os.chmod(path, 0o600)
-    return str(path)
+    return _write_private(path, f"{CREDENTIAL_TAG} {role} {role_credential(secret, role).hex()}\n")
 
 
 def _parse_credential(raw: bytes, where: str, key: str) -> tuple[bytes, str]:
@@ -128,9 +124,14 @@ def _read_secret(path: str) -> bytes:
 
 def write_secret_file(path: str | os.PathLike) -> str:
     """Write a fresh random secret (64 hex characters) to ``path`` with mode 0600; the path."""
+    return _write_private(path, secrets.token_hex(32) + "\n")
+
+
+def _write_private(path: str | os.PathLike, text: str) -> str:
+    """Write ``text`` to ``path`` readable by its owner only (0600, also when it existed); the path."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+        f.write(text)
     os.chmod(path, 0o600)
     return str(path)
 
@@ -196,10 +197,16 @@ class Security:
             logging.getLogger("kvpool").warning(
                 "%s runs WITHOUT a cluster secret (--insecure): any peer that reaches its ports may read, write "
                 "and evict every object and change the cluster's settings", what)
-        elif security.role != "cluster":
-            raise ConfigError(f"{what} holds a {security.role} credential; masters and store nodes need the "
-                              "cluster secret itself", key="security.secret_file")
+        else:
+            security.need_cluster_secret(what)
         return security
+
+    def need_cluster_secret(self, what: str = "this process") -> None:
+        """Raise ConfigError unless this is the cluster secret itself (not a role credential):
+        serving, write grants and the control channel's keys derive from it."""
+        if self.role != "cluster":
+            raise ConfigError(f"{what} holds a {self.role} credential; masters and store nodes need the "
+                              "cluster secret itself (security.secret_file)", key="security.secret_file")
 
     @property
     def tls(self) -> bool:
@@ -218,9 +225,7 @@ class Security:
         """32-byte key for ``purpose``: HMAC-SHA256(secret, "kvpool/" + purpose). Raises
         ConfigError when this process holds a role credential, not the cluster secret."""
         assert self.secret is not None
-        if self.role != "cluster":
-            raise ConfigError(f"this process holds a {self.role} credential; masters and store nodes need the "
-                              "cluster secret itself (security.secret_file)", key="security.secret_file")
+        self.need_cluster_secret()
         return hmac.new(self.secret, b"kvpool/" + purpose.encode(), hashlib.sha256).digest()
 
     def auth_key(self, role: str | None = None) -> bytes:
@@ -238,9 +243,7 @@ class Security:
 
     def auth_keys(self) -> dict[str, bytes]:
         """A server's handshake keys, one per role it admits (all, with the cluster secret)."""
-        if self.role != "cluster":
-            raise ConfigError(f"a server needs the cluster secret; this process holds a {self.role} credential",
-                              key="security.secret_file")
+        self.need_cluster_secret()
         return {r: self.auth_key(r) for r in ROLES}
 
     def grant_key(self, incarnation: str) -> bytes:
@@ -302,10 +305,9 @@ class ServerHandshake:
 
     __slots__ = ("keys", "purpose", "reject", "buf", "nc", "ns", "done", "error", "role", "key")
 
-    def __init__(self, keys: dict[str, bytes] | bytes, purpose: bytes,
+    def __init__(self, keys: dict[str, bytes], purpose: bytes,
                  reject: Callable[[AuthFailed, bytes], bytes]) -> None:
-        # ``keys``: role -> handshake key (:meth:`Security.auth_keys`); bytes: role cluster only
-        self.keys = keys if isinstance(keys, dict) else {"cluster": keys}
+        self.keys = keys  # role -> handshake key (:meth:`Security.auth_keys`)
         self.purpose, self.reject = purpose, reject
         self.buf = b""
         self.nc = self.ns = self.key = b""

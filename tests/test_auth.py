@@ -272,11 +272,11 @@ def test_config_errors_name_the_key(tmp_path):
 
 def test_handshake_state_machine_is_bounded():
     """Pure: whatever an unauthenticated peer sends, the server keeps at most one step."""
-    hs = auth.ServerHandshake(b"k" * 32, auth.RPC, lambda e, head: b"NO")
+    hs = auth.ServerHandshake({"cluster": b"k" * 32}, auth.RPC, lambda e, head: b"NO")
     out, rest = hs.feed(b"GET / HTTP/1.1\r\n" + b"x" * 100000)
     assert out == b"NO" and hs.error is not None and hs.error.fields["cause"] == "missing_secret"
     assert hs.buf == b""  # nothing of it is kept
-    hs = auth.ServerHandshake(b"k" * 32, auth.RPC, lambda e, head: b"NO")
+    hs = auth.ServerHandshake({"cluster": b"k" * 32}, auth.RPC, lambda e, head: b"NO")
     out, _ = hs.feed(auth.MAGIC + bytes([auth.VERSION]) + b"n" * 32 + b"\x00")  # role cluster
     assert out[:5] == auth.MAGIC + bytes([auth.VERSION]) and len(out) == auth.CHALLENGE_LEN
     out, _ = hs.feed(b"p" * 32)
