@@ -53,7 +53,6 @@ from kvpool.protocol.transport import default_host_id
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
 _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
 _D = CLIENT_DEFAULTS  # the defaults below: protocol/config.py ClientConfig, parsed once
-SPIN_WAIT_S = _D["spin_wait_s"]  # seconds; see protocol/spin.py
 PIPELINE_KEYS = 64  # a batch get of more keys looks up each slice of this many while reading the one before
 _LANE_MIN = 4 << 20  # a node's share of a network batch is split into streams only above this many bytes
 PUT_ROUNDS = 3  # placements a put_start/put_end put gets at most (a dead node, a busy extent, a revoked grant)
