@@ -6,6 +6,9 @@ The master is found directly (``tcp://host:port``) or through etcd's ``leader`` 
 refused or broken connection, or a ``NotLeader`` or ``LeaderFenced`` reply, makes the client
 re-resolve the leader and retry until the call's deadline, then raise
 :class:`~protocol.errors.Timeout` (or the last ``LeaderFenced``: the leader's etcd is away).
+A client given one master address raises ``NotLeader`` at once only when that master
+names another leader; one that names none (or itself: it lost its lease and campaigns
+again) is waited for until the deadline.
 Every answer carries its leader term (:mod:`protocol.terms`); an answer of an older term
 than one already seen comes from a deposed leader and is refused the same way.
 One-way messages (:meth:`MasterRPC.send_nowait`) cost one ``send`` and get no reply.
@@ -207,7 +210,7 @@ class MasterRPC:
         spin = type(req) not in _NO_SPIN
         if meanwhile is not None:
             meanwhile = _once(meanwhile)
-        fenced: LeaderFenced | None = None  # the last "leader cannot renew its lease" answer
+        fenced: KVPoolError | None = None  # the last "no leader for now" answer (LeaderFenced, NotLeader)
         while True:
             addr = self._addr  # one read: another thread may clear it during a failover
             if addr is None:
@@ -231,6 +234,10 @@ class MasterRPC:
                     self._reset()
                     if isinstance(err, LeaderFenced):
                         fenced = err  # the leader has no lease for now: retry; a new one may be elected
+                    elif self.fixed_master and err.fields.get("leader") in ("", None, self.fixed_master):
+                        # the master we were given lost its lease and campaigns again (or no leader
+                        # is elected yet): wait for it within the deadline, like a fenced leader
+                        fenced = err
                     elif self.fixed_master:  # pointed at a standby: say so, and where the leader is
                         raise NotLeader(f"{self.fixed_master} is a standby master, not the leader; connect to "
                                         f"{err.fields.get('leader') or 'the leader'}, or follow the elected one "
@@ -238,6 +245,10 @@ class MasterRPC:
                 if not self.fixed_master:
                     self._addr = None
             if time.monotonic() >= deadline:
+                if isinstance(fenced, NotLeader):
+                    raise NotLeader(f"the kvpool master at {self.fixed_master} is not leading (it lost its etcd "
+                                    f"lease, or no leader is elected) and did not lead again within {waited:g}s; "
+                                    "check etcd and the master's log", **fenced.fields)
                 if fenced is not None:
                     raise fenced
                 raise Timeout(self._timeout_message(waited), op=type(req).__name__)
@@ -283,6 +294,9 @@ class MasterRPC:
                 # a late reply to an earlier call that timed out: skip it
         except (ConfigError, AuthFailed, Overloaded):
             raise  # a master of another kvpool version, or one refusing us: retrying cannot help
+        except InvalidRequest:  # a reply frame out of bounds: asking again would get the same
+            self._reset()
+            raise
         except (OSError, KVPoolError):  # NodeUnavailable (EOF) is one
             self._reset()
             return None, spent

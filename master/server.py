@@ -67,7 +67,8 @@ from kvpool.protocol import messages as M
 from kvpool.protocol import transport
 from kvpool.protocol.auth import OPEN, Security, curve_client_keys
 from kvpool.protocol.config import ClusterConfig, MasterConfig, SecurityConfig
-from kvpool.protocol.errors import ConfigError, Forbidden, KVPoolError, LeaderFenced, NotFound, NotLeader
+from kvpool.protocol.errors import (ConfigError, Forbidden, InvalidRequest, KVPoolError, LeaderFenced, NotFound,
+                                    NotLeader)
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys
 from kvpool.protocol.units import parse_duration
 
@@ -348,7 +349,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                 log.info("master: leading with term %d", self.term)
                 print(f"KVPOOL_LEADER master {self.rpc_addr}", flush=True)
             elif kind == "step_down":
-                self.leading, self.term = False, 0
+                self.leading, self.term, self.leader_addr = False, 0, ""  # the campaign reads the new one
             elif kind == "nodes" and self.leading:
                 self._membership(ev[1])
 
@@ -367,6 +368,10 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                 raise Forbidden(f"{op} needs an operator credential (kvpool credential --role operator) or the "
                                 "cluster secret; this connection holds a client credential", cause="role",
                                 op=op)
+            if M.batch_len(req) > M.MAX_BATCH_KEYS:
+                raise InvalidRequest(f"{op} carries {M.batch_len(req)} keys; the limit is {M.MAX_BATCH_KEYS} per "
+                                     "request (KVPoolClient splits larger batches): split it", op=op,
+                                     limit=M.MAX_BATCH_KEYS)
             if not self.leading:
                 raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
                                 leader=self.leader_addr)

@@ -373,6 +373,50 @@ def test_a_client_pointed_at_a_standby_is_told_where_the_leader_is(make_cluster)
     assert r.returncode == 4 and lc.master_addr in r.stderr
 
 
+def test_a_client_of_one_master_rides_through_its_lease_lapse(make_cluster):
+    """A lone master paused past its leadership lease (as a starved machine does) finds the
+    lease gone when it runs again, steps down and campaigns again. A client given only its
+    address (as a vLLM connector is) waits for it within the call's deadline: no call fails
+    with NotLeader, and every object reads back from the new term."""
+    lc = make_cluster(nodes=1, memory="32MiB", node_ttl="1s")
+    m = lc.masters[0]
+    data = {f"lapse/{i}": os.urandom(4 * KiB) for i in range(16)}
+    errors: list[BaseException] = []
+    with lc.client(rpc_timeout_s=30) as c:
+        assert c.put_batch(list(data), list(data.values())) == [None] * 16
+        freeze(m.proc.pid)
+        time.sleep(2.5)  # over twice the lease TTL
+        stop = threading.Event()
+
+        def hammer(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                try:
+                    k = f"lapse/{n % 16}"
+                    assert c.get(k) == data[k]
+                    assert c.put(f"lapse/new-{i}-{n}", b"v") is True
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+                n += 1
+
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        m.kill(signal.SIGCONT)
+        try:
+            wait_for(lambda: sum(line.startswith("KVPOOL_LEADER") for line in m.lines) >= 2 or errors, 30,
+                     what="the master to lead again")
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
+        for k, v in data.items():
+            assert c.get(k) == v
+
+
 def test_pins_and_holds_return_with_a_node_that_was_away(make_cluster):
     """A store node paused past its lease (SIGSTOP) is dropped with its objects; when it
     comes back with its memory, its objects are indexed again with their pin and hand-off

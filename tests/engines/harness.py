@@ -18,6 +18,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "KVPOOL_ENGINE "
 MODEL_ID = "tiny-llama"
+# Engines run below the cluster's priority: on a 2-core machine running several engines, a
+# starved master or store node would let its etcd lease lapse, as a dedicated control-plane
+# host never does.
+ENGINE_NICE = ["nice", "-n", "5"]
 
 
 def kv_config(role: str, master: str, namespace: str, policy: str | None = None, **extra) -> dict:
@@ -51,7 +55,8 @@ class Engine:
             else:
                 env[k] = v
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("engine_proc.py")), json.dumps(cfg)],
+        self.proc = subprocess.Popen([*ENGINE_NICE, sys.executable, str(Path(__file__).with_name("engine_proc.py")),
+                                      json.dumps(cfg)],
                                      cwd=str(REPO), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, start_new_session=True)
         self._answers: queue.Queue = queue.Queue()

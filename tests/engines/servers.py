@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvpool.cli.cluster import free_port
 
-from harness import REPO
+from harness import ENGINE_NICE, REPO
 from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids
 
 MODEL = "tiny"  # --served-model-name of every server
@@ -129,7 +129,7 @@ def start_vllm_server(name: str, model: str, log_dir: Path, chat_template: Path,
     vLLM, no connector. It boots in the background: ``wait_healthy`` before sending it
     requests."""
     port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+    argv = [*ENGINE_NICE, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1",
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes), "--chat-template", str(chat_template),
