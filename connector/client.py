@@ -302,6 +302,15 @@ class KVPoolClient(ReservedPuts, HintedReads):
         if replicas is not None and not 1 <= replicas <= 16:
             raise InvalidRequest(f"replicas must be between 1 and 16, got {replicas}")
         lays = _per_key(layouts, n)
+        if n > M.MAX_BATCH_KEYS:  # the master takes this many per request
+            errs: list[KVPoolError | None] = []
+            stored_all: list[tuple[int, int] | None] = []
+            for a in range(0, n, M.MAX_BATCH_KEYS):
+                e, st = self._put(keys[a:a + M.MAX_BATCH_KEYS], datas[a:a + M.MAX_BATCH_KEYS],
+                                  lays[a:a + M.MAX_BATCH_KEYS], replicas)
+                errs += e
+                stored_all += st
+            return errs, stored_all
         results: list[KVPoolError | None] = [None] * n
         stored: list[tuple[int, int] | None] = [None] * n
         items, bufs, idx = [], [], []
@@ -556,7 +565,8 @@ class KVPoolClient(ReservedPuts, HintedReads):
         the leases may have lapsed; from then on nothing is sent, since the master may
         count another reader's lease on a key, which the release would end."""
         if keys and (until is None or time.monotonic() < until):
-            self.rpc.send_nowait(M.ReleaseLeases(list(keys)))
+            for a in range(0, len(keys), M.MAX_BATCH_KEYS):
+                self.rpc.send_nowait(M.ReleaseLeases(list(keys[a:a + M.MAX_BATCH_KEYS])))
 
     @staticmethod
     def _valid(keys: Sequence[str], results: list) -> list[int]:
@@ -647,7 +657,17 @@ class KVPoolClient(ReservedPuts, HintedReads):
 
     def _leased_lookup(self, keys, todo: list[int]) -> tuple[float, list]:
         t_sent = time.monotonic()
-        return t_sent, self.rpc.call(M.Lookup([keys[i] for i in todo], lease=True))
+        return t_sent, self._batched(lambda part: M.Lookup([keys[i] for i in part], lease=True), todo)
+
+    def _batched(self, request: Callable[[Sequence], Any], items: Sequence) -> list:
+        """``request(part)`` for each slice of at most ``MAX_BATCH_KEYS`` of ``items`` (the
+        master's limit per request), the replies' lists joined in order."""
+        if len(items) <= M.MAX_BATCH_KEYS:
+            return self.rpc.call(request(items))
+        out: list = []
+        for a in range(0, len(items), M.MAX_BATCH_KEYS):
+            out += self.rpc.call(request(items[a:a + M.MAX_BATCH_KEYS]))
+        return out
 
     def _read(self, keys, views, lays, results, todo: list[int], infos, t_sent: float, last: bool) -> list[int]:
         """Read looked-up objects into ``views``; returns the indices to retry with a fresh lease."""
@@ -745,11 +765,11 @@ class KVPoolClient(ReservedPuts, HintedReads):
 
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         """Existence without a lease and without touching LRU order (side-effect free)."""
-        return self.rpc.call(M.Exists(list(keys)))
+        return self._batched(lambda part: M.Exists(list(part)), keys)
 
     def lookup(self, keys: Sequence[str]) -> list[M.ObjectInfo | None]:
         """Headers and replicas, without a lease."""
-        res = self.rpc.call(M.Lookup(list(keys), lease=False))
+        res = self._batched(lambda part: M.Lookup(list(part), lease=False), keys)
         return [r if isinstance(r, M.ObjectInfo) else None for r in res]
 
     def remove(self, key: str, force: bool = False) -> None:
@@ -760,7 +780,8 @@ class KVPoolClient(ReservedPuts, HintedReads):
 
     def remove_batch(self, keys: Sequence[str], force: bool = False) -> list[KVPoolError | None]:
         self._forget(keys)
-        return [None if e is None else from_wire(e) for e in self.rpc.call(M.Remove(list(keys), force))]
+        return [None if e is None else from_wire(e) for e in self._batched(lambda part: M.Remove(list(part), force),
+                                                                             keys)]
 
     def ls(self, prefix: str = "", limit: int = 10000) -> list[M.ObjectMeta]:
         return self.rpc.call(M.ListObjects(prefix, limit))

@@ -5,6 +5,7 @@ asserts are loose memory bounds, never speeds."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import msgspec
@@ -18,7 +19,7 @@ from kvpool.protocol import auth, rpcwire, transport
 from kvpool.protocol import messages as M
 from kvpool.protocol.config import load_config
 from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
-from kvpool.protocol.errors import Overloaded
+from kvpool.protocol.errors import InvalidRequest, Overloaded
 from test_auth import _closed, _descs
 
 MiB = 1 << 20
@@ -208,3 +209,53 @@ def test_copy_request_flood_is_refused_not_queued(lc):
     assert node.alive()
     sink.close()
     sock.close()
+
+
+def test_a_batch_past_the_key_limit_is_refused_and_the_client_splits_it(lc):
+    """A request carrying more than MAX_BATCH_KEYS keys (40 MB, 400k keys) is refused with
+    a typed InvalidRequest naming the limit, and the master keeps answering another client
+    meanwhile; KVPoolClient's batch calls split larger batches and answer every key. The
+    other client's worst wait is printed (``-s``), never asserted."""
+    keys = [("k%08d" % i) * 11 for i in range(400_000)]  # 99-byte keys
+    probe, lat, stop = lc.client(), [], threading.Event()
+    probe.put("limit/x", b"1")
+
+    def prober() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            assert probe.exists_batch(["limit/x"]) == [True]
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.01)
+
+    refused: list[BaseException] = []
+
+    def big() -> None:
+        with lc.client(rpc_timeout_s=60) as c:
+            for req in (M.Lookup(keys), M.Exists(keys), M.Remove(keys)):
+                with pytest.raises(InvalidRequest, match=f"limit is {M.MAX_BATCH_KEYS} per request") as ei:
+                    c.rpc.call(req)
+                refused.append(ei.value)
+
+    t = threading.Thread(target=prober)
+    t.start()
+    try:
+        bigs = [threading.Thread(target=big) for _ in range(3)]
+        for b in bigs:
+            b.start()
+        for b in bigs:
+            b.join(120)
+    finally:
+        stop.set()
+        t.join(30)
+    assert len(refused) == 9 and lat
+    print(f"\nLIMITS three 400k-key requests: another client's worst exists {max(lat) * 1e3:.0f} ms "
+          f"over {len(lat)} calls", flush=True)
+    with lc.client(rpc_timeout_s=60) as c:
+        n = M.MAX_BATCH_KEYS * 2 + 5
+        put_keys = [f"limit/split/{i}" for i in range(n)]
+        assert c.put_batch(put_keys, [b"v%d" % (i % 7) for i in range(n)]) == [None] * n
+        assert c.exists_batch([*put_keys, "limit/absent"]) == [True] * n + [False]
+        assert [len(i.replicas) > 0 for i in c.lookup(put_keys[-3:])] == [True] * 3
+        assert c.get_batch(put_keys) == [b"v%d" % (i % 7) for i in range(n)]
+        assert c.remove_batch(put_keys) == [None] * n
+        assert c.exists_batch(put_keys) == [False] * n
