@@ -66,9 +66,10 @@ import xxhash
 
 from kvpool.connector.claims import _SharedClaims
 from kvpool.connector.ops import ReadOp, WriteOp
-from kvpool.connector.datastream import ReplicaDeadline, _Connections, _Stream, _wait_bytes, readable
+from kvpool.connector.datastream import ReplicaDeadline, _Connections, _Stream, _wait_bytes, close_stream, readable
 from kvpool.connector.dma import _CudaDirect, _stage
 from kvpool.connector.scatter_out import ScatterOut
+from kvpool.connector.parking import Parking
 from kvpool.connector.segmap import _SegmentMaps
 from kvpool.connector.shmcopy import _CHUNK, _gone, _ShmCopies
 from kvpool.protocol import copyhash
@@ -114,6 +115,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         self._bases: dict[str, int] = {}
         self._map_lock = threading.Lock()
         self._all_conns: weakref.WeakSet[_Stream] = weakref.WeakSet()  # live threads' streams
+        self._parking = Parking(lambda streams: list(streams.items()), close_stream)  # finished threads'
         self._mmaps: dict[str, mmap.mmap] = {}
         self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
         self._map_retry: dict[str, float] = {}  # incarnation -> when to ask again for a mapping not answered
@@ -415,6 +417,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
     def close(self) -> None:
         if self._hasher is not None:
             self._hasher.shutdown(wait=False)
+        self._parking.close()
         with self._map_lock:
             for s in list(self._all_conns):
                 try:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from kvpool.connector.parking import held
 from kvpool.connector.shmcopy import _CHUNK, _PAGE, _address, _misaligned
 from kvpool.protocol import transport
 from kvpool.protocol.dataplane import DataReply, FrameReader
@@ -120,15 +121,22 @@ class _Stream(FrameReader):
 
 
 
+def close_stream(s: _Stream) -> None:
+    try:
+        s.sock.close()
+    except OSError:
+        pass
+
+
 class _Connections:
     """The per-thread streams of a :class:`~connector.dataclient.DataPlane` (mixed into it;
-    uses its ``_local``, ``_map_lock``, ``_all_conns``, ``io_timeout_s``, ``security`` and
-    ``redials``)."""
+    uses its ``_local``, ``_parking``, ``_map_lock``, ``_all_conns``, ``io_timeout_s``,
+    ``security`` and ``redials``)."""
 
     def _conns(self) -> dict[str, _Stream]:
-        c = getattr(self._local, "conns", None)
-        if c is None:
-            c = self._local.conns = {}
+        c = held(self._local, "conns")
+        if c is None:  # a thread's streams are parked when it ends (connector/parking.py)
+            c = self._parking.hold(self._local, "conns", {})
         return c
 
     def _conn(self, addr: str, connect_timeout_s: float | None = None, incarnation: str = "") -> _Stream:
@@ -146,20 +154,23 @@ class _Connections:
             connect_timeout_s = min(connect_timeout_s or self.io_timeout_s, _REDIAL_S)
             self.redials += 1
         if s is None:
-            sock = transport.connect(addr, connect_timeout_s or self.io_timeout_s, self.security)
-            sock.settimeout(self.io_timeout_s)
-            s = conns[addr] = _Stream(sock, incarnation)
-            with self._map_lock:
-                self._all_conns.add(s)
+            s = self._parking.take(addr)  # one a finished thread left
+            if s is not None and incarnation and s.incarnation != incarnation:
+                close_stream(s)
+                s = None
+            if s is None:
+                sock = transport.connect(addr, connect_timeout_s or self.io_timeout_s, self.security)
+                sock.settimeout(self.io_timeout_s)
+                s = _Stream(sock, incarnation)
+                with self._map_lock:
+                    self._all_conns.add(s)
+            conns[addr] = s
         return s
 
     def _drop(self, addr: str) -> None:
         s = self._conns().pop(addr, None)
         if s is not None:
-            try:
-                s.sock.close()
-            except OSError:
-                pass
+            close_stream(s)
 
     def _stream_addr(self, ref: ExtentRef) -> str:
         if self.mode == "ucx" and ref.ucx_addr:

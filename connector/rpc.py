@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.connector.parking import Parking, held, release
 from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire, transport
 from kvpool.protocol.auth import RPC, Security, resolve
@@ -134,6 +135,8 @@ class MasterRPC:
         self._local = threading.local()
         self._ids = itertools.count(1)
         self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # every live thread's, for close()
+        # a finished thread's connection waits for the next thread (no TIME_WAIT per thread)
+        self._parking = Parking(lambda c: [(c.addr, c)], _Conn.close)
         self._lock = threading.Lock()
 
     def leader(self) -> str:
@@ -167,22 +170,25 @@ class MasterRPC:
             self._addr = None
 
     def _conn(self, addr: str, timeout_s: float) -> _Conn:
-        c = getattr(self._local, "conn", None)
+        """This thread's connection to ``addr``: the one it holds, one a finished thread left
+        (connector/parking.py), or a new one dialled within ``timeout_s``."""
+        c = held(self._local, "conn")
         if c is not None and c.addr == addr:
             return c
         if c is not None:
             self._reset()
-        c = _Conn(addr, timeout_s, self.security)
-        self._local.conn = c
-        with self._lock:
-            self._conns.add(c)
-        return c
+        c = self._parking.take(addr)
+        if c is None:
+            c = _Conn(addr, timeout_s, self.security)
+            with self._lock:
+                self._conns.add(c)
+        return self._parking.hold(self._local, "conn", c)
 
     def _reset(self) -> None:
-        c = getattr(self._local, "conn", None)
+        c = held(self._local, "conn")
         if c is not None:
             c.close()
-            self._local.conn = None
+            release(self._local, "conn")
             with self._lock:
                 self._conns.discard(c)
 
@@ -324,6 +330,7 @@ class MasterRPC:
             self._reset()
 
     def close(self) -> None:
+        self._parking.close()
         with self._lock:
             for c in list(self._conns):
                 c.close()

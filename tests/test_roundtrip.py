@@ -7,6 +7,7 @@ import pytest
 import torch
 import xxhash
 
+from kvpool.connector.parking import held
 from kvpool.connector.blocks import BlockStore
 from kvpool.protocol import copyhash
 from kvpool.protocol import errors as E
@@ -38,11 +39,11 @@ def test_same_host_clients_reach_the_master_over_its_unix_alias(cluster):
 
     with cluster.client() as c:
         c.put("alias/k", b"v")
-        assert c.rpc._local.conn.sock.family == socket.AF_UNIX
+        assert held(c.rpc._local, "conn").sock.family == socket.AF_UNIX
     port = cluster.master_addr.rsplit(":", 1)[1]
     with KVPoolClient(f"tcp://localhost:{port}") as c:
         assert c.get("alias/k") == b"v"
-        assert c.rpc._local.conn.sock.family == socket.AF_UNIX
+        assert held(c.rpc._local, "conn").sock.family == socket.AF_UNIX
 
 
 @pytest.mark.parametrize("honest", [True, False])
@@ -84,7 +85,7 @@ def test_alias_is_used_only_when_its_peer_is_the_master(honest):
     rpc = MasterRPC("tcp://127.0.0.1:%d" % tcp.getsockname()[1], timeout_s=5)
     try:
         assert rpc.call(M.Exists(["k"])) == [honest]
-        assert (rpc._local.conn.sock.family == socket.AF_UNIX) is honest
+        assert (held(rpc._local, "conn").sock.family == socket.AF_UNIX) is honest
     finally:
         rpc.close()
         tcp.close()
