@@ -24,8 +24,8 @@ meanwhile waits at most that long for a worker, and only when every other worker
 
 While a worker holds a connection its socket is blocking with a deadline on every ``recv``
 and ``send`` (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on plain sockets, the socket timeout under TLS);
-a deadline that passes closes the connection. Sends and TLS receives wait
-``frame_timeout_s``. A plain socket's receives wait in slices of :data:`SLICE_S`, and
+a deadline that passes closes the connection. Sends wait ``frame_timeout_s``. Receives
+wait in slices of :data:`SLICE_S` (under TLS through :class:`TLSSlices`), and
 between slices the server's :meth:`ConnPool.patience` decides, charging the frame for the
 bytes it actually brought: a frame may take ``frame_timeout_s`` from its first byte while
 no other connection waits for a worker, but once one waits, a frame older than
@@ -59,6 +59,29 @@ LINGER_S = 0.005  # a worker waits this long for a served connection's next requ
 SLICE_S = 0.25  # seconds: a plain socket's receive deadline, after which patience is asked
 STALL_S = 1.0  # seconds a frame may take, whatever its pace, while other connections wait
 MIN_RATE = 1 << 20  # bytes per second a frame older than STALL_S must average while others wait
+
+
+class TLSSlices:
+    """A TLS socket as a frame reader's source: each receive waits at most ``slice_s`` (the
+    reader's patience decides between slices, as for a plain socket), and the socket's
+    timeout is ``rest_s`` again afterwards, for the replies sent on it. A timed-out TLS
+    read leaves the connection usable: OpenSSL keeps a partial record for the next read."""
+
+    __slots__ = ("sock", "slice_s", "rest_s")
+
+    def __init__(self, sock: ssl.SSLSocket, slice_s: float, rest_s: float) -> None:
+        self.sock, self.slice_s, self.rest_s = sock, slice_s, rest_s
+
+    def recv_into(self, view, n: int = 0) -> int:
+        s = self.sock
+        s.settimeout(self.slice_s)
+        try:
+            return s.recv_into(view, n)
+        finally:
+            s.settimeout(self.rest_s)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
 
 
 class Conn:
@@ -99,7 +122,7 @@ class ConnPool:
         self.workers = workers
         self.frame_timeout_s = frame_timeout_s
         self._timeval = struct.pack("ll", int(frame_timeout_s), int(frame_timeout_s % 1 * 1e6))
-        slice_s = min(SLICE_S, frame_timeout_s)
+        self.slice_s = slice_s = min(SLICE_S, frame_timeout_s)
         self._slice = struct.pack("ll", int(slice_s), int(slice_s % 1 * 1e6))
         self._tls, self._key, self._reject = tls, auth_key, reject
         self._opened, self._serve, self._closed, self._failed, self._refuse = opened, serve, closed, failed, refuse

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 
 import msgspec
@@ -46,7 +47,7 @@ from kvpool.protocol.errors import AuthFailed, InvalidRequest, KVPoolError, Node
 from kvpool.protocol.grants import check_token
 from kvpool.protocol.messages import ExtentEntry
 from kvpool.protocol.units import parse_duration
-from kvpool.storenode.connpool import Conn, ConnPool
+from kvpool.storenode.connpool import Conn, ConnPool, TLSSlices
 from kvpool.storenode.device_segment import DeviceSegment
 from kvpool.storenode.extents import ExtentTable
 from kvpool.storenode.metrics import NodeStats
@@ -177,8 +178,11 @@ class DataServer:
         if rd is None:
             rd = self._local.rd = FrameReader(sock)
         rd.sock, rd.lo, rd.hi = sock, 0, 0
-        # a plain socket's receives wait in slices, the pool deciding between them
+        # receives wait in slices, the pool deciding between them: a plain socket's by its kernel
+        # deadline, a TLS socket's by its timeout, set for each receive (TLSSlices)
         rd.patience = self.pool.patience if type(sock) is socket.socket else None
+        if isinstance(sock, ssl.SSLSocket):
+            rd.sock, rd.patience = TLSSlices(sock, self.pool.slice_s, self.pool.frame_timeout_s), self.pool.patience
         return rd
 
     def _serve(self, c: Conn, ready: bool = True) -> bool:
