@@ -23,7 +23,7 @@ from kvpool.protocol.config import ClusterConfig, load_config
 console = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=200)
 err_console = Console(stderr=True)
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Cluster YAML (default configs/local.yaml)")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Cluster YAML (default: configs/local.yaml, shipped with kvpool)")]
 MasterOpt = Annotated[Optional[str], typer.Option("--master", help="Master RPC address tcp://host:port")]
 EtcdOpt = Annotated[Optional[str], typer.Option("--etcd", help="etcd endpoint http://host:port (several: "
                                                                 "comma-separated)")]

@@ -1,6 +1,6 @@
 """The one typed configuration tree.
 
-Precedence: defaults < YAML file (``configs/local.yaml`` is the embedded default)
+Precedence: defaults < YAML file (``configs/local.yaml``, installed as ``kvpool/configs``, is the default)
 < environment ``KVPOOL_<SECTION>__<KEY>`` < explicit overrides (CLI flags). Objects
 are passed into constructors; nothing reads global settings.
 """

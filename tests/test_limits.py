@@ -207,6 +207,7 @@ def test_copy_request_flood_is_refused_not_queued(lc):
     assert n - refused <= COPY_MAX + COPIERS * (int(took / COPY_CONNECT_S) + 1), (refused, took)
     assert grown < 64 * MiB
     assert node.alive()
+    assert "etcd lease lost" not in open(node.log_path).read(), "the copy flood cost the node its etcd lease"
     sink.close()
     sock.close()
 

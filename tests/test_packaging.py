@@ -100,6 +100,8 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path):
         p = _py("import kvpool, kvpool.cli.app, sys; print(kvpool.__file__)", cwd=cwd, python=py)
         assert p.returncode == 0, p.stderr
         assert str(venv) in p.stdout, p.stdout  # the wheel's copy, not the repository's
+        p = _py("from kvpool.protocol.config import DEFAULT_CONFIG as D; print(D.is_file(), D)", cwd=cwd, python=py)
+        assert p.stdout.startswith(f"True {venv}"), p.stdout + p.stderr  # the default config --config names
         p = _py("import cli", cwd=cwd, python=py)
         assert p.returncode != 0 and "No module named 'cli'" in p.stderr
         d = subprocess.run([str(venv / "bin" / "kvpool"), "demo", "--quick", "--json"], cwd=cwd, capture_output=True,
