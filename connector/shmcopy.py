@@ -119,7 +119,7 @@ class _ShmCopies:
             live.append(op)
         if not live:
             return
-        sums = copyhash.copy_hash_many(dsts, [op.data for op in live], any(op.checksum is None for op in live))
+        sums = copyhash.store_hash_many(dsts, [op.data for op in live], any(op.checksum is None for op in live))
         if sums is not None:
             for op, h in zip(live, sums):
                 if op.checksum is None:
@@ -129,8 +129,8 @@ class _ShmCopies:
         """Shared-memory write: caller buffer → extent, one copy (bounced in the 4K-aliasing
         case described in :meth:`_copy_out`). With ``digest``, returns the xxh3_64 of the
         bytes, hashed per 256 KiB chunk right after it is copied (source still in L2)."""
-        if copyhash.NATIVE:  # one GIL-free call: pieces hashed as they land, aliasing bounced in C
-            return copyhash.copy_hash(dst, data, digest)
+        if copyhash.NATIVE:  # one GIL-free call: large copies streamed past the caches, aliasing bounced in C
+            return copyhash.store_hash(dst, data, digest)
         size = len(dst)
         if digest and size >= HASH_ASIDE_MIN:
             fut = self._hash_aside(data)

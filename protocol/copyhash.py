@@ -125,6 +125,10 @@ _native = _load()
 NATIVE = _native is not None  # the native module is in use
 copy_hash = _native.copy_hash if NATIVE else py_copy_hash
 copy_hash_many = _native.copy_hash_many if NATIVE else py_copy_hash_many
+# into a store segment (puts): natively, copies of 256 KiB and up stream past the caches and
+# hash the source as read; the pure-Python form is copy_hash's
+store_hash = _native.store_hash if NATIVE else py_copy_hash
+store_hash_many = _native.store_hash_many if NATIVE else py_copy_hash_many
 hash_many = _native.hash_many if NATIVE else py_hash_many
 scatter_hash = _native.scatter_hash if NATIVE else py_scatter_hash
 gather_hash = _native.gather_hash if NATIVE else py_gather_hash

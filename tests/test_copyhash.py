@@ -47,6 +47,29 @@ def test_copy_hash_copies_and_hashes_what_landed(impl, size, dst_off):
     assert copy_hash(dst2, bytes(src), False) is None and bytes(dst2) == bytes(src)
 
 
+STORE = {"python": (copyhash.py_copy_hash, copyhash.py_copy_hash_many)}
+if copyhash._native is not None:
+    STORE["native"] = (copyhash._native.store_hash, copyhash._native.store_hash_many)
+
+
+@pytest.mark.parametrize("impl", list(STORE))
+@pytest.mark.parametrize("size", SIZES + [(4 << 20) + 3])
+@pytest.mark.parametrize("offs", [(0, 0), (16, 0), (0, 16), (5, 3)])  # (dst, src) bytes into a page
+def test_store_hash_copies_and_hashes_like_copy_hash(impl, size, offs):
+    """store_hash (puts into a segment; natively streamed past the caches from 256 KiB up)
+    lands the same bytes and digest as copy_hash, at any alignment of either buffer."""
+    one, many = STORE[impl]
+    src = _page_buf(size, offs[1])
+    src[:] = os.urandom(size)
+    dst = _page_buf(size + 7, offs[0])
+    dst[size:] = b"\xee" * 7
+    assert one(dst, src, True) == xxhash.xxh3_64_intdigest(src)
+    assert bytes(dst[:size]) == bytes(src) and bytes(dst[size:]) == b"\xee" * 7  # nothing past the end
+    dsts = [_page_buf(size, offs[0]), _page_buf(3, 0)]
+    assert many(dsts, [src, b"abc"], True) == [xxhash.xxh3_64_intdigest(src), xxhash.xxh3_64_intdigest(b"abc")]
+    assert bytes(dsts[0]) == bytes(src) and one(_page_buf(size, offs[0]), src, False) is None
+
+
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_batch_scatter_and_gather_forms(impl):
     _, many, hash_many, scatter, gather = IMPLS[impl]

@@ -80,6 +80,67 @@ static uint64_t copy_hash_one(unsigned char *dst, const unsigned char *src, size
     return XXH3_64bits_digest(&st);
 }
 
+/* Copies into a store node's segment (puts): from STREAM_MIN bytes up, the destination is
+ * written with non-temporal stores, past the caches: a put's bytes are read by another
+ * process later, and the stores skip the read-for-ownership a cached store pays on a cold
+ * line.  The source is hashed as it is read (each piece hashed, then copied, while it is
+ * in L2): a put's checksum covers the bytes it was given; a reader checks them against what
+ * landed.  (A get must hash what it delivered, so gets keep copy_hash_one.)
+ * Intel 64 and IA-32 Optimization Reference Manual, "Non-temporal stores" (MOVNTDQ). */
+#define STREAM_MIN (256 * 1024)
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+static void stream_copy(unsigned char *dst, const unsigned char *src, size_t n) {
+    size_t i = 0;
+    while (i < n && ((uintptr_t)(dst + i) & 31))
+        dst[i] = src[i], i++;
+#if defined(__AVX2__)
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + i + 96), e);
+    }
+#else
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), e);
+    }
+#endif
+    if (i < n)
+        memcpy(dst + i, src + i, n - i);
+}
+
+static uint64_t store_hash_one(unsigned char *dst, const unsigned char *src, size_t n, int hash) {
+    if (n < STREAM_MIN)
+        return copy_hash_one(dst, src, n, hash);
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    for (size_t a = 0; a < n; a += PIECE) {
+        size_t k = n - a < PIECE ? n - a : PIECE;
+        if (hash)
+            XXH3_64bits_update(&st, src + a, k);
+        stream_copy(dst + a, src + a, k);
+    }
+    _mm_sfence(); /* the streamed stores are visible before the put's commit goes out */
+    return hash ? XXH3_64bits_digest(&st) : 0;
+}
+#else
+#define store_hash_one copy_hash_one
+#endif
+
 /* ---- argument helpers ------------------------------------------------------------ */
 
 static int get_buf(PyObject *o, Py_buffer *b, int writable) {
@@ -90,7 +151,9 @@ static int get_buf(PyObject *o, Py_buffer *b, int writable) {
 
 /* copy_hash(dst, src, hash) -> int | None: copy len(src) bytes of src into dst (at least
  * that long); with hash, the xxh3_64 of the bytes as they landed in dst. */
-static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
+typedef uint64_t (*copier)(unsigned char *, const unsigned char *, size_t, int);
+
+static PyObject *copy_one(PyObject *args, copier fn) {
     PyObject *dsto, *srco;
     int hash;
     if (!PyArg_ParseTuple(args, "OOp", &dsto, &srco, &hash))
@@ -110,7 +173,7 @@ static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
     }
     uint64_t h;
     Py_BEGIN_ALLOW_THREADS
-    h = copy_hash_one(d.buf, s.buf, (size_t)s.len, hash);
+    h = fn(d.buf, s.buf, (size_t)s.len, hash);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&d);
     PyBuffer_Release(&s);
@@ -118,6 +181,12 @@ static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(h);
 }
+
+static PyObject *py_copy_hash(PyObject *self, PyObject *args) { return copy_one(args, copy_hash_one); }
+
+/* store_hash(dst, src, hash): copy_hash into a store segment (store_hash_one: large copies
+ * stream past the caches, and the hash is of the source as it was read). */
+static PyObject *py_store_hash(PyObject *self, PyObject *args) { return copy_one(args, store_hash_one); }
 
 /* Buffers of a sequence; returns the count or -1 (every buffer taken is released on failure). */
 static Py_ssize_t get_bufs(PyObject *seq, Py_buffer **out, int writable) {
@@ -167,7 +236,7 @@ static PyObject *digest_list(const uint64_t *h, Py_ssize_t n) {
 }
 
 /* copy_hash_many(dsts, srcs, hash) -> list[int] | None: copy_hash over pairs, one call. */
-static PyObject *py_copy_hash_many(PyObject *self, PyObject *args) {
+static PyObject *copy_many(PyObject *args, copier fn) {
     PyObject *dsto, *srco;
     int hash;
     if (!PyArg_ParseTuple(args, "OOp", &dsto, &srco, &hash))
@@ -200,7 +269,7 @@ static PyObject *py_copy_hash_many(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < ns; i++)
-        h[i] = copy_hash_one(d[i].buf, s[i].buf, (size_t)s[i].len, hash);
+        h[i] = fn(d[i].buf, s[i].buf, (size_t)s[i].len, hash);
     Py_END_ALLOW_THREADS
     if (hash) {
         result = digest_list(h, ns);
@@ -214,6 +283,10 @@ done:
     release_bufs(s, ns);
     return result;
 }
+
+static PyObject *py_copy_hash_many(PyObject *self, PyObject *args) { return copy_many(args, copy_hash_one); }
+
+static PyObject *py_store_hash_many(PyObject *self, PyObject *args) { return copy_many(args, store_hash_one); }
 
 /* hash_many(bufs) -> list[int]: the xxh3_64 of each buffer, one call. */
 static PyObject *py_hash_many(PyObject *self, PyObject *arg) {
@@ -324,6 +397,11 @@ static PyMethodDef methods[] = {
      "copy_hash(dst, src, hash) -> int | None: copy src into dst; with hash, xxh3_64 of what landed."},
     {"copy_hash_many", py_copy_hash_many, METH_VARARGS,
      "copy_hash_many(dsts, srcs, hash) -> list[int] | None: copy_hash over pairs, without the GIL."},
+    {"store_hash", py_store_hash, METH_VARARGS,
+     "store_hash(dst, src, hash) -> int | None: copy_hash into a store segment; large copies bypass the "
+     "caches and hash the source as read."},
+    {"store_hash_many", py_store_hash_many, METH_VARARGS,
+     "store_hash_many(dsts, srcs, hash) -> list[int] | None: store_hash over pairs, without the GIL."},
     {"hash_many", py_hash_many, METH_O, "hash_many(bufs) -> list[int]: xxh3_64 of each buffer."},
     {"scatter_hash", py_scatter_hash, METH_VARARGS,
      "scatter_hash(src, dsts, hash) -> int | None: src into dsts in order; with hash, xxh3_64 of what landed."},
