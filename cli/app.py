@@ -16,11 +16,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from kvpool.cli.config_flags import config_flags
 from kvpool.cli.common import (ClusterOpt, ConfigOpt, EtcdOpt, JsonOpt, LogLevelOpt, MasterOpt, build_config,
                                claim_record, connect, console, fail, local_metrics, process_config, release_record, write_record)
 from kvpool.protocol import errors as E
 from kvpool.protocol import messages as M
-from kvpool.protocol.config import MasterConfig, StoreNodeConfig
+from kvpool.protocol.config import MasterConfig, ProxyConfig, SecurityConfig, StoreNodeConfig
 from kvpool.protocol.units import format_bytes, parse_duration, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -91,118 +92,44 @@ def up(config: ConfigOpt = None, cluster: ClusterOpt = None, etcd: EtcdOpt = Non
     _run(go)
 
 
-_Str = Annotated[Optional[str], typer.Option()]
-_Int = Annotated[Optional[int], typer.Option()]
-_Float = Annotated[Optional[float], typer.Option()]
 _SecretFile = Annotated[Optional[str], typer.Option(
     help="File holding the cluster secret (config security.secret_file; env KVPOOL_SECRET_FILE or KVPOOL_SECRET)")]
-_TlsCert = Annotated[Optional[str], typer.Option(help="PEM certificate chain the TCP servers present (security.tls_cert)")]
-_TlsKey = Annotated[Optional[str], typer.Option(help="PEM private key of --tls-cert (security.tls_key)")]
-_TlsCa = Annotated[Optional[str], typer.Option(help="PEM CA that verifies servers, and client certificates "
-                                                    "with --tls-client-certs (security.tls_ca)")]
-_TlsClientCerts = Annotated[Optional[bool], typer.Option("--tls-client-certs/--no-tls-client-certs",
-                                                         help="Require client certificates signed by --tls-ca")]
-_Insecure = Annotated[Optional[bool], typer.Option(
-    "--insecure", help="Start without a cluster secret: every port open to anyone who reaches it (security.insecure)")]
-
-
-def _security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs, insecure=None) -> dict:
-    """The ``security`` overrides of the flags that were given."""
-    got = {k: v for k, v in (("secret_file", secret_file), ("tls_cert", tls_cert), ("tls_key", tls_key),
-                             ("tls_ca", tls_ca), ("tls_client_certs", tls_client_certs), ("insecure", insecure))
-           if v is not None}
-    return {"security": got} if got else {}
 
 
 @app.command()
+@config_flags(master=MasterConfig, security=SecurityConfig)
 def master(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None, log_level: LogLevelOpt = None,
-           host: Annotated[Optional[str], typer.Option(help="Bind address (0.0.0.0: every interface)")] = None,
-           advertise: Annotated[Optional[str], typer.Option(
-               help="Address other hosts reach this master at, published in etcd (default: --host; for 0.0.0.0 "
-                    "the host's primary address)")] = None,
-           rpc_port: Annotated[Optional[int], typer.Option(help="0 = any free port")] = None,
-           metrics_port: Annotated[Optional[int], typer.Option(
-               help="Serve /metrics, /healthz, /readyz here (0 = any free port)")] = None,
-           replicas: _Int = None, lease_ttl: _Str = None, put_timeout: _Str = None, quarantine: _Str = None,
-           node_ttl: _Str = None, high_watermark: _Float = None, low_watermark: _Float = None,
-           max_handoff_ttl: Annotated[Optional[str], typer.Option(help="Longest hold a hand-off may ask for")] = None,
-           membership_poll: _Str = None,
-           etcd_compaction_interval: Annotated[Optional[str], typer.Option(
-               help="How often the leader compacts etcd's history (0 = never)")] = None,
-           etcd_compaction_retention: Annotated[Optional[int], typer.Option(
-               help="Revisions of history that compaction keeps")] = None,
-           repair_rate: Annotated[Optional[float], typer.Option(
-               help="Re-replication copies started per second (average)")] = None,
-           repair_in_flight: Annotated[Optional[int], typer.Option(help="Re-replication copies in flight at most")
-                                       ] = None,
-           join_timeout: Annotated[Optional[str], typer.Option(
-               help="Deadline of a first request for a joining store node's extent table")] = None,
-           join_backoff: Annotated[Optional[str], typer.Option(
-               help="Wait after a failed join request before the next (doubled per failure)")] = None,
-           join_backoff_max: Annotated[Optional[str], typer.Option(help="Cap of the doubled join deadline and wait")
-                                       ] = None,
-           secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None, tls_ca: _TlsCa = None,
-           tls_client_certs: _TlsClientCerts = None, insecure: _Insecure = None) -> None:
-    """Run one master (several may run; one leads through etcd election). Settings: the `master` section of
-    --config (defaults: protocol/config.py MasterConfig), each flag overriding its key."""
-    flags = {k: v for k, v in locals().items() if k in MasterConfig.__struct_fields__ and v is not None}
+           overrides: dict | None = None) -> None:
+    """Run one master (several may run; one leads through etcd election). Settings: the `master` and `security`
+    sections of --config (defaults: protocol/config.py MasterConfig, SecurityConfig), each flag overriding its
+    key."""
     from kvpool.master.server import MasterServerSettings, main as run_master
 
     def go() -> None:
-        cfg = process_config(config, cluster, etcd, log_level,
-                             {"master": flags, **_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs,
-                                                           insecure)})
-        run_master(MasterServerSettings.from_config(cfg))
+        run_master(MasterServerSettings.from_config(process_config(config, cluster, etcd, log_level, overrides)))
 
     _run(go)
 
 
 @app.command()
+@config_flags(storenode=StoreNodeConfig, security=SecurityConfig)
 def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None,
               log_level: LogLevelOpt = None,
-              name: Annotated[Optional[str], typer.Option(
-                  help="Node id; with --config, picks its `storenodes` entry (default: the only entry, else random)"
-              )] = None,
-              memory: Annotated[Optional[str], typer.Option(help="Segment size, e.g. 2GiB")] = None,
-              host: Annotated[Optional[str], typer.Option(help="Bind address (0.0.0.0: every interface)")] = None,
-              advertise: Annotated[Optional[str], typer.Option(
-                  help="Address other hosts reach this node at, published in etcd (default: --host; for 0.0.0.0 "
-                       "the host's primary address)")] = None,
-              data_port: Annotated[Optional[int], typer.Option(help="0 = any free port")] = None,
-              control_port: Annotated[Optional[int], typer.Option(
-                  help="Port of the master's control connection (0 = any free port)")] = None,
-              ucx_port: Annotated[Optional[int], typer.Option(help="Port of ucx:// data, with --ucx (0 = any free port)")
-                                  ] = None,
-              host_id: Annotated[Optional[str], typer.Option(help="Override host identity")] = None,
-              node_ttl: Annotated[Optional[str], typer.Option(help="etcd lease TTL (config: master.node_ttl)")] = None,
+              node_ttl: Annotated[Optional[str], typer.Option(help="etcd lease TTL (config master.node_ttl)")] = None,
               run_dir: Annotated[Optional[str], typer.Option(help="Directory for the node's Unix socket")] = None,
-              device: Annotated[Optional[str], typer.Option(
-                  help="cpu (shared memory) or cuda:N (device memory, served through pinned staging)")] = None,
-              ucx: Annotated[Optional[bool], typer.Option(
-                  "--ucx/--no-ucx", help="Also serve data on ucx:// (needs the ucx extra: pip install kvpool\\[ucx])")
-              ] = None,
-              metrics_port: Annotated[Optional[int], typer.Option(
-                  help="Serve /metrics, /healthz, /readyz here (0 = any free port)")] = None,
-              disk_dir: Annotated[Optional[str], typer.Option(
-                  help="Directory of a disk tier under the memory segment (one node per directory; kept across "
-                       "restarts)")] = None,
-              disk_capacity: Annotated[Optional[str], typer.Option(
-                  help="Bytes of objects the disk tier may hold, e.g. 100GiB")] = None,
-              disk_port: Annotated[Optional[int], typer.Option(
-                  help="Port of the disk tier's reads, with --disk-dir (0 = any free port)")] = None,
-              secret_file: _SecretFile = None, tls_cert: _TlsCert = None, tls_key: _TlsKey = None,
-              tls_ca: _TlsCa = None, tls_client_certs: _TlsClientCerts = None, insecure: _Insecure = None) -> None:
+              overrides: dict | None = None) -> None:
     """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N).
-    Settings: its `storenodes` entry in --config (defaults: protocol/config.py StoreNodeConfig), each flag
-    overriding its key."""
-    flags = {k: v for k, v in locals().items() if k in StoreNodeConfig.__struct_fields__ and v is not None}
+    Settings: its `storenodes` entry in --config (defaults: protocol/config.py StoreNodeConfig) and the
+    `security` section, each flag overriding its key."""
     from kvpool.storenode.server import NodeSettings, main as run_node
+
+    flags = overrides.pop("storenode", {})
 
     def go() -> None:
         common = {"master": {"node_ttl": node_ttl}} if node_ttl is not None else {}
-        common.update(_security(secret_file, tls_cert, tls_key, tls_ca, tls_client_certs, insecure))
+        common.update(overrides)
         cfg = process_config(config, cluster, etcd, log_level, common, logs=False)
-        entry = cfg.storenode(name) if config is not None else StoreNodeConfig(name=name)
+        entry = cfg.storenode(flags.get("name")) if config is not None else StoreNodeConfig(name=flags.get("name"))
         cfg = process_config(config, cluster, etcd, log_level,
                              {**common, "storenodes": [{**msgspec.structs.asdict(entry), **flags}]})
         node = cfg.storenodes[0]
@@ -535,41 +462,22 @@ def drain(node: str, undo: Annotated[bool, typer.Option("--undo", help="Place on
 # ---- serving ---------------------------------------------------------------------------------
 
 @app.command()
+@config_flags(proxy=ProxyConfig)
 def proxy(prefill: Annotated[Optional[list[str]], typer.Option(
               "--prefill", help="Prefill (kv_producer) vLLM server URL, e.g. http://127.0.0.1:8100; repeatable")
           ] = None,
           decode: Annotated[Optional[list[str]], typer.Option(
               "--decode", help="Decode (kv_consumer) vLLM server URL; repeatable")] = None,
-          host: Annotated[Optional[str], typer.Option(help="Bind address")] = None,
-          port: Annotated[Optional[int], typer.Option(help="0 = any free port")] = None,
-          health_interval: Annotated[Optional[str], typer.Option(help="Between health checks of every server")
-                                     ] = None,
-          timeout: Annotated[Optional[str], typer.Option(
-              help="Deadline of one backend request, a whole stream included")] = None,
-          master: Annotated[Optional[str], typer.Option(
-              "--master", help="kvpool master tcp://host:port: release the hand-offs no decode server took")] = None,
           etcd: Annotated[Optional[str], typer.Option(
               "--etcd", help="kvpool etcd http://host:port (instead of --master)")] = None,
           cluster: Annotated[Optional[str], typer.Option(help="Cluster name, with --etcd")] = None,
-          read_timeout: Annotated[Optional[str], typer.Option(help="Deadline for a client to send its request body")
-                                  ] = None,
-          max_in_flight: Annotated[Optional[int], typer.Option(help="Generate requests served at once; more get 503")
-                                   ] = None,
-          api_key_file: Annotated[Optional[str], typer.Option(
-              help="File with the API key clients must send (Authorization: Bearer); else $KVPOOL_PROXY_API_KEY")
-                                  ] = None,
-          backend_api_key_file: Annotated[Optional[str], typer.Option(
-              help="File with the vLLM servers' --api-key; else $KVPOOL_BACKEND_API_KEY")] = None,
-          allow_no_api_key: Annotated[Optional[bool], typer.Option(
-              "--allow-no-api-key", help="Serve a non-loopback --host without an API key (warns loudly)")] = None,
-          config: ConfigOpt = None, log_level: LogLevelOpt = None) -> None:
+          config: ConfigOpt = None, log_level: LogLevelOpt = None, overrides: dict | None = None) -> None:
     """OpenAI-compatible front for prefill/decode vLLM pools: prefill with max_tokens=1, then decode with its
     kv_transfer_params (docs/vllm.md: router contract). Serves /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics until Ctrl-C. Settings: the `proxy` section of --config (its `etcd.endpoint`, when set,
     is the cluster's), each flag overriding its key."""
-    from kvpool.protocol.config import ProxyConfig
-
-    flags = {k: v for k, v in locals().items() if k in ProxyConfig.__struct_fields__ and v is not None}
+    flags = overrides.get("proxy", {})
+    flags.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v})
     from kvpool.cli.proxy import ProxySettings, run_proxy
 
     def go() -> None:

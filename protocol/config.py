@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import yaml
@@ -19,6 +19,17 @@ from kvpool.protocol.messages import ClusterSettings
 from kvpool.protocol.spin import SPIN_WAIT_MAX_S
 from kvpool.protocol.units import parse_duration, parse_size
 
+
+class _Described:
+    """``D[T, "text"]``: field type ``T`` described by ``text`` (``Annotated[T,
+    msgspec.Meta(description=text)]``), read by the generated CLI flags and JSON schema."""
+
+    def __class_getitem__(cls, item: tuple[Any, str]) -> Any:
+        tp, text = item
+        return Annotated[tp, msgspec.Meta(description=text)]
+
+
+D = _Described
 MIN_SEGMENT = 1 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICE_RE = r"cpu|cuda(:\d+)?"  # a store node segment's device: cpu (shared memory) or cuda[:N]
@@ -78,38 +89,34 @@ class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    host: str = "127.0.0.1"  # bind address of the RPC port (0.0.0.0: every interface)
-    # the host others reach this master at, published as the etcd leader key (null: ``host``,
-    # or for a wildcard ``host`` this machine's primary address; protocol/transport.py)
-    advertise: str | None = None
-    rpc_port: int = 0
-    metrics_port: int | None = None
-    replicas: int = 1
-    lease_ttl: str | float = "5s"
-    put_timeout: str | float = "30s"
-    quarantine: str | float = "5s"
-    node_ttl: str | float = "3s"
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
-    max_handoff_ttl: str | float = "24h"  # longest hold a hand-off publish may ask for
-    membership_poll: str | float = "250ms"
-    # the leader compacts etcd's history this often (0 = never) to its revision minus this many
-    # revisions, for etcd clusters without auto-compaction
-    etcd_compaction_interval: str | float = "60s"
-    etcd_compaction_retention: int = 10000
-    # re-replication of objects below their replica count (master/repair.py): at most this
-    # many copies started per second on average, and this many in flight at once
-    repair_rate: float = 50.0
-    repair_in_flight: int = 8
-    # objects (committed + being written) the master indexes at most; past it a put evicts
-    # the least recently used object, or fails with NoSpace when none can be evicted; 0: no bound
-    max_objects: int = 10_000_000
-    # asking a joining store node for its extent table (master/joins.py): deadline of a first
-    # attempt; after a failure wait join_backoff before the next; each further failure doubles
-    # both, up to join_backoff_max
-    join_timeout: str | float = "2s"
-    join_backoff: str | float = "500ms"
-    join_backoff_max: str | float = "30s"
+    """The ``master`` section. Each field's description is also its ``kvpool master`` flag's
+    help (cli/config_flags.py)."""
+
+    host: D[str, "Bind address of the RPC port (0.0.0.0: every interface)"] = "127.0.0.1"
+    advertise: D[str | None, "Address other hosts reach this master at, published as etcd's leader key (null: "
+                             "host; for 0.0.0.0 the host's primary address)"] = None
+    rpc_port: D[int, "RPC port (0: any free port; clients find it through etcd's leader key)"] = 0
+    metrics_port: D[int | None, "Serve /metrics, /healthz, /readyz here (0: any free port; null: off)"] = None
+    replicas: D[int, "Replicas per object unless a put asks otherwise"] = 1
+    lease_ttl: D[str | float, "How long a reader's lease keeps an object from eviction"] = "5s"
+    put_timeout: D[str | float, "A put not committed within this is revoked and its space freed"] = "30s"
+    quarantine: D[str | float, "The range of a revoked write waits this long before it is placed again"] = "5s"
+    node_ttl: D[str | float, "etcd lease TTL of the leadership and of store-node registrations"] = "3s"
+    high_watermark: D[float, "Used fraction of memory above which eviction starts"] = 0.90
+    low_watermark: D[float, "Used fraction eviction brings memory down to"] = 0.80
+    max_handoff_ttl: D[str | float, "Longest hold a hand-off publish may ask for"] = "24h"
+    membership_poll: D[str | float, "How often the master reads store-node membership from etcd"] = "250ms"
+    etcd_compaction_interval: D[str | float, "How often the leader compacts etcd's history (0: never), for etcd "
+                                             "clusters without auto-compaction"] = "60s"
+    etcd_compaction_retention: D[int, "Revisions of history that compaction keeps"] = 10000
+    repair_rate: D[float, "Re-replication copies started per second, on average (master/repair.py)"] = 50.0
+    repair_in_flight: D[int, "Re-replication copies in flight at most"] = 8
+    max_objects: D[int, "Objects (committed + being written) the master indexes at most; past it a put evicts "
+                        "the least recently used one, or fails with NoSpace (0: no bound)"] = 10_000_000
+    join_timeout: D[str | float, "Deadline of a first request for a joining store node's extent table "
+                                 "(master/joins.py)"] = "2s"
+    join_backoff: D[str | float, "Wait after a failed join request before the next (doubled per failure)"] = "500ms"
+    join_backoff_max: D[str | float, "Cap of the doubled join deadline and wait"] = "30s"
 
     def join_settings(self, key_prefix: str = "master.") -> tuple[float, float, float]:
         """``(join_timeout, join_backoff, join_backoff_max)`` in seconds. Raises ConfigError
@@ -147,37 +154,34 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: str | None = None
-    memory: str | int = "1GiB"
-    host: str = "127.0.0.1"  # bind address of the data, control and UCX ports (0.0.0.0: every interface)
-    # the host published in the node's etcd descriptor (null: like master.advertise)
-    advertise: str | None = None
-    data_port: int = 0  # 0: any free port, for this and the next two
-    control_port: int = 0  # the master's zmq control connection
-    ucx_port: int = 0  # ucx:// data (with ucx: true)
-    host_id: str | None = None
-    device: str = "cpu"
-    ucx: bool = False  # also serve the data plane on ucx:// (needs the [ucx] extra)
-    metrics_port: int | None = None  # /metrics, /healthz, /readyz over HTTP (0: any free port; null: off)
-    # threads serving data requests (1..1024); idle connections wait on one selector thread
-    # and cost none (storenode/connpool.py)
-    data_workers: int = 16
-    # the disk tier under the memory segment (storenode/disk_tier.py; off while disk_dir is
-    # null): a directory of its own (a local NVMe path in production; one node per
-    # directory), the bytes of object files it may hold, and its watermarks (fractions of
-    # disk_capacity: above the high one the master evicts disk objects, least recently used
-    # first, down to the low one). Objects the memory watermark would evict are demoted
-    # there instead, and a restarted node brings back what it holds.
-    disk_dir: str | None = None
-    disk_capacity: str | int = "10GiB"
-    disk_high_watermark: float = 0.95
-    disk_low_watermark: float = 0.90
-    # threads serving disk reads on the tier's own sockets (a disk read never holds a
-    # memory-read worker); demotions are written by one thread at most disk_write_rate
-    # bytes per second on average (0: as fast as the disk takes them)
-    disk_readers: int = 4
-    disk_write_rate: str | int = 0
-    disk_port: int = 0  # the disk tier's TCP read port (0: any free port)
+    """One ``storenodes`` entry. Each field's description is also its ``kvpool storenode``
+    flag's help (cli/config_flags.py). The disk tier (storenode/disk_tier.py) is off while
+    ``disk_dir`` is null; objects the memory watermark would evict are demoted there, and a
+    restarted node brings back what it holds."""
+
+    name: D[str | None, "Node id; with --config, picks its storenodes entry (default: the only entry, else "
+                        "random)"] = None
+    memory: D[str | int, "Segment size, e.g. 2GiB"] = "1GiB"
+    host: D[str, "Bind address of the data, control and UCX ports (0.0.0.0: every interface)"] = "127.0.0.1"
+    advertise: D[str | None, "Address other hosts reach this node at, published in etcd (null: host; for "
+                             "0.0.0.0 the host's primary address)"] = None
+    data_port: D[int, "Data port (0: any free port)"] = 0
+    control_port: D[int, "Port of the master's control connection (0: any free port)"] = 0
+    ucx_port: D[int, "Port of ucx:// data, with ucx (0: any free port)"] = 0
+    host_id: D[str | None, "Host identity (default: derived from the machine); same-host clients map memory"] = None
+    device: D[str, "cpu (shared memory) or cuda:N (device memory, served through pinned staging)"] = "cpu"
+    ucx: D[bool, "Also serve data on ucx:// (needs the ucx extra)"] = False
+    metrics_port: D[int | None, "Serve /metrics, /healthz, /readyz here (0: any free port; null: off)"] = None
+    data_workers: D[int, "Threads serving data requests (1..1024); idle connections cost none "
+                         "(storenode/connpool.py)"] = 16
+    disk_dir: D[str | None, "Directory of a disk tier under the memory segment (one node per directory; kept "
+                            "across restarts)"] = None
+    disk_capacity: D[str | int, "Bytes of objects the disk tier may hold, e.g. 100GiB"] = "10GiB"
+    disk_high_watermark: D[float, "Used fraction of disk_capacity above which disk objects are evicted"] = 0.95
+    disk_low_watermark: D[float, "Used fraction disk eviction brings the tier down to"] = 0.90
+    disk_readers: D[int, "Threads serving disk reads on the tier's own sockets"] = 4
+    disk_write_rate: D[str | int, "Bytes per second demotions are written at most, on average (0: unbounded)"] = 0
+    disk_port: D[int, "Port of the disk tier's reads, with disk_dir (0: any free port)"] = 0
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -189,19 +193,19 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     clients must present on ``/v1/*`` (required when ``host`` is not loopback, unless
     ``allow_no_api_key``); ``backend_api_key_file``: the vLLM servers' key."""
 
-    prefill: list[str] = msgspec.field(default_factory=list)
-    decode: list[str] = msgspec.field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    health_interval: str | float = "2s"
-    timeout: str | float = "300s"
-    read_timeout: str | float = "30s"
-    max_in_flight: int = 1024
-    master: str | None = None
-    api_key_file: str | None = None  # clients must send this key (else KVPOOL_PROXY_API_KEY)
-    backend_api_key_file: str | None = None  # sent to the vLLM servers (else KVPOOL_BACKEND_API_KEY)
-    # bound beyond loopback, the proxy needs an API key unless this is true (it then warns)
-    allow_no_api_key: bool = False
+    prefill: D[list[str], "Prefill (kv_producer) vLLM server URLs"] = msgspec.field(default_factory=list)
+    decode: D[list[str], "Decode (kv_consumer) vLLM server URLs"] = msgspec.field(default_factory=list)
+    host: D[str, "Bind address"] = "127.0.0.1"
+    port: D[int, "Port (0: any free port)"] = 8000
+    health_interval: D[str | float, "Between health checks of every server"] = "2s"
+    timeout: D[str | float, "Deadline of one backend request, a whole stream included"] = "300s"
+    read_timeout: D[str | float, "Deadline for a client to send its request body"] = "30s"
+    max_in_flight: D[int, "Generate requests served at once; more get 503"] = 1024
+    master: D[str | None, "kvpool master tcp://host:port: release the hand-offs no decode server took"] = None
+    api_key_file: D[str | None, "File with the API key clients must send (Authorization: Bearer); else "
+                                "$KVPOOL_PROXY_API_KEY"] = None
+    backend_api_key_file: D[str | None, "File with the vLLM servers' --api-key; else $KVPOOL_BACKEND_API_KEY"] = None
+    allow_no_api_key: D[bool, "Serve a non-loopback host without an API key (warns loudly)"] = False
 
 
 class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -263,14 +267,14 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       to anyone who reaches it); without it, such a start is refused.
     """
 
-    secret_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    tls_client_certs: bool = False
-    max_conns: int = 1024
-    frame_timeout: str | float = "30s"
-    insecure: bool = False
+    secret_file: D[str | None, "File holding the cluster secret (env KVPOOL_SECRET_FILE or KVPOOL_SECRET)"] = None
+    tls_cert: D[str | None, "PEM certificate chain the TCP servers present"] = None
+    tls_key: D[str | None, "PEM private key of tls_cert"] = None
+    tls_ca: D[str | None, "PEM CA that verifies servers, and client certificates with tls_client_certs"] = None
+    tls_client_certs: D[bool, "Require client certificates signed by tls_ca"] = False
+    max_conns: D[int, "Connections one server holds at once; more are refused with Overloaded"] = 1024
+    frame_timeout: D[str | float, "Longest wait for a half-sent request frame, or one blocking send"] = "30s"
+    insecure: D[bool, "Start without a cluster secret: every port open to anyone who reaches it"] = False
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

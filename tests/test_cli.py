@@ -171,3 +171,30 @@ def test_master_addresses_that_cannot_work_fail_at_once():
                            timeout=60)
         assert r.returncode == 2 and want in r.stderr, (addr, r.stderr)
         assert time.monotonic() - t0 < 8.0
+
+
+def test_server_flags_are_generated_from_the_config():
+    """Each default once (cli/config_flags.py): every scalar field of the master, store-node,
+    proxy and security sections is a flag of its command, with the field's description as
+    its help and the config's default shown; each field is described."""
+    import msgspec
+    from typer.main import get_command
+
+    from kvpool.cli.app import app
+    from kvpool.cli.config_flags import _flag_type
+    from kvpool.protocol.config import MasterConfig, ProxyConfig, SecurityConfig, StoreNodeConfig
+
+    cmd = get_command(app)
+    for name, structs in (("master", (MasterConfig, SecurityConfig)), ("storenode", (StoreNodeConfig, SecurityConfig)),
+                          ("proxy", (ProxyConfig,))):
+        params = {p.name: p for p in cmd.commands[name].params}
+        for struct in structs:
+            for f in msgspec.structs.fields(struct):
+                got = _flag_type(f.type)
+                assert got is None or got[1], f"{struct.__name__}.{f.name} has no description"
+                if got is None or f.name in ("prefill", "decode"):
+                    continue
+                p = params[f.name]
+                assert "--" + f.name.replace("_", "-") in p.opts, (name, f.name, p.opts)
+                assert got[1] in p.help and f"{f.name}" in p.help, (name, f.name, p.help)
+    assert "--max-objects" in {o for p in cmd.commands["master"].params for o in p.opts}
