@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -283,6 +284,32 @@ def unpin(key: str, config: ConfigOpt = None, master: MasterOpt = None, etcd: Et
         with connect(config, master, etcd, cluster) as c:
             c.unpin(key)
         console.print(f"unpinned {key}")
+
+    _run(go)
+
+
+@app.command()
+def story(key: str, limit: Annotated[int, typer.Option(help="Newest entries shown at most")] = 100,
+          json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
+          cluster: ClusterOpt = None) -> None:
+    """What the leading master recorded about KEY, oldest first: stored (on which nodes), replicas lost and
+    repaired, demoted, promoted, pinned, evicted and why, removed. The log is bounded and kept by the leader
+    only (a new leader starts it empty)."""
+    def go() -> None:
+        with connect(config, master, etcd, cluster) as c:
+            rows = c.story(key, limit)
+        if json_:
+            print(msgspec.json.encode(rows).decode())
+            return
+        if not rows:
+            console.print(f"the master has no story of {key!r} (never seen by this leader, or gone from its "
+                          "bounded log)", soft_wrap=True, highlight=False)
+            return
+        t = Table("time (UTC)", "event", "detail", title=f"story of {key}")
+        for r in rows:
+            t.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.t)) + f".{int(r.t % 1 * 1000):03d}",
+                      r.event, escape(r.detail))
+        console.print(t)
 
     _run(go)
 

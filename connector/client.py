@@ -786,6 +786,13 @@ class KVPoolClient(ReservedPuts, HintedReads):
     def ls(self, prefix: str = "", limit: int = 10000) -> list[M.ObjectMeta]:
         return self.rpc.call(M.ListObjects(prefix, limit))
 
+    def story(self, key: str, limit: int = 100) -> list[M.StoryEntry]:
+        """What the leading master recorded about ``key``, oldest first (at most ``limit``
+        entries; ``t`` in Unix seconds): stored, replicas lost and repaired, demoted,
+        promoted, pinned, evicted and why, removed (master/story.py). Empty for a key the
+        master's bounded log no longer holds, or one it never saw."""
+        return self.rpc.call(M.Story(key, limit))
+
     def stats(self) -> M.ClusterStats:
         return self.rpc.call(M.Stats())
 

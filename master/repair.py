@@ -175,6 +175,7 @@ class RepairMixin:
         src = next((r for r in live if not r.tier), live[0])  # a memory replica when there is one
         obj.repairing = True
         self.repairs[obj.key] = (ref, now, obj, src.node_id)
+        self.story.add(obj.key, "repair started", (f"copy from {src.node_id}", f"to {dst.node_id}"))
         self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
                                                  obj.layout.encode() if obj.layout else None, src_tier=src.tier))
         self.counters["repairs_started"] += 1
@@ -197,6 +198,8 @@ class RepairMixin:
                 self.outbox[dst.node_id].append(NodeFree([(dst.offset, dst.gen)]))
             if not ok:
                 self.counters["repairs_failed"] += 1
+            if current:
+                self.story.add(key, "repair failed" if not ok else "repair dropped", dst.node_id)
             if current and self._short(obj):
                 self._park(obj, self._now)
             return
@@ -219,6 +222,7 @@ class RepairMixin:
                 self._free_extent(r)
         self._lru_add(obj)
         self.counters["repairs_done"] += 1
+        self.story.add(key, "repair done", obj.node_ids())
         self._maybe_repair(obj)
         self.pump_repairs(self._now)
 

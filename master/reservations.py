@@ -236,6 +236,7 @@ class ReservationMixin:
             rows.setdefault(r.node_id, []).append(ExtentEntry(key, r.offset, r.size, r.gen, it.checksum, lay, True,
                                                               held.wanted))
         self.counters["puts_reserved"] += 1
+        self.story.add(key, "stored", obj.node_ids())
         if key in self.waiting_pins or key in self.waiting_holds:
             self._settle_waiting(obj, now)
         if len(held.refs) < held.wanted:

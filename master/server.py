@@ -420,6 +420,8 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             return st.remove(req.keys, req.force, now)
         if isinstance(req, M.ListObjects):
             return st.list_objects(req.prefix, req.limit, now, time.time())  # wall: for display only
+        if isinstance(req, M.Story):  # at most STORY_MAX entries scanned (master/story.py)
+            return [M.StoryEntry(t, e, d) for t, e, d in st.story.of(req.key, req.limit)]
         if isinstance(req, M.Stats):  # walked off this thread; answered when the walk is done
             return self.stats.request()
         if isinstance(req, (M.Pin, M.Unpin)):  # durable first: an acknowledged (un)pin survives a failover
@@ -475,7 +477,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
 # given here is not honoured by a successor, and reads check generation and checksum)
 # requests of operators (or the cluster secret's holders) only, never of a client credential
 _OPERATOR_ONLY = frozenset((M.SetConfig, M.Evict, M.Drain))
-_READS = (M.Lookup, M.ReleaseLeases, M.Exists, M.Stats, M.ListObjects, M.GetConfig)
+_READS = (M.Lookup, M.ReleaseLeases, M.Exists, M.Stats, M.ListObjects, M.GetConfig, M.Story)
 
 
 def main(s: MasterServerSettings) -> None:

@@ -34,6 +34,7 @@ from kvpool.master.handoffs import Handoff, HandoffMixin
 from kvpool.master.placement import spread
 from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
 from kvpool.master.reservations import Held, ReservationMixin
+from kvpool.master.story import Story
 from kvpool.master.stats import StatsSnapshot
 from kvpool.master.members import Node
 from kvpool.master.tiers import TierMixin
@@ -49,6 +50,13 @@ from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, 
 MAX_REPLICAS = 16
 DEPARTED_KEEP_S = 120.0  # how long a dropped node's memory may come back and be indexed again
 DEPARTED_MAX_KEYS = 200_000  # removals tracked per away node; past that it comes back empty
+# a drop's reason -> the story's event and its explanation (master/story.py)
+_GONE = {"remove": "removed", "node_lost": "lost", "corrupt": "dropped"}
+_WHY = {"remove": "by a client's remove", "node_lost": "its last replica's store node left (it may bring it back)",
+        "corrupt": "its last replica failed its checksum", "watermark": "least recently used while a node was above "
+        "the high watermark", "max_objects": "least recently used while the master held master.max_objects",
+        "admin": "by an operator's kvpool evict", "alloc": "least recently used, to make room for a put", "disk": "least recently used while a disk tier was "
+        "above its high watermark"}
 
 
 class MasterSettings(ClusterSettings, frozen=True):
@@ -87,6 +95,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         self.departed: dict[str, list] = {}  # incarnation -> [forget after, keys dropped since | None]
         self.unpinned: list[str] = []  # pinned keys dropped since take_unpinned(): their etcd records go
         self.counters: dict[str, int] = defaultdict(int)
+        self.story = Story()  # what happened to each object, for `kvpool story` (master/story.py)
         # put ids from a random base per state (per leader): a writer granted by an earlier
         # leader cannot match another put of its key at the new one (put_end by id)
         self._put_ids = itertools.count((int.from_bytes(os.urandom(5), "little") << 20) + 1)
@@ -165,6 +174,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
                 self._drop(obj, reason="node_lost", away=True)
                 lost.append(key)
             else:
+                self.story.add(key, "replica lost", node_id)
                 self._maybe_repair(obj)
         self._cancel_repairs(node_id)
         self.drop_reservations_on(node_id, now)
@@ -198,8 +208,11 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             return
         if not trusted and len(obj.replicas) == 1 and (obj.pin or obj.holds):
             self.counters["corrupt_reports_kept"] += 1
+            self.story.add(key, "corrupt replica reported", (node_id, "kept: a client credential may not drop the "
+                                                              "last replica of a pinned or held object"))
             return
         self.counters["replicas_corrupt"] += 1
+        self.story.add(key, "corrupt replica reported", (node_id, "dropped"))
         if len(obj.replicas) == 1:
             self._drop(obj, reason="corrupt")
             return
@@ -415,6 +428,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             self.objects[key] = obj
             for r in obj.replicas:
                 self.outbox[r.node_id].append(NodeCommit([commit_row(obj, r)]))
+            self.story.add(key, "stored", obj.node_ids())
             self._lru_add(obj)
             if key in self.waiting_pins or key in self.waiting_holds:
                 self._settle_waiting(obj, now)
@@ -436,6 +450,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
     def _revoke_pending(self, obj: Obj, now: float, quarantine: bool) -> None:
         self.pending.pop(obj.key, None)
         self.counters["puts_revoked"] += 1
+        self.story.add(obj.key, "write revoked", "its writer was silent past put_timeout, another put of the key "
+                       "replaced it, or a store node it wrote to left" if quarantine else "a store node it wrote to left")
         for r in obj.replicas:
             node = self.nodes.get(r.node_id)
             if node is None:
@@ -559,6 +575,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             if node is not None:
                 node.drop_key(obj.key)
         self.counters[f"evictions_{reason}"] += 1
+        self.story.add(obj.key, _GONE.get(reason, "evicted"), _WHY.get(reason, reason))
 
     def _free_extent(self, r: ExtentRef) -> None:
         if r.tier:  # a disk file (master/tiers.py)
@@ -587,6 +604,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         self._lru_remove(obj)
         obj.pin = "hard" if ttl_s is None else "soft"
         obj.pin_until = 0.0 if ttl_s is None else now + ttl_s
+        self.story.add(key, "pinned", "hard" if ttl_s is None else f"soft, {ttl_s:g}s")
         self._lru_add(obj)
         self._maybe_repair(obj)
 
@@ -602,6 +620,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         obj = self._get(key)
         self._lru_remove(obj)
         obj.pin, obj.pin_until = "", 0.0
+        self.story.add(key, "unpinned")
         self._lru_add(obj)
 
     def _get(self, key: str) -> Obj:

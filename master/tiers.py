@@ -243,6 +243,7 @@ class TierMixin:
         d.demotion_s += done.seconds
         self.counters["demotions"] += 1
         self.counters["demoted_bytes"] += obj.size
+        self.story.add(obj.key, "demoted to disk", node_id)
         self._disk_reads.pop(obj.key, None)
         self._lru_add(obj)
         if d.used > d.high * d.capacity:
@@ -320,6 +321,7 @@ class TierMixin:
         d.promotion_s += done.seconds
         self.counters["promotions"] += 1
         self.counters["promoted_bytes"] += obj.size
+        self.story.add(obj.key, "promoted to memory", node_id)
         self._lru_add(obj)
 
     # ---- frees, restore, periodic ---------------------------------------------------------

@@ -316,6 +316,20 @@ class ReleaseLeases(msgspec.Struct, tag="release"):
     keys: list[str]
 
 
+class Story(msgspec.Struct, tag="story"):
+    """What the leading master recorded about ``key`` (master/story.py): its newest
+    ``limit`` entries, oldest first."""
+
+    key: str
+    limit: int = 100
+
+
+class StoryEntry(msgspec.Struct, frozen=True, array_like=True):
+    t: float  # wall-clock seconds (Unix time) at the master
+    event: str  # stored, replica lost, repair started / done / failed, evicted, removed, ...
+    detail: str = ""
+
+
 class Exists(msgspec.Struct, tag="exists"):
     keys: list[str]
 
@@ -464,6 +478,7 @@ class HandoffRelease(msgspec.Struct, tag="handoff_release"):
 
 
 Request = Union[PutStart, PutEnd, PutRevoke, Reserve, PutReserved, Lookup, ReleaseLeases, Exists, Remove, ListObjects, Stats, Pin, Unpin,
+                Story,
                 Evict, ReportDead, ReportCorrupt, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease,
                 GetConfig, SetConfig, Hello]
 
@@ -489,6 +504,7 @@ RESULT_TYPES: dict[type, Any] = {
     PutReserved: PutReservedReply,
     Lookup: list[Union[ObjectInfo, ErrorInfo]],
     Exists: list[bool],
+    Story: list[StoryEntry],
     ReleaseLeases: None,
     Remove: list[Union[ErrorInfo, None]],
     ListObjects: list[ObjectMeta],
