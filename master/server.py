@@ -420,7 +420,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             return st.remove(req.keys, req.force, now)
         if isinstance(req, M.ListObjects):
             return st.list_objects(req.prefix, req.limit, now, time.time())  # wall: for display only
-        if isinstance(req, M.Story):  # at most STORY_MAX entries scanned (master/story.py)
+        if isinstance(req, M.Story):  # the key's own entries, at most STORY_LIMIT (master/story.py)
             return [M.StoryEntry(t, e, d) for t, e, d in st.story.of(req.key, req.limit)]
         if isinstance(req, M.Stats):  # walked off this thread; answered when the walk is done
             return self.stats.request()

@@ -10,7 +10,7 @@ have none left. It lives in the leading master's memory: a new leader starts it 
 
 Entries are ``(wall time, key, event, detail)``; ``detail`` is kept as the caller gave it
 (a node id, a tuple of node ids, a reason) and formatted only when a story is asked for,
-so an entry costs a tuple and an append on the request path.
+so an entry costs a tuple and two appends on the request path.
 """
 from __future__ import annotations
 
@@ -18,26 +18,45 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-STORY_MAX = 100_000  # entries kept, all keys together (about 21 MB at most, metadata_bench.py)
+STORY_MAX = 50_000  # entries kept, all keys together (about 330 bytes each, metadata_bench.py: 16 MB)
+STORY_LIMIT = 1000  # entries one answer holds at most (a key re-put all day keeps more)
 
 
 class Story:
-    """The bounded log; ``clock`` gives wall-clock seconds (``time.time``)."""
+    """The bounded log, indexed by key; ``clock`` gives wall-clock seconds (``time.time``).
+    A story is read from its key's own entries, so asking costs what that key holds, never
+    a scan of the whole log (any client may ask)."""
 
-    __slots__ = ("log", "clock")
+    __slots__ = ("maxlen", "size", "order", "by_key", "clock")
 
     def __init__(self, maxlen: int = STORY_MAX, clock: Callable[[], float] = time.time) -> None:
-        self.log: deque[tuple[float, str, str, Any]] = deque(maxlen=maxlen)
+        self.maxlen = maxlen
+        self.size = 0
+        self.order: deque[str] = deque()  # the key of every entry, oldest first
+        self.by_key: dict[str, list[tuple[float, str, Any]]] = {}  # lists: a deque per key costs 600 bytes
         self.clock = clock
 
     def add(self, key: str, event: str, detail: Any = "") -> None:
-        self.log.append((self.clock(), key, event, detail))
+        entries = self.by_key.get(key)
+        if entries is None:
+            entries = self.by_key[key] = []
+        entries.append((self.clock(), event, detail))
+        self.order.append(key)
+        if self.size < self.maxlen:
+            self.size += 1
+            return
+        old = self.order.popleft()  # the oldest entry of all is its key's oldest
+        gone = self.by_key[old]
+        del gone[0]
+        if not gone:
+            del self.by_key[old]
 
     def of(self, key: str, limit: int = 100) -> list[tuple[float, str, str]]:
-        """The newest ``limit`` entries of ``key``, oldest first: ``(wall time, event,
-        detail text)``. Scans the whole log (at most STORY_MAX entries; a few ms)."""
-        out = [(t, e, _text(d)) for t, k, e, d in self.log if k == key]
-        return out[-limit:] if limit > 0 else out
+        """The newest ``limit`` entries of ``key`` (at most STORY_LIMIT; 0: that many),
+        oldest first: ``(wall time, event, detail text)``."""
+        entries = self.by_key.get(key, ())
+        limit = min(limit, STORY_LIMIT) if limit > 0 else STORY_LIMIT
+        return [(t, e, _text(d)) for t, e, d in entries[-limit:]]
 
 
 def _text(detail: Any) -> str:
