@@ -492,6 +492,8 @@ def batch_len(req: Any) -> int:
     The master refuses more than :data:`MAX_BATCH_KEYS`: one request's work, and its
     reply, stay bounded (16,384 misses of 512-byte keys answer in about 18 MiB, inside
     ``protocol.rpcwire.MAX_FRAME``)."""
+    if type(req) is HandoffPublish:  # its record's keys, all groups together (etcd holds the record too)
+        return sum(len(v) for v in req.record.keys.values())
     field = _BATCH_FIELD.get(type(req))
     return len(getattr(req, field)) if field else 0
 

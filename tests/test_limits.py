@@ -251,7 +251,10 @@ def test_a_batch_past_the_key_limit_is_refused_and_the_client_splits_it(lc):
     assert len(refused) == 9 and lat
     print(f"\nLIMITS three 400k-key requests: another client's worst exists {max(lat) * 1e3:.0f} ms "
           f"over {len(lat)} calls", flush=True)
-    with lc.client(rpc_timeout_s=60) as c:
+    with lc.client(rpc_timeout_s=60) as c:  # a hand-off counts its record's keys over all groups
+        rec = M.HandoffRecord("big", {"0": keys[:10_000], "1": keys[10_000:20_000]}, {}, "p", 60.0)
+        with pytest.raises(InvalidRequest, match="HandoffPublish carries 20000 keys"):
+            c.rpc.call(M.HandoffPublish(rec))
         n = M.MAX_BATCH_KEYS * 2 + 5
         put_keys = [f"limit/split/{i}" for i in range(n)]
         assert c.put_batch(put_keys, [b"v%d" % (i % 7) for i in range(n)]) == [None] * n
