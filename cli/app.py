@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -14,6 +15,7 @@ from typing import Annotated, Optional
 
 import msgspec
 import typer
+from typer import rich_utils
 from rich.markup import escape
 from rich.table import Table
 
@@ -27,6 +29,11 @@ from kvpool.protocol.units import format_bytes, parse_duration, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="kvpool: a distributed KV-cache store for LLM inference.")
+# help renders at least HELP_WIDTH columns wide (piped output is taken as 80): narrower, rich cuts
+# the long generated flag names; a narrower terminal wraps the lines instead
+HELP_WIDTH = 120
+if rich_utils.MAX_WIDTH is None:
+    rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
 
 
 def _run(fn):
@@ -116,7 +123,7 @@ def master(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt =
 @config_flags(storenode=StoreNodeConfig, security=SecurityConfig)
 def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt = None,
               log_level: LogLevelOpt = None,
-              node_ttl: Annotated[Optional[str], typer.Option(help="etcd lease TTL (config master.node_ttl)")] = None,
+              node_ttl: Annotated[Optional[str], typer.Option(help="TTL of this node's etcd registration (config master.node_ttl: one TTL for the cluster)")] = None,
               run_dir: Annotated[Optional[str], typer.Option(help="Directory for the node's Unix socket")] = None,
               overrides: dict | None = None) -> None:
     """Run one store node with a segment of --memory bytes (shared memory, or GPU memory with --device cuda:N).
@@ -439,13 +446,14 @@ def settings(set_: Annotated[Optional[list[str]], typer.Option(
 
 
 @app.command()
-def evict(key: Annotated[Optional[str], typer.Option()] = None,
-          prefix: Annotated[Optional[str], typer.Option()] = None,
-          model: Annotated[Optional[str], typer.Option()] = None,
-          node: Annotated[Optional[str], typer.Option()] = None,
-          older_than: Annotated[Optional[str], typer.Option(help="e.g. 10m")] = None,
-          all_: Annotated[bool, typer.Option("--all")] = False,
-          dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+def evict(key: Annotated[Optional[str], typer.Option(help="One object")] = None,
+          prefix: Annotated[Optional[str], typer.Option(help="Objects whose key starts with this")] = None,
+          model: Annotated[Optional[str], typer.Option(help="Objects a model's engines stored (key <ns>/<model>/...)")
+                           ] = None,
+          node: Annotated[Optional[str], typer.Option(help="Objects with a replica on this store node")] = None,
+          older_than: Annotated[Optional[str], typer.Option(help="Objects not read for this long, e.g. 10m")] = None,
+          all_: Annotated[bool, typer.Option("--all", help="Every object")] = False,
+          dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would go; remove nothing")] = False,
           force: Annotated[bool, typer.Option(help="Include leased, pinned and held objects")] = False,
           json_: JsonOpt = False, config: ConfigOpt = None, master: MasterOpt = None, etcd: EtcdOpt = None,
           cluster: ClusterOpt = None) -> None:
@@ -461,9 +469,17 @@ def evict(key: Annotated[Optional[str], typer.Option()] = None,
             print(msgspec.json.encode(rep).decode())
             return
         verb = "would remove" if rep.dry_run else "removed"
+        skipped = rep.skipped_leased + rep.skipped_pinned + rep.skipped_held
         console.print(f"{verb} {rep.removed} object(s) / {format_bytes(rep.removed_bytes)}; skipped "
-                      f"{rep.skipped_leased + rep.skipped_pinned + rep.skipped_held}: leased {rep.skipped_leased}, "
-                      f"pinned {rep.skipped_pinned}, held {rep.skipped_held}")
+                      f"{skipped}: leased {rep.skipped_leased}, pinned {rep.skipped_pinned}, held {rep.skipped_held}")
+        if key is not None and skipped and not rep.removed:  # the one object asked for stayed
+            why = "pinned" if rep.skipped_pinned else "leased by a reader" if rep.skipped_leased else \
+                "held by an open hand-off"
+            fix = f"`kvpool unpin {key}` first, or" if rep.skipped_pinned else "wait, or"
+            raise (E.Pinned if rep.skipped_pinned else E.HasLease)(
+                f"{key!r} was not evicted: it is {why}; {fix} evict it with --force", key=key)
+        if skipped and not force:
+            console.print("(--force includes leased, pinned and held objects)", highlight=False)
 
     _run(go)
 

@@ -282,7 +282,8 @@ def render_demo(report: dict, console=None) -> None:
     skipped = sum(r["already_stored_blocks"] for r in p["rows"])
     console.print(f"engine A (pid {p['pid']}): prefilled {len(p['rows'])} prompts, "
                   f"{'exited before engine B read' if p['exited_before_consumer'] else 'still running'}")
-    console.print(f"  stored {put_blocks} blocks ({_size(tot['bytes_put'])}), skipped {skipped} already stored")
+    console.print(f"  stored {put_blocks} blocks ({_size(tot['bytes_put'])}); {skipped} more were already stored "
+                  "(by an earlier prompt with the same prefix)")
     console.print(_request_table(f"engine B (pid {report['consumer']['pid']}): store-backed prefill vs full recompute",
                                  report["requests"], report["tolerance"]))
     _questions(report["requests"], console)

@@ -1,5 +1,6 @@
 """The operator CLI against a real cluster (subprocesses, as an operator runs it)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -58,10 +59,12 @@ def test_evict_pin_unpin(cluster, tmp_path):
     assert rep["removed"] == 1 and rep["skipped_pinned"] == 2 and rep["dry_run"]
     assert len(json.loads(kv(cluster, "ls", "--prefix", "ev/", "--json").stdout)) == 3  # dry run changed nothing
     p = kv(cluster, "evict", "--prefix", "ev/")
-    assert "removed 1 object(s)" in p.stdout and "pinned 2" in p.stdout
+    assert "removed 1 object(s)" in p.stdout and "pinned 2" in p.stdout and "--force includes" in p.stdout
     kv(cluster, "unpin", "ev/1")
     rep = json.loads(kv(cluster, "evict", "--prefix", "ev/", "--json").stdout)
     assert rep["removed"] == 1 and rep["skipped_pinned"] == 1
+    p = kv(cluster, "evict", "--key", "ev/0", ok=False)  # the one key asked for stays: say why and what to do
+    assert p.returncode == 6 and "pinned" in p.stderr and "kvpool unpin ev/0" in p.stderr and "--force" in p.stderr
     rep = json.loads(kv(cluster, "evict", "--key", "ev/0", "--force", "--json").stdout)
     assert rep["removed"] == 1
     assert json.loads(kv(cluster, "ls", "--prefix", "ev/", "--json").stdout) == []
@@ -198,3 +201,8 @@ def test_server_flags_are_generated_from_the_config():
                 assert "--" + f.name.replace("_", "-") in p.opts, (name, f.name, p.opts)
                 assert got[1] in p.help and f"{f.name}" in p.help, (name, f.name, p.help)
     assert "--max-objects" in {o for p in cmd.commands["master"].params for o in p.opts}
+    for name in ("master", "storenode", "proxy"):  # piped (taken as 80 columns): no name or default cut off
+        out = subprocess.run([sys.executable, "-m", "kvpool.cli", name, "--help"], capture_output=True, text=True,
+                             timeout=60, env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")})
+        assert out.returncode == 0 and "…" not in out.stdout, out.stdout
+        assert "--etcd-compaction-interval" in out.stdout or name != "master"
