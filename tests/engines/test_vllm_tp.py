@@ -11,6 +11,7 @@ one-copy-for-all-TP-sizes keys are checked on vLLM's spec objects
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -48,11 +49,17 @@ def engines(cluster, tmp_path_factory):
         "cons2": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait), **TP2),
         "cons1": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait)),
     }
+    shm_before = set(os.listdir("/dev/shm"))
     started = {name: Engine(name, model, logs, startup_timeout_s=400, **kw) for name, kw in specs.items()}
     try:
         yield started
     finally:
         close_all(started.values())
+        # vLLM's TP broadcast queues (multiprocessing shared memory, psm_*) outlive their workers
+        for f in set(os.listdir("/dev/shm")) - shm_before:
+            if f.startswith("psm_"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", f))
 
 
 def test_tp2_handoff_and_shared_prefix(engines, kv):
