@@ -22,7 +22,7 @@ import time
 import traceback
 from collections import deque
 
-from kvpool.protocol.errors import EtcdFull, EtcdUnavailable, KVPoolError
+from kvpool.protocol.errors import EtcdFull, EtcdUnavailable, InvalidRequest, KVPoolError
 
 WAIT_S = 3.0  # seconds a durable write may take before its request is answered
 
@@ -114,6 +114,11 @@ class DurableWrites:
             self.answer(p, None, EtcdFull(f"{p.what} need etcd and nothing was changed: {exc}", **exc.fields))
             return
         if exc is not None:
+            if "too large" in str(exc):  # etcd's request size limit (--max-request-bytes, 1.5 MiB by default)
+                self.answer(p, None, InvalidRequest(
+                    f"etcd refused the record as too large ({exc}); nothing was changed. {p.what.capitalize()} "
+                    "are kept in etcd: make the record smaller (fewer keys per hand-off)"))
+                return
             if p.client is None:
                 self.retry_later(p.key)
             self.answer(p, None, EtcdUnavailable(

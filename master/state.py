@@ -408,6 +408,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         """Commit pending puts; ``checksums`` (if given, one per key) replace put_start's."""
         if checksums and len(checksums) != len(keys):
             raise E.InvalidRequest(f"put_end: {len(keys)} keys but {len(checksums)} checksums")
+        if len(put_ids) != len(keys):
+            raise E.InvalidRequest(f"put_end: {len(keys)} keys but {len(put_ids)} put ids")
         out: list[ErrorInfo | None] = []
         for i, (key, pid) in enumerate(zip(keys, put_ids)):
             obj = self.pending.get(key)
@@ -439,6 +441,8 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         return out
 
     def put_revoke(self, keys: list[str], put_ids: list[int], now: float) -> list[ErrorInfo | None]:
+        if len(put_ids) != len(keys):
+            raise E.InvalidRequest(f"put_revoke: {len(keys)} keys but {len(put_ids)} put ids")
         out: list[ErrorInfo | None] = []
         for key, pid in zip(keys, put_ids):
             obj = self.pending.get(key)

@@ -305,6 +305,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for key in ("lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll",
                     "etcd_compaction_interval"):
             parse_duration(getattr(m, key), key=f"master.{key}")
+        for key, least, why in (("node_ttl", 1.0, "etcd grants no shorter lease than its own minimum"),
+                                ("membership_poll", 0.01, "a shorter poll keeps a core busy reading etcd")):
+            if parse_duration(getattr(m, key)) < least:
+                raise ConfigError(f"master.{key}: {getattr(m, key)!r}; accepted: a duration of at least {least:g}s "
+                                  f"({why})", key=f"master.{key}")
         m.check_joins()
         if not 0 < m.low_watermark <= m.high_watermark <= 1:
             raise ConfigError(

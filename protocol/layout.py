@@ -10,6 +10,7 @@ also travels with the object so a reader detects a mismatch (:class:`LayoutMisma
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import msgspec
 import xxhash
@@ -21,6 +22,9 @@ PARALLEL = ("split", "replicate")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1,
                "int32": 4, "int64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 FORMAT_VERSION = 1
+# tensors one layout describes at most (a group's layers, two per layer for a Mamba state);
+# decoding refuses longer lists before reading them
+MAX_LAYOUT_TENSORS = 4096
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -47,7 +51,7 @@ class LayoutSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     kind: str
     tokens_per_block: int
-    tensors: tuple[TensorSpec, ...]
+    tensors: Annotated[tuple[TensorSpec, ...], msgspec.Meta(max_length=MAX_LAYOUT_TENSORS)]
     num_kv_heads: int = 0
     head_size: int = 0
     latent_dim: int = 0
@@ -66,6 +70,8 @@ class LayoutSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequest("layout tokens_per_block must be > 0")
         if not self.tensors:
             raise InvalidRequest("layout needs at least one tensor")
+        if len(self.tensors) > MAX_LAYOUT_TENSORS:
+            raise InvalidRequest(f"layout has {len(self.tensors)} tensors; the limit is {MAX_LAYOUT_TENSORS}")
         for t in self.tensors:
             if t.dtype not in DTYPE_BYTES:
                 raise InvalidRequest(f"layout tensor {t.name!r} dtype {t.dtype!r} unknown; "

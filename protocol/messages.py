@@ -7,12 +7,21 @@ expects (``RESULT_TYPES[op]``), or whose ``error`` carries an
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
 from kvpool.protocol.errors import ConfigError, ErrorInfo, InvalidRequest
 from kvpool.protocol.layout import LayoutSpec
+
+MAX_BATCH_KEYS = 16_384  # keys (or items) one request carries at most; the client splits larger batches
+MAX_GROUPS = 1024  # cache groups (times TP ranks) one hand-off record names at most
+
+
+def _batch(tp: Any) -> Any:
+    """``tp`` (a list) of at most MAX_BATCH_KEYS entries: decoding refuses a longer one before
+    reading its entries."""
+    return Annotated[tp, msgspec.Meta(max_length=MAX_BATCH_KEYS)]
 
 WIRE_VERSION = 5
 """Version of every message and data frame kvpool processes exchange. Bump it with any
@@ -212,8 +221,8 @@ class HandoffRecord(msgspec.Struct, frozen=True):
     seconds), for operators only: no decision uses it (clients send 0)."""
 
     request_id: str
-    keys: dict[str, list[str]]
-    layouts: dict[str, LayoutSpec]
+    keys: Annotated[dict[str, _batch(list[str])], msgspec.Meta(max_length=MAX_GROUPS)]
+    layouts: Annotated[dict[str, LayoutSpec], msgspec.Meta(max_length=MAX_GROUPS)]
     producer: str
     ttl_s: float
     num_tokens: int = 0
@@ -224,7 +233,7 @@ class HandoffRecord(msgspec.Struct, frozen=True):
 # ---- requests -------------------------------------------------------------------------
 
 class PutStart(msgspec.Struct, tag="put_start"):
-    items: list[PutItem]
+    items: _batch(list[PutItem])
     host_id: str = ""
     replicas: int = 0
 
@@ -233,14 +242,14 @@ class PutEnd(msgspec.Struct, tag="put_end"):
     """Commit written puts. ``checksums`` (xxh3_64, one per key) replace those given at
     put_start: a same-host writer hashes while it copies, so it knows them only now."""
 
-    keys: list[str]
-    put_ids: list[int]
-    checksums: list[int] = []
+    keys: _batch(list[str])
+    put_ids: _batch(list[int])
+    checksums: _batch(list[int]) = []
 
 
 class PutRevoke(msgspec.Struct, tag="put_revoke"):
-    keys: list[str]
-    put_ids: list[int]
+    keys: _batch(list[str])
+    put_ids: _batch(list[int])
 
 
 class Reserve(msgspec.Struct, tag="reserve"):
@@ -253,7 +262,7 @@ class Reserve(msgspec.Struct, tag="reserve"):
     count: int
     host_id: str = ""
     replicas: int = 0
-    release: list[int] = []
+    release: _batch(list[int]) = []
     ahead: int = 0
 
 
@@ -290,7 +299,7 @@ class PutReserved(msgspec.Struct, tag="put_reserved"):
     """Commit objects written into reservations; ``refill``: a Reserve answered in the same
     reply."""
 
-    items: list[ReservedPut]
+    items: _batch(list[ReservedPut])
     refill: Reserve | None = None
 
 
@@ -306,14 +315,14 @@ class PutReservedReply(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Lookup(msgspec.Struct, tag="lookup"):
-    keys: list[str]
+    keys: _batch(list[str])
     lease: bool = True
 
 
 class ReleaseLeases(msgspec.Struct, tag="release"):
     """The reader is done with these keys' leases (sent without waiting for a reply)."""
 
-    keys: list[str]
+    keys: _batch(list[str])
 
 
 class Story(msgspec.Struct, tag="story"):
@@ -331,11 +340,11 @@ class StoryEntry(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Exists(msgspec.Struct, tag="exists"):
-    keys: list[str]
+    keys: _batch(list[str])
 
 
 class Remove(msgspec.Struct, tag="remove"):
-    keys: list[str]
+    keys: _batch(list[str])
     force: bool = False
 
 
@@ -482,7 +491,6 @@ Request = Union[PutStart, PutEnd, PutRevoke, Reserve, PutReserved, Lookup, Relea
                 Evict, ReportDead, ReportCorrupt, Drain, HandoffPublish, HandoffClaim, HandoffAck, HandoffRelease,
                 GetConfig, SetConfig, Hello]
 
-MAX_BATCH_KEYS = 16_384  # keys (or items) one request carries at most; the client splits larger batches
 _BATCH_FIELD = {PutStart: "items", PutEnd: "keys", PutRevoke: "keys", PutReserved: "items", Lookup: "keys",
                 ReleaseLeases: "keys", Exists: "keys", Remove: "keys", Reserve: "release"}
 
@@ -493,7 +501,9 @@ def batch_len(req: Any) -> int:
     reply, stay bounded (16,384 misses of 512-byte keys answer in about 18 MiB, inside
     ``protocol.rpcwire.MAX_FRAME``)."""
     if type(req) is HandoffPublish:  # its record's keys, all groups together (etcd holds the record too)
-        return sum(len(v) for v in req.record.keys.values())
+        return sum(len(v) for v in req.record.keys.values()) + len(req.record.keys)
+    if type(req) is PutReserved and req.refill is not None:  # and the reservations it gives back
+        return len(req.items) + len(req.refill.release)
     field = _BATCH_FIELD.get(type(req))
     return len(getattr(req, field)) if field else 0
 
@@ -643,10 +653,16 @@ def encode(obj: Any) -> bytes:
 
 
 def decode_request(data: bytes) -> Any:
-    """Decode a client request; raises InvalidRequest for malformed or truncated frames."""
+    """Decode a client request; raises InvalidRequest for malformed or truncated frames, and
+    for lists past their limits (refused before their entries are read)."""
     try:
         return _req_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except msgspec.ValidationError as e:
+        if "length <=" in str(e):
+            raise InvalidRequest(f"request refused: {e}; at most {MAX_BATCH_KEYS} keys per request (KVPoolClient "
+                                 "splits larger batches): split it", limit=MAX_BATCH_KEYS) from None
+        raise InvalidRequest(f"malformed request: {e}") from None
+    except msgspec.DecodeError as e:
         raise InvalidRequest(f"malformed request: {e}") from None
 
 

@@ -20,6 +20,7 @@ from kvpool.protocol import messages as M
 from kvpool.protocol.config import load_config
 from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
 from kvpool.protocol.errors import InvalidRequest, Overloaded
+from kvpool.protocol.layout import MAX_LAYOUT_TENSORS, LayoutSpec, TensorSpec
 from test_auth import _closed, _descs
 
 MiB = 1 << 20
@@ -233,7 +234,7 @@ def test_a_batch_past_the_key_limit_is_refused_and_the_client_splits_it(lc):
     def big() -> None:
         with lc.client(rpc_timeout_s=60) as c:
             for req in (M.Lookup(keys), M.Exists(keys), M.Remove(keys)):
-                with pytest.raises(InvalidRequest, match=f"limit is {M.MAX_BATCH_KEYS} per request") as ei:
+                with pytest.raises(InvalidRequest, match=f"at most {M.MAX_BATCH_KEYS} keys per request") as ei:
                     c.rpc.call(req)
                 refused.append(ei.value)
 
@@ -253,8 +254,23 @@ def test_a_batch_past_the_key_limit_is_refused_and_the_client_splits_it(lc):
           f"over {len(lat)} calls", flush=True)
     with lc.client(rpc_timeout_s=60) as c:  # a hand-off counts its record's keys over all groups
         rec = M.HandoffRecord("big", {"0": keys[:10_000], "1": keys[10_000:20_000]}, {}, "p", 60.0)
-        with pytest.raises(InvalidRequest, match="HandoffPublish carries 20000 keys"):
+        with pytest.raises(InvalidRequest, match="HandoffPublish carries 20002 keys"):  # groups counted too
             c.rpc.call(M.HandoffPublish(rec))
+        lay = LayoutSpec(kind="raw", tokens_per_block=1,  # a layout past its tensor limit: refused unread
+                         tensors=tuple(TensorSpec(f"t{i}", (4,), "uint8") for i in range(8)))
+        big = msgspec.structs.replace(lay)
+        msgspec.structs.force_setattr(big, "tensors", lay.tensors * (MAX_LAYOUT_TENSORS // 8 + 1))  # unchecked
+        t0 = time.monotonic()
+        with pytest.raises(InvalidRequest, match=f"length <= {MAX_LAYOUT_TENSORS}"):
+            c.rpc.call(M.PutStart([M.PutItem("limit/lay", 32, 0, big)], c.host_id, 1))
+        refused_s = time.monotonic() - t0
+        with pytest.raises(InvalidRequest, match="put_end: 1 keys but 3 put ids"):
+            c.rpc.call(M.PutEnd(["limit/a"], [1, 2, 3]))
+        rel = M.PutReserved([M.ReservedPut("limit/r", 1, 1, 0)],  # items and given-back reservations together
+                            refill=M.Reserve(1, 1, release=list(range(M.MAX_BATCH_KEYS))))
+        with pytest.raises(InvalidRequest, match="PutReserved carries"):
+            c.rpc.call(rel)
+        print(f"LIMITS a {len(big.tensors)}-tensor layout refused in {refused_s * 1e3:.0f} ms", flush=True)
         n = M.MAX_BATCH_KEYS * 2 + 5
         put_keys = [f"limit/split/{i}" for i in range(n)]
         assert c.put_batch(put_keys, [b"v%d" % (i % 7) for i in range(n)]) == [None] * n
