@@ -33,13 +33,15 @@ class PeerUnavailable(RuntimeError):
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, deadline: float) -> None:
     while True:
+        if proc.poll() is not None:  # first: an exited process is not the one a connect would reach
+            raise PeerUnavailable(f"{what} exited (code {proc.returncode}) before listening on port {port}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
+                if proc.poll() is None:
+                    return
+                continue  # it exited meanwhile: another process holds the port
         except OSError:
             pass
-        if proc.poll() is not None:
-            raise PeerUnavailable(f"{what} exited (code {proc.returncode}) before listening on port {port}")
         if time.monotonic() > deadline:
             raise PeerUnavailable(f"{what} did not listen on port {port} within {READY_TIMEOUT_S:g} s")
         time.sleep(0.05)
@@ -122,7 +124,10 @@ class MooncakeCluster:
         self.log_dir = log_dir
         try:
             master = mooncake_master_binary()
-            meta_port, rpc_port, metrics_port = free_port(), free_port(), free_port()
+            ports: set[int] = set()
+            while len(ports) < 3:  # three distinct ports (a port just released may be handed out again)
+                ports.add(free_port())
+            meta_port, rpc_port, metrics_port = sorted(ports)
             deadline = time.monotonic() + READY_TIMEOUT_S
             meta = self._start([sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
                                 "--port", str(meta_port), "--log-level", "WARNING"], "metadata")
