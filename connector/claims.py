@@ -15,7 +15,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
-from kvpool.connector.datastream import _Stream
+from kvpool.connector.datastream import _Stream, close_stream
 from kvpool.protocol import transport
 from kvpool.protocol.dataplane import HeldExtent, batch_frames, sendv
 from kvpool.protocol.errors import KVPoolError, NodeUnavailable, from_wire
@@ -50,8 +50,7 @@ class _SharedClaims:
     def _drop_claim_stream(self, addr: str) -> None:
         s = self._claim_streams.pop(addr, None)
         if s is not None:
-            with contextlib.suppress(OSError):
-                s.sock.close()
+            close_stream(s)
 
     def claim_held(self, refs: Sequence[ExtentRef], timeout_s: float,
                    meanwhile: Callable[[], None] | None = None) -> list[KVPoolError | None]:

@@ -115,7 +115,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         self._bases: dict[str, int] = {}
         self._map_lock = threading.Lock()
         self._all_conns: weakref.WeakSet[_Stream] = weakref.WeakSet()  # live threads' streams
-        self._parking = Parking(lambda streams: list(streams.items()), close_stream)  # finished threads'
+        self._parking = Parking(dict.items, close_stream)  # finished threads'
         self._mmaps: dict[str, mmap.mmap] = {}
         self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
         self._map_retry: dict[str, float] = {}  # incarnation -> when to ask again for a mapping not answered
@@ -420,10 +420,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         self._parking.close()
         with self._map_lock:
             for s in list(self._all_conns):
-                try:
-                    s.sock.close()
-                except OSError:
-                    pass
+                close_stream(s)
             self._all_conns.clear()
             for inc in list(self._maps):
                 self._unmap(inc)

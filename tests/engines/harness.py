@@ -18,9 +18,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "KVPOOL_ENGINE "
 MODEL_ID = "tiny-llama"
-# Engines run below the cluster's priority: on a 2-core machine running several engines, a
-# starved master or store node would let its etcd lease lapse, as a dedicated control-plane
-# host never does.
+# Engines run below the cluster's priority: where several engines share the cores with the
+# cluster, a starved master or store node would let its etcd lease lapse, as a dedicated
+# control-plane host never does.
 ENGINE_NICE = ["nice", "-n", "5"]
 
 
