@@ -45,7 +45,7 @@ from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, ExtentBusy, I
                              LayoutMismatch, LeaseExpired, LoadCancelled, NodeUnavailable, NotFound, PutInFlight,
                              PutRevoked, StaleExtent, StaleTerm, from_wire)
 from kvpool.protocol.keys import validate_key
-from kvpool.protocol.layout import LayoutSpec, check_layout
+from kvpool.protocol.layout import LayoutSpec, check_layout, layout_bytes, raw_layout
 from kvpool.protocol.config import CLIENT_DEFAULTS
 from kvpool.protocol.spin import SPIN_WAIT_MAX_S
 from kvpool.protocol.transport import default_host_id
@@ -321,7 +321,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
                 if lay is not None and lay.nbytes != len(mv):
                     raise LayoutMismatch(f"object {k!r} has {len(mv)} bytes but layout {lay.kind} describes "
                                          f"{lay.nbytes}", key=k)
-                items.append(M.PutItem(k, len(mv), 0, lay))  # checksum: computed while writing, sent at put_end
+                items.append(M.PutItem(k, len(mv), 0, raw_layout(lay)))  # checksum: computed while writing, sent at put_end
                 bufs.append(mv)
                 idx.append(i)
             except KVPoolError as e:
@@ -358,12 +358,12 @@ class KVPoolClient(ReservedPuts, HintedReads):
                 in_flight.append(j)
             if g.status != "write":
                 continue  # "exists": content-addressed no-op
-            lay = items[j].layout
+            lay = layout_bytes(items[j].wire_layout)
             # hashed while put_start was in flight, or else by the first replica's write as it
             # copies or sends the bytes (checksum None): the others carry 0 then, and every node
             # gets the real one with the commit
             first = sums[j]
-            ops = [WriteOp(r, bufs[j], g.key, first if k == 0 else first or 0, lay.encode() if lay else None,
+            ops = [WriteOp(r, bufs[j], g.key, first if k == 0 else first or 0, lay,
                            g.replicas_wanted) for k, r in enumerate(g.replicas)]
             ops_of[j] = ops
             for op in ops:
@@ -678,7 +678,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
                 results[i] = _missing(results[i]) if isinstance(err, NotFound) else err
                 continue
             try:
-                if lays[i] is not None and lays[i] != info.layout:  # equal layouts need no field walk
+                if lays[i] is not None and raw_layout(lays[i]) != info.wire_layout:  # equal bytes need no field walk
                     check_layout(lays[i], info.layout, info.key)
                 if len(views[i]) < info.size:
                     raise InvalidRequest(f"buffer for {info.key!r} holds {len(views[i])} bytes; the object "

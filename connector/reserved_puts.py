@@ -29,6 +29,7 @@ from kvpool.connector.prehash import prehash
 from kvpool.connector.reservations import CLAIM_AHEAD, ReservationPool, Slot
 from kvpool.protocol import messages as M
 from kvpool.protocol.errors import KVPoolError, NodeUnavailable, PutRevoked, from_wire
+from kvpool.protocol.layout import layout_bytes
 
 _REAP_S = 1.0  # the reaper looks for expired reservations at least this often (seconds)
 _FLUSH_S = 0.005  # queued claim ends and commit copies wait at most this long (seconds)
@@ -101,8 +102,8 @@ class ReservedPuts:
         by_node: dict[str, list[WriteOp]] = defaultdict(list)
         ops_of: dict[int, list[WriteOp]] = {}
         for j, s in slot_of.items():
-            lay = items[j].layout
-            ops = [WriteOp(r, bufs[j], "", sums.get(j) if k == 0 else 0, lay.encode() if lay else None, s.wanted)
+            lay = layout_bytes(items[j].wire_layout)
+            ops = [WriteOp(r, bufs[j], "", sums.get(j) if k == 0 else 0, lay, s.wanted)
                    for k, r in enumerate(s.res.replicas)]
             ops_of[j] = ops
             for op in ops:
@@ -146,7 +147,7 @@ class ReservedPuts:
         try:
             reply = self.rpc.call(M.PutReserved(
                 [M.ReservedPut(items[j].key, slot_of[j].res.res_id, items[j].size, ops_of[j][0].checksum or 0,
-                               items[j].layout) for j in commit_j], refill))
+                               items[j].wire_layout) for j in commit_j], refill))
         except BaseException:  # not acknowledged: the master frees what it did not commit
             self._end_claims([slot_of[j] for j in commit_j] + dead + failed)
             raise

@@ -28,9 +28,10 @@ Bounds, so one client cannot stall the master or grow its memory:
 notice but a commit) to the store nodes there, so no reply can place a writer over memory
 whose free is still queued (commits wait up to a few milliseconds, master/nodes.py).
 
-Answering is ``handle(body, role) -> encoded Reply | Pending`` (``role``: the peer's, from
-its handshake); a :class:`~master.durable.Pending`
-is answered later through :meth:`ClientConns.answer`, when its etcd write lands.
+Answering is ``handle(body, role) -> encoded Reply | Pending | SlicedBatch`` (``role``: the
+peer's, from its handshake); a :class:`~master.durable.Pending` is answered later through
+:meth:`ClientConns.answer`, when its etcd write lands; a :class:`~master.batches.SlicedBatch`
+is stepped once per loop turn until it gives its reply.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from collections.abc import Callable
 
 import zmq
 
+from kvpool.master.batches import SlicedBatch
 from kvpool.master.durable import Pending
 from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire
@@ -69,7 +71,7 @@ class Client:
     the reply bytes not sent yet; until it is authenticated, its TLS and handshake state."""
 
     __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed", "hs", "tls", "tin", "tout",
-                 "raw", "tls_up", "deadline", "partial_since", "first", "role")
+                 "raw", "tls_up", "deadline", "partial_since", "first", "role", "batch", "batch_rid")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -88,6 +90,8 @@ class Client:
         self.partial_since: float | None = None  # a frame has been half-received since then
         self.first = True  # nothing was read yet
         self.role = "cluster"  # what the peer's credential allows (protocol/auth.py, "Roles"); open: all
+        self.batch: SlicedBatch | None = None  # a big batch being answered a slice per turn (master/batches.py)
+        self.batch_rid = 0
 
 
 def _reject(err: KVPoolError, head: bytes) -> bytes:
@@ -101,7 +105,7 @@ class ClientConns:
     that :class:`~protocol.messages.HelloReply` offers)."""
 
     def __init__(self, listeners: list[socket.socket], poller: zmq.Poller,
-                 handle: Callable[[bytes, str], bytes | Pending], before_send: Callable[[], None] = lambda: None,
+                 handle: Callable[[bytes, str], bytes | Pending | SlicedBatch], before_send: Callable[[], None] = lambda: None,
                  security: auth.Security = auth.OPEN, max_conns: int = 1024,
                  frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
         self.security = security
@@ -278,7 +282,7 @@ class ClientConns:
                         return None
                 frames = c.parser.feed(data)
                 c.pending.extend(frames)
-                if not c.parser.buf:
+                if not c.parser.partial:
                     c.partial_since = None
                 elif frames or c.partial_since is None:
                     c.partial_since = time.monotonic()
@@ -346,18 +350,28 @@ class ClientConns:
 
     def _work(self, c: Client) -> None:
         """Answer up to :data:`BUDGET` of ``c``'s requests while its unsent replies stay under
-        :data:`OUT_MAX`, send what can be sent, and poll it for what it needs next."""
+        :data:`OUT_MAX`, send what can be sent, and poll it for what it needs next. A big
+        batch goes one slice per turn, and the client's later requests wait behind it."""
         budget = BUDGET
-        while c.pending and budget and len(c.out) + len(c.raw) < OUT_MAX:
+        while (c.pending or c.batch is not None) and budget and len(c.out) + len(c.raw) < OUT_MAX:
             budget -= 1
-            rid, body = c.pending.popleft()
-            reply = M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError) else self.handle(body, c.role)
+            if c.batch is None:
+                rid, body = c.pending.popleft()
+                reply = (M.encode(M.Reply(error=body.to_wire())) if isinstance(body, KVPoolError)
+                         else self.handle(body, c.role))
+                if isinstance(reply, SlicedBatch):
+                    c.batch, c.batch_rid = reply, rid
+            if c.batch is not None:
+                rid, reply = c.batch_rid, c.batch.step()
+                if reply is None:
+                    break  # its next slice waits for the next turn: the other clients go first
+                c.batch = None
             if isinstance(reply, Pending):
                 reply.client, reply.rid = c, rid
                 c.waiting += 1
             elif rid != rpcwire.ONE_WAY:
                 c.out += rpcwire.pack(rid, reply)
-        if c.pending and len(c.out) + len(c.raw) < OUT_MAX:
+        if (c.pending or c.batch is not None) and len(c.out) + len(c.raw) < OUT_MAX:
             self.busy.add(c)
         else:
             self.busy.discard(c)
@@ -387,7 +401,7 @@ class ClientConns:
             except OSError:
                 return self._close(c)
         queued = len(c.out) + len(c.raw)
-        if c.closing and not queued and not c.pending and not c.waiting:
+        if c.closing and not queued and not c.pending and not c.waiting and c.batch is None:
             return self._close(c)
         want_in = not c.closing and len(c.pending) < PENDING_MAX and queued < OUT_MAX
         self.poller.modify(c.sock, (_IN if want_in else 0) | (_OUT if queued else 0))

@@ -23,6 +23,7 @@ import zmq
 from kvpool.master.joins import JoinQueue, Table, fetch_table
 from kvpool.master.state import MasterState
 from kvpool.protocol import messages as M
+from kvpool.protocol.layout import layout_of
 from kvpool.protocol.errors import KVPoolError, StaleTerm
 from kvpool.protocol.terms import first_gen
 
@@ -106,7 +107,7 @@ class _StoreNodes:
         self.state.gens_above(d.node_id, max(table.max_gen, first_gen(self.term) - 1))
         for r in table.rows:
             with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
-                layout = M.LayoutSpec.decode(r.layout) if r.layout else None
+                layout = layout_of(r.layout) if r.layout else None
                 if r.tier == M.DISK:  # a file of its disk tier (master/tiers.py)
                     self.state.restore_disk_extent(d.node_id, r.key, r.size, r.gen, r.checksum, layout, now,
                                                    r.replicas)

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from kvpool.master.batches import SLICE, SLICED, SlicedBatch
 from kvpool.master.clients import ClientConns
 from kvpool.master.cluster_settings import _ClusterSettings, _settings_of
 from kvpool.master.durable import DurableWrites, Pending
@@ -353,10 +354,11 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             elif kind == "nodes" and self.leading:
                 self._membership(ev[1])
 
-    def _handle(self, body: bytes, role: str = "cluster") -> bytes | Pending:
+    def _handle(self, body: bytes, role: str = "cluster") -> bytes | Pending | SlicedBatch:
         """One request of a peer acting in ``role`` → its encoded Reply (a typed error for
-        anything malformed or not allowed to that role), or a :class:`Pending` when the
-        answer waits for etcd."""
+        anything malformed or not allowed to that role), a :class:`Pending` when the answer
+        waits for etcd, or a :class:`~master.batches.SlicedBatch` for a big batch (answered
+        over several loop turns)."""
         t0 = time.perf_counter()
         op = "invalid"
         try:
@@ -372,25 +374,55 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                 raise InvalidRequest(f"{op} carries {M.batch_len(req)} keys; the limit is {M.MAX_BATCH_KEYS} per "
                                      "request (KVPoolClient splits larger batches): split it", op=op,
                                      limit=M.MAX_BATCH_KEYS)
-            if not self.leading:
-                raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
-                                leader=self.leader_addr)
-            if type(req) not in _READS and self.fence.check(time.monotonic()):
-                raise LeaderFenced(f"the leading master {self.rpc_addr} could not renew its leadership lease in "
-                                   f"etcd for {self.fence.clock.age():.1f}s, so it acknowledges no change until etcd "
-                                   "answers again or a new leader is elected (reads still work); check etcd and "
-                                   "the master's route to it, then retry", term=self.term)
+            M.check_layouts(req)  # each distinct layout decoded once; a bad one refuses the whole batch
+            self._check_serving(req)
+            if type(req) in SLICED and M.batch_len(req) > SLICE:
+                return self._sliced(req, role, op, t0)
             result = self._dispatch(req, role)
             if isinstance(result, Pending):
                 result.op, result.t0 = op, t0
                 return result
-            reply = M.Reply(msgspec.Raw(M.encode(result)), term=self.term)
-        except KVPoolError as e:
-            reply = M.Reply(error=e.to_wire(), term=self.term)
-        except Exception as e:  # noqa: BLE001 - a bug must cost one request, not the master
-            log.exception("master: request %s failed", op)
-            reply = M.Reply(error=KVPoolError(f"master failed on {op}: {type(e).__name__}: {e}; this is a "
+        except Exception as e:  # noqa: BLE001 - typed errors answered; a bug costs one request
+            result = e
+        return self._reply(result, op, t0)
+
+    def _check_serving(self, req) -> None:
+        """Raise unless this master may answer ``req`` now: NotLeader on a standby,
+        LeaderFenced for a change while its leadership lease is unconfirmed."""
+        if not self.leading:
+            raise NotLeader(f"this master is a standby; the leader is {self.leader_addr or 'unknown'}",
+                            leader=self.leader_addr)
+        if type(req) not in _READS and self.fence.check(time.monotonic()):
+            raise LeaderFenced(f"the leading master {self.rpc_addr} could not renew its leadership lease in "
+                               f"etcd for {self.fence.clock.age():.1f}s, so it acknowledges no change until etcd "
+                               "answers again or a new leader is elected (reads still work); check etcd and "
+                               "the master's route to it, then retry", term=self.term)
+
+    def _sliced(self, req, role: str, op: str, t0: float) -> SlicedBatch:
+        """``req`` answered SLICE keys per loop turn, each slice checked as a request is; a
+        slice finding another leadership's state ends the batch with NotLeader."""
+        state = self.state
+
+        def run(part):
+            if self.state is not state:
+                raise NotLeader("the leadership changed while this batch was being answered; retry it",
+                                leader=self.leader_addr)
+            self._check_serving(part)
+            return self._dispatch(part, role)
+
+        return SlicedBatch(req, run, lambda result: self._reply(result, op, t0))
+
+    def _reply(self, result, op: str, t0: float) -> bytes:
+        """The encoded Reply carrying ``result``, or the error it is (a typed one as it is;
+        any other exception as a kvpool bug, logged)."""
+        if isinstance(result, KVPoolError):
+            reply = M.Reply(error=result.to_wire(), term=self.term)
+        elif isinstance(result, Exception):
+            log.error("master: request %s failed", op, exc_info=result)
+            reply = M.Reply(error=KVPoolError(f"master failed on {op}: {type(result).__name__}: {result}; this is a "
                                               "kvpool bug, please report it with the master's log").to_wire())
+        else:
+            reply = M.Reply(msgspec.Raw(M.encode(result)), term=self.term)
         out = M.encode(reply)
         self.metrics.observe(op, time.perf_counter() - t0)
         return out

@@ -42,7 +42,7 @@ from kvpool.protocol import errors as E
 from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
 from kvpool.protocol.keys import validate_key
-from kvpool.protocol.layout import LayoutSpec
+from kvpool.protocol.layout import LayoutSpec, raw_layout
 from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, NodeCommit,
                                NodeDesc, NodeFree, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
                                WIRE_VERSION)
@@ -505,7 +505,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             size, checksum, refs = obj.read_view()
             if tiered:
                 self._disk_access(obj, refs, now)
-            out.append(ObjectInfo(key, size, checksum, obj.layout, refs, ttl))
+            out.append(ObjectInfo(key, size, checksum, raw_layout(obj.layout), refs, ttl))
         return out
 
     def release_leases(self, keys: list[str], now: float) -> None:

@@ -137,3 +137,59 @@ def check_layout(expected: LayoutSpec, stored: LayoutSpec | None, key: str) -> N
             f"{getattr(stored, field)!r}, asked {getattr(expected, field)!r}); the bytes were not "
             "reinterpreted. Check that producer and consumer use the same model, dtype and TP setup.",
             key=key, field=field)
+
+
+# ---- layouts on the wire ------------------------------------------------------------------
+# Request and reply items carry their layout as raw msgpack (a field typed ``msgspec.Raw``):
+# decoding a batch then costs no Python object per tensor, and each distinct layout is
+# decoded once per process (a batch's items share a few layouts) rather than once per item.
+# The bytes on the wire are those of an embedded LayoutSpec (or nil), as before.
+
+NO_LAYOUT = msgspec.Raw(b"\xc0")  # msgpack nil: an item without a layout
+_NIL = b"\xc0"
+_DECODED_MAX_BYTES = 16 << 20  # encoded bytes of the decoded layouts kept; the cache is emptied past it
+_ENCODED_MAX = 4096  # layout objects whose encoding is kept
+_decoded: dict[bytes, LayoutSpec] = {}
+_decoded_bytes = [0]
+_encoded: dict[int, tuple[LayoutSpec, msgspec.Raw]] = {}
+
+
+def raw_layout(layout: LayoutSpec | None) -> msgspec.Raw:
+    """``layout`` as the raw msgpack a ``msgspec.Raw`` wire field carries (:data:`NO_LAYOUT`
+    for None). The encoding is kept per layout object, so a batch sharing one layout encodes
+    it once."""
+    if layout is None:
+        return NO_LAYOUT
+    got = _encoded.get(id(layout))
+    if got is not None and got[0] is layout:
+        return got[1]
+    raw = msgspec.Raw(layout.encode())
+    if len(_encoded) >= _ENCODED_MAX:
+        _encoded.clear()
+    _encoded[id(layout)] = (layout, raw)
+    return raw
+
+
+def layout_of(raw: msgspec.Raw | bytes) -> LayoutSpec | None:
+    """The layout a wire field carries (None for nil). Each distinct encoding is decoded once
+    and the result shared (layouts are frozen); raises InvalidRequest for bytes that are not
+    a valid layout (e.g. more than :data:`MAX_LAYOUT_TENSORS` tensors)."""
+    b = bytes(raw)
+    if b == _NIL:
+        return None
+    got = _decoded.get(b)
+    if got is None:
+        got = LayoutSpec.decode(b)
+        if _decoded_bytes[0] + len(b) > _DECODED_MAX_BYTES:
+            _decoded.clear()
+            _decoded_bytes[0] = 0
+        _decoded[b] = got
+        _decoded_bytes[0] += len(b)
+    return got
+
+
+def layout_bytes(raw: msgspec.Raw) -> bytes | None:
+    """The encoded layout a wire field carries, as the bytes a store node's commit row
+    holds (None for nil)."""
+    b = bytes(raw)
+    return None if b == _NIL else b

@@ -12,10 +12,11 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from kvpool.protocol.errors import ConfigError, ErrorInfo, InvalidRequest
-from kvpool.protocol.layout import LayoutSpec
+from kvpool.protocol.layout import NO_LAYOUT, LayoutSpec, layout_of
 
 MAX_BATCH_KEYS = 16_384  # keys (or items) one request carries at most; the client splits larger batches
 MAX_GROUPS = 1024  # cache groups (times TP ranks) one hand-off record names at most
+MAX_REQUEST_LAYOUTS = 64  # distinct layouts the items of one request carry at most (a batch per cache group)
 
 
 def _batch(tp: Any) -> Any:
@@ -86,10 +87,17 @@ class NodeDesc(msgspec.Struct, frozen=True):
 
 
 class PutItem(msgspec.Struct, frozen=True, array_like=True):
+    """An object to place: key, size (bytes), xxh3_64 checksum (0: sent at put_end) and
+    its layout as raw msgpack (:func:`~protocol.layout.raw_layout`; read it as ``.layout``)."""
+
     key: str
     size: int
     checksum: int
-    layout: LayoutSpec | None = None
+    wire_layout: msgspec.Raw = NO_LAYOUT
+
+    @property
+    def layout(self) -> LayoutSpec | None:
+        return layout_of(self.wire_layout)
 
 
 class PutGrant(msgspec.Struct, frozen=True, array_like=True, tag="grant"):
@@ -110,9 +118,13 @@ class ObjectInfo(msgspec.Struct, frozen=True, array_like=True, tag="obj"):
     key: str
     size: int
     checksum: int
-    layout: LayoutSpec | None
+    wire_layout: msgspec.Raw  # the layout as raw msgpack; read it as ``.layout``
     replicas: list[ExtentRef]
     lease_ttl_s: float = 0.0
+
+    @property
+    def layout(self) -> LayoutSpec | None:
+        return layout_of(self.wire_layout)
 
 
 class ObjectMeta(msgspec.Struct, frozen=True):
@@ -292,7 +304,11 @@ class ReservedPut(msgspec.Struct, frozen=True, array_like=True):
     res_id: int
     size: int
     checksum: int
-    layout: LayoutSpec | None = None
+    wire_layout: msgspec.Raw = NO_LAYOUT  # raw msgpack (protocol.layout.raw_layout); read it as ``.layout``
+
+    @property
+    def layout(self) -> LayoutSpec | None:
+        return layout_of(self.wire_layout)
 
 
 class PutReserved(msgspec.Struct, tag="put_reserved"):
@@ -506,6 +522,39 @@ def batch_len(req: Any) -> int:
         return len(req.items) + len(req.refill.release)
     field = _BATCH_FIELD.get(type(req))
     return len(getattr(req, field)) if field else 0
+
+
+def check_layouts(req: Any) -> None:
+    """Decode (once each) the distinct layouts the items of ``req`` carry, so that a bad one
+    refuses the whole request before any item is acted on; raises InvalidRequest for a
+    malformed layout or more than :data:`MAX_REQUEST_LAYOUTS` distinct ones."""
+    if type(req) is not PutStart and type(req) is not PutReserved:
+        return
+    distinct: set[bytes] = set()
+    for it in req.items:
+        distinct.add(bytes(it.wire_layout))
+        if len(distinct) > MAX_REQUEST_LAYOUTS:
+            raise InvalidRequest(f"{type(req).__name__} carries more than {MAX_REQUEST_LAYOUTS} distinct layouts, "
+                                 "the limit per request: send one batch per cache group", limit=MAX_REQUEST_LAYOUTS)
+    for b in distinct:
+        layout_of(b)
+
+
+def slice_request(req: Any, start: int, stop: int) -> Any:
+    """Items ``start:stop`` of batch request ``req``, each of its per-key list fields sliced
+    alike (an empty optional one, e.g. PutEnd's ``checksums``, stays empty). Raises
+    InvalidRequest when a per-key list's length differs from the batch's, so a mismatched
+    batch is refused whole, never partly applied."""
+    field = _BATCH_FIELD[type(req)]
+    n = len(getattr(req, field))
+    cut = {}
+    for f in req.__struct_fields__:
+        v = getattr(req, f)
+        if type(v) is list and v:
+            if len(v) != n:
+                raise InvalidRequest(f"{type(req).__name__}: {n} {field} but {len(v)} {f}; send one per key")
+            cut[f] = v[start:stop]
+    return msgspec.structs.replace(req, **cut)
 
 
 RESULT_TYPES: dict[type, Any] = {

@@ -65,13 +65,13 @@ def test_replicas_round_trip_without_tokens_and_rare_fields_leave_no_trace():
 
 
 def test_layouts_are_shared_between_objects():
-    from kvpool.protocol.layout import LayoutSpec, TensorSpec
+    from kvpool.protocol.layout import LayoutSpec, TensorSpec, raw_layout
 
     st = make()
     for k in ("x", "y"):
         lay = LayoutSpec(kind="full_attention", tokens_per_block=16, tensors=(TensorSpec("k", (16, 8, 16), "float16"),),
                          num_kv_heads=8, head_size=64)
-        g = st.put_start([PutItem(k, 4096, 1, lay)], "h0", 1, 0.0)[0]
+        g = st.put_start([PutItem(k, 4096, 1, raw_layout(lay))], "h0", 1, 0.0)[0]
         st.put_end([k], [g.put_id], 0.0)
     assert st.objects["x"].layout is st.objects["y"].layout
 

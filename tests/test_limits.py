@@ -20,7 +20,7 @@ from kvpool.protocol import messages as M
 from kvpool.protocol.config import load_config
 from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
 from kvpool.protocol.errors import InvalidRequest, Overloaded
-from kvpool.protocol.layout import MAX_LAYOUT_TENSORS, LayoutSpec, TensorSpec
+from kvpool.protocol.layout import MAX_LAYOUT_TENSORS, LayoutSpec, TensorSpec, raw_layout
 from test_auth import _closed, _descs
 
 MiB = 1 << 20
@@ -262,7 +262,7 @@ def test_a_batch_past_the_key_limit_is_refused_and_the_client_splits_it(lc):
         msgspec.structs.force_setattr(big, "tensors", lay.tensors * (MAX_LAYOUT_TENSORS // 8 + 1))  # unchecked
         t0 = time.monotonic()
         with pytest.raises(InvalidRequest, match=f"length <= {MAX_LAYOUT_TENSORS}"):
-            c.rpc.call(M.PutStart([M.PutItem("limit/lay", 32, 0, big)], c.host_id, 1))
+            c.rpc.call(M.PutStart([M.PutItem("limit/lay", 32, 0, raw_layout(big))], c.host_id, 1))
         refused_s = time.monotonic() - t0
         with pytest.raises(InvalidRequest, match="put_end: 1 keys but 3 put ids"):
             c.rpc.call(M.PutEnd(["limit/a"], [1, 2, 3]))
@@ -279,3 +279,54 @@ def test_a_batch_past_the_key_limit_is_refused_and_the_client_splits_it(lc):
         assert c.get_batch(put_keys) == [b"v%d" % (i % 7) for i in range(n)]
         assert c.remove_batch(put_keys) == [None] * n
         assert c.exists_batch(put_keys) == [False] * n
+
+
+def test_a_big_batch_is_answered_in_slices_and_a_mismatched_one_refused_whole(lc):
+    """A MAX_BATCH_KEYS-item put_start whose items carry a 100-tensor layout is answered in
+    full (the master answers it a slice per loop turn, master/batches.py, so another client
+    is served between slices; its worst wait is printed, never asserted); a batch carrying
+    more than MAX_REQUEST_LAYOUTS distinct layouts is refused before any item is placed; a
+    sliced put_end whose put ids do not match its keys is refused whole, committing nothing;
+    a sliced lookup answers every key in order."""
+    n = M.MAX_BATCH_KEYS
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=tuple(TensorSpec(f"layer.{i}.kv", (4,), "uint8")
+                                                                   for i in range(100)))
+    probe, lat, stop = lc.client(), [], threading.Event()
+    probe.put("slice/x", b"1")
+
+    def prober() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            assert probe.exists_batch(["slice/x"]) == [True]
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.01)
+
+    t = threading.Thread(target=prober)
+    t.start()
+    try:
+        with lc.client(rpc_timeout_s=120) as c:
+            keys = [f"slice/{i}" for i in range(n)]
+            grants = c.rpc.call(M.PutStart([M.PutItem(k, 400, 0, raw_layout(lay)) for k in keys], c.host_id, 1))
+            assert len(grants) == n and all(isinstance(g, M.PutGrant) for g in grants)
+            ids = [g.put_id for g in grants]
+            with pytest.raises(InvalidRequest, match=f"PutEnd: {n} keys but 1024 put_ids"):
+                c.rpc.call(M.PutEnd(keys, ids[:1024]))
+            assert c.rpc.call(M.PutRevoke(keys, ids)) == [None] * n
+            assert c.exists_batch(keys[:1024]) == [False] * 1024  # the refused put_end committed nothing
+            distinct = [M.PutItem(f"slice/d{i}", 400, 0, raw_layout(msgspec.structs.replace(lay, tokens_per_block=i + 1)))
+                        for i in range(M.MAX_REQUEST_LAYOUTS + 1)]
+            with pytest.raises(InvalidRequest, match=f"more than {M.MAX_REQUEST_LAYOUTS} distinct layouts"):
+                c.rpc.call(M.PutStart(distinct * (n // len(distinct)), c.host_id, 1))
+            assert not any(c.exists_batch([it.key for it in distinct]))
+            c.put_batch(["slice/a", "slice/b"], [b"a", b"b"])
+            asked = keys[:n - 2]
+            asked[1500], asked[-1] = "slice/a", "slice/b"
+            infos = c.rpc.call(M.Lookup(asked, lease=False))
+            assert [i.key for i in infos if isinstance(i, M.ObjectInfo)] == ["slice/a", "slice/b"]
+            assert isinstance(infos[1500], M.ObjectInfo) and isinstance(infos[-1], M.ObjectInfo)
+    finally:
+        stop.set()
+        t.join(30)
+    assert lat
+    print(f"\nLIMITS a {n}-item put of 100-tensor layouts, answered in slices: another client's worst "
+          f"exists {max(lat) * 1e3:.0f} ms over {len(lat)} calls", flush=True)

@@ -8,7 +8,7 @@ from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire
 from kvpool.protocol.config import load_config
 from kvpool.protocol.keys import ROOT_HASH, block_hashes, extra_bytes, group_key, validate_key
-from kvpool.protocol.layout import LayoutSpec, TensorSpec, check_layout
+from kvpool.protocol.layout import NO_LAYOUT, LayoutSpec, TensorSpec, check_layout, layout_of, raw_layout
 from kvpool.protocol.units import parse_duration, parse_size
 
 
@@ -150,14 +150,18 @@ def test_config_errors_name_their_source(tmp_path):
 
 
 def test_rpc_frame_parser_reassembles_split_and_coalesced_frames():
-    frames = [(1, M.encode(M.Exists(["a"]))), (0, b""), (2**64 - 1, b"x" * 70000)]
+    big = rpcwire.BIG_FRAME
+    frames = [(1, M.encode(M.Exists(["a"]))), (0, b""), (2**64 - 1, b"x" * 70000), (3, b"b" * (big - 8)),
+              (4, b"c" * (big - 9)), (5, b"d" * (2 * big)), (6, b"e")]  # big ones gathered in their own buffer
     wire = b"".join(rpcwire.pack(rid, body) for rid, body in frames)
-    for step in (1, 5, 12, 4096, len(wire)):  # byte by byte, mid-header, many per chunk
-        p = rpcwire.FrameParser()
-        got = []
-        for i in range(0, len(wire), step):
-            got += p.feed(wire[i:i + step])
-        assert got == frames and not p.buf
+    small = sum(12 + len(body) for _, body in frames[:3])
+    for step, upto in ((1, small), (5, small), (12, None), (4099, None), (1 << 20, None), (len(wire), None)):
+        p = rpcwire.FrameParser()  # byte by byte, mid-header, many per chunk
+        got, part = [], memoryview(wire)[:upto]
+        for i in range(0, len(part), step):
+            got += p.feed(part[i:i + step])
+        assert [(rid, bytes(body)) for rid, body in got] == frames[:len(got)] and not p.partial
+        assert len(got) == (3 if upto else len(frames))
 
 
 def test_rpc_frame_parser_refuses_impossible_lengths():
@@ -167,3 +171,55 @@ def test_rpc_frame_parser_refuses_impossible_lengths():
         assert p.feed(good + rpcwire.HEAD.pack(size, 42) + good) == [(7, b"ok")]  # frames before it survive
         assert isinstance(p.error, E.InvalidRequest) and "outside" in p.error.message
         assert p.error.fields["rid"] == 42 and p.feed(good) == []  # nothing after it is trusted
+
+
+def test_layouts_travel_raw_and_decode_once_per_encoding():
+    """A wire item's layout is the raw msgpack of an embedded LayoutSpec (the bytes on the
+    wire as before); equal encodings decode to one shared object; a malformed one is a
+    typed InvalidRequest that refuses the whole request."""
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=(TensorSpec("t", (4,), "uint8"),))
+    item = M.PutItem("k", 4, 0, raw_layout(lay))
+    back = msgspec.msgpack.decode(M.encode(M.PutStart([item, M.PutItem("n", 4, 0)])), type=M.PutStart)
+    assert back.items[0].layout == lay and back.items[1].layout is None and back.items[1].wire_layout == NO_LAYOUT
+    again = msgspec.msgpack.decode(M.encode(M.PutStart([item])), type=M.PutStart)
+    assert again.items[0].layout is back.items[0].layout  # decoded once, shared
+    assert raw_layout(lay) is raw_layout(lay)  # encoded once per layout object
+    with pytest.raises(E.InvalidRequest):
+        layout_of(b"\x93\x01\x02\x03")
+    bad = M.PutStart([item, M.PutItem("b", 4, 0, msgspec.Raw(b"\x93\x01\x02\x03"))])
+    with pytest.raises(E.InvalidRequest):
+        M.check_layouts(bad)
+    many = M.PutStart([M.PutItem(f"k{i}", 4, 0, raw_layout(msgspec.structs.replace(lay, tokens_per_block=i + 1)))
+                       for i in range(M.MAX_REQUEST_LAYOUTS + 1)])
+    with pytest.raises(E.InvalidRequest, match="distinct layouts"):
+        M.check_layouts(many)
+    M.check_layouts(M.slice_request(many, 0, M.MAX_REQUEST_LAYOUTS))
+
+
+def test_slice_request_cuts_every_per_key_list_alike():
+    req = M.PutEnd([f"k{i}" for i in range(10)], list(range(10)), list(range(100, 110)))
+    part = M.slice_request(req, 3, 6)
+    assert (part.keys, part.put_ids, part.checksums) == (["k3", "k4", "k5"], [3, 4, 5], [103, 104, 105])
+    assert M.slice_request(M.PutEnd(["a", "b"], [1, 2]), 1, 2).checksums == []  # an empty optional list
+    assert M.slice_request(M.Remove(["a", "b", "c"], force=True), 0, 2) == M.Remove(["a", "b"], force=True)
+    with pytest.raises(E.InvalidRequest, match="3 keys but 2 put_ids"):
+        M.slice_request(M.PutRevoke(["a", "b", "c"], [1, 2]), 0, 2)
+
+
+def test_a_sliced_batch_answers_in_order_or_with_its_first_error():
+    from kvpool.master.batches import SLICE, SlicedBatch
+
+    req = M.Exists([f"k{i}" for i in range(2 * SLICE + 5)])
+    steps = []
+    b = SlicedBatch(req, lambda part: (steps.append(len(part.keys)), [k[1:] for k in part.keys])[1], lambda r: r)
+    while (out := b.step()) is None:
+        pass
+    assert out == [str(i) for i in range(2 * SLICE + 5)] and steps == [SLICE, SLICE, 5]
+
+    def run(part):
+        if part.keys[0] != "k0":
+            raise E.NotLeader("moved")
+        return [True] * len(part.keys)
+
+    b = SlicedBatch(req, run, lambda r: r)
+    assert b.step() is None and isinstance(b.step(), E.NotLeader)

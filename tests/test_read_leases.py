@@ -93,7 +93,7 @@ def test_an_object_force_removed_under_a_handed_over_lease_is_never_served_wrong
 # ---- pure state --------------------------------------------------------------------------
 
 def _info(key: str, ttl: float = 5.0) -> M.ObjectInfo:
-    return M.ObjectInfo(key, 1, 0, None, [], ttl)
+    return M.ObjectInfo(key, 1, 0, M.NO_LAYOUT, [], ttl)
 
 
 def _leases(keys: str, sent_at: float, ttl: float = 5.0, boot: str | None = None) -> ReadLeases:
