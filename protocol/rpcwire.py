@@ -24,7 +24,7 @@ from kvpool.protocol.errors import InvalidRequest
 HEAD = struct.Struct("<IQ")
 MAX_FRAME = 64 << 20  # bytes; a batch of ~500k keys. Larger frames are refused
 ONE_WAY = 0
-BIG_FRAME = 1 << 20  # bytes; a frame at least this long is gathered in its own buffer (FrameParser)
+BIG_FRAME = 1 << 20  # bytes; a frame at least this long is handed over in its receive buffer (FrameParser)
 
 
 def pack(rid: int, body: bytes) -> bytes:
@@ -34,37 +34,31 @@ def pack(rid: int, body: bytes) -> bytes:
 
 class FrameParser:
     """Incremental parser: :meth:`feed` bytes as they arrive, get whole frames back as
-    ``(request id, body)`` pairs (``body``: bytes, or a bytearray for a frame of
-    :data:`BIG_FRAME` bytes or more, which is gathered in one buffer of its announced size
-    and handed over without another copy). An oversized or impossible length sets
-    :attr:`error` (an InvalidRequest whose ``fields['rid']`` is that frame's request id)
-    after the frames before it were returned: the stream cannot be trusted past it, so the
-    master answers those frames, then the error, and closes the connection."""
+    ``(request id, body)`` pairs (``body``: bytes, or for a frame of :data:`BIG_FRAME` bytes
+    or more, the receive buffer itself, a bytearray handed over without another copy). The
+    buffer holds only what was received: a length announced but not sent costs nothing. An
+    oversized or impossible length sets :attr:`error` (an InvalidRequest whose
+    ``fields['rid']`` is that frame's request id) after the frames before it were returned:
+    the stream cannot be trusted past it, so the master answers those frames, then the
+    error, and closes the connection."""
 
-    __slots__ = ("buf", "error", "big", "big_at", "big_rid")
+    __slots__ = ("buf", "error")
 
     def __init__(self) -> None:
         self.buf = bytearray()
         self.error: InvalidRequest | None = None
-        self.big: bytearray | None = None  # the body of a big frame being gathered
-        self.big_at = 0  # bytes of it received
-        self.big_rid = 0
 
     @property
     def partial(self) -> bool:
         """True while part of a frame has been received and the rest has not."""
-        return bool(self.buf) or self.big is not None
+        return bool(self.buf)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[int, bytes | bytearray]]:
         if self.error is not None:
             return []
-        out: list[tuple[int, bytes | bytearray]] = []
-        if self.big is not None:
-            data = self._gather(memoryview(data), out)
-            if not data:
-                return out
         buf = self.buf
         buf += data
+        out: list[tuple[int, bytes | bytearray]] = []
         pos, n = 0, len(buf)
         while n - pos >= 12:
             size, rid = HEAD.unpack_from(buf, pos)
@@ -73,33 +67,23 @@ class FrameParser:
                                             "closed", rid=rid)
                 buf.clear()
                 return out
-            if n - pos < 4 + size:
-                if size >= BIG_FRAME:  # gather the rest straight into a buffer of the frame's size
-                    self.big, self.big_rid = bytearray(size - 8), rid
-                    with memoryview(buf) as mv:
-                        self.big_at = n - pos - 12
-                        self.big[:self.big_at] = mv[pos + 12:n]
-                    buf.clear()
-                    return out
+            end = pos + 4 + size
+            if n < end:
                 break
+            if pos == 0 and size >= BIG_FRAME:  # hand the buffer over: cutting its head costs no copy
+                rest = buf[end:]
+                del buf[end:]
+                del buf[:12]
+                out.append((rid, buf))
+                self.buf = buf = rest
+                n = len(buf)
+                continue
             with memoryview(buf) as mv:
-                out.append((rid, bytes(mv[pos + 12:pos + 4 + size])))
-            pos += 4 + size
+                out.append((rid, bytes(mv[pos + 12:end])))
+            pos = end
         if pos:
             del buf[:pos]
         return out
-
-    def _gather(self, data: memoryview, out: list) -> memoryview:
-        """Copy ``data`` into the big frame being gathered; append it to ``out`` once whole.
-        Returns the bytes past its end."""
-        big, at = self.big, self.big_at
-        take = min(len(data), len(big) - at)
-        big[at:at + take] = data[:take]
-        self.big_at = at + take
-        if self.big_at == len(big):
-            out.append((self.big_rid, big))
-            self.big = None
-        return data[take:]
 
 
 class BlockingFrames(FrameReader):
