@@ -144,7 +144,7 @@ def storenode(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOp
         if node.device != "cpu":
             from kvpool.storenode.device_segment import check_device
 
-            node = msgspec.structs.replace(node, device=check_device(node.device, parse_size(node.memory)))
+            node = msgspec.structs.replace(node, device=check_device(node.device, node.memory))
         run_node(NodeSettings.from_config(cfg, node, run_dir))
 
     _run(go)

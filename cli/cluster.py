@@ -366,7 +366,7 @@ class LocalCluster:
         listed = {n.name or f"node-{i}": n for i, n in enumerate(self.cfg.storenodes)}
         entry = listed.get(name, StoreNodeConfig(name=name))
         args = ["storenode", "--config", path, "--name", name, "--run-dir", self.run_dir]
-        if parse_size(memory) != parse_size(entry.memory):  # only what differs from its entry in the file
+        if parse_size(memory) != entry.memory:  # only what differs from its entry in the file
             args += ["--memory", str(parse_size(memory))]
         if host_id and host_id != entry.host_id:
             args += ["--host-id", host_id]

@@ -54,7 +54,6 @@ from kvpool.cli.proxy_guard import ConnectionGuard
 from kvpool.cli.proxy_pool import BACKEND_ERRORS, Backend, Pool, describe, health_loop
 from kvpool.protocol.config import ProxyConfig
 from kvpool.protocol.errors import ConfigError, KVPoolError
-from kvpool.protocol.units import parse_duration
 
 log = logging.getLogger("kvpool.proxy")
 
@@ -111,8 +110,8 @@ class ProxySettings:
         """Settings from the config tree's ``proxy`` section; the API keys are read from
         ``api_key_file`` / ``backend_api_key_file``, else ``KVPOOL_PROXY_API_KEY`` /
         ``KVPOOL_BACKEND_API_KEY``. Raises ConfigError for an unreadable key file."""
-        return cls(list(p.prefill), list(p.decode), p.host, p.port, parse_duration(p.health_interval),
-                   parse_duration(p.timeout), p.master, etcd, cluster, parse_duration(p.read_timeout),
+        return cls(list(p.prefill), list(p.decode), p.host, p.port, p.health_interval,
+                   p.timeout, p.master, etcd, cluster, p.read_timeout,
                    p.max_in_flight, _key(p.api_key_file, "KVPOOL_PROXY_API_KEY", "proxy.api_key_file"),
                    _key(p.backend_api_key_file, "KVPOOL_BACKEND_API_KEY", "proxy.backend_api_key_file"),
                    allow_no_api_key=p.allow_no_api_key)

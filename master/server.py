@@ -71,7 +71,6 @@ from kvpool.protocol.config import ClusterConfig, MasterConfig, SecurityConfig
 from kvpool.protocol.errors import (ConfigError, Forbidden, InvalidRequest, KVPoolError, LeaderFenced, NotFound,
                                     NotLeader)
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys
-from kvpool.protocol.units import parse_duration
 
 _JOIN = MasterConfig().join_settings()  # (timeout, backoff, backoff max) in seconds
 HEALTH_STALL_S = 10.0  # /healthz fails when the RPC loop has not turned for this long (seconds)
@@ -88,12 +87,12 @@ class MasterServerSettings:
     host: str = MasterConfig().host
     rpc_port: int = MasterConfig().rpc_port
     metrics_port: int | None = MasterConfig().metrics_port
-    membership_poll_s: float = parse_duration(MasterConfig().membership_poll)
-    node_ttl_s: float = parse_duration(MasterConfig().node_ttl)
+    membership_poll_s: float = MasterConfig().membership_poll
+    node_ttl_s: float = MasterConfig().node_ttl
     state: MasterSettings = field(default_factory=MasterSettings)
     # while leading, compact etcd's history every this many seconds (0 = never) to the current
     # revision minus ``etcd_compaction_retention`` revisions
-    etcd_compaction_interval_s: float = parse_duration(MasterConfig().etcd_compaction_interval)
+    etcd_compaction_interval_s: float = MasterConfig().etcd_compaction_interval
     etcd_compaction_retention: int = MasterConfig().etcd_compaction_retention
     # asking a joining store node for its extent table: deadline of a first attempt, and the
     # wait before the next after a failure, each doubled per further failure up to
@@ -104,7 +103,7 @@ class MasterServerSettings:
     # the cluster secret and TLS (protocol/auth.py), and the client connections served at once
     security: Security = OPEN
     max_conns: int = SecurityConfig().max_conns
-    frame_timeout_s: float = parse_duration(SecurityConfig().frame_timeout)
+    frame_timeout_s: float = SecurityConfig().frame_timeout
     advertise: str | None = MasterConfig().advertise  # published host (protocol/transport.py advertise_host)
     etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
 
@@ -117,15 +116,13 @@ class MasterServerSettings:
         if not eps:
             raise ConfigError("no etcd endpoint: pass --etcd http://host:port or set etcd.endpoint in the --config "
                               "file (a master does not start etcd; `kvpool up` does)", key="etcd.endpoint")
-        node_ttl_s = parse_duration(m.node_ttl, key="master.node_ttl")
-        st = MasterSettings(m.replicas, parse_duration(m.lease_ttl), parse_duration(m.put_timeout),
-                            parse_duration(m.quarantine), m.high_watermark, m.low_watermark,
-                            parse_duration(m.max_handoff_ttl), suspect_s=node_ttl_s, repair_rate=m.repair_rate,
+        st = MasterSettings(m.replicas, m.lease_ttl, m.put_timeout, m.quarantine, m.high_watermark, m.low_watermark,
+                            m.max_handoff_ttl, suspect_s=m.node_ttl, repair_rate=m.repair_rate,
                             repair_in_flight=m.repair_in_flight, max_objects=m.max_objects)
-        return cls(",".join(eps), cfg.cluster, m.host, m.rpc_port, m.metrics_port, parse_duration(m.membership_poll),
-                   node_ttl_s, st, parse_duration(m.etcd_compaction_interval), m.etcd_compaction_retention,
+        return cls(",".join(eps), cfg.cluster, m.host, m.rpc_port, m.metrics_port, m.membership_poll,
+                   m.node_ttl, st, m.etcd_compaction_interval, m.etcd_compaction_retention,
                    *m.join_settings(), security=Security.for_server(cfg.security, "this master"),
-                   max_conns=cfg.security.max_conns, frame_timeout_s=parse_duration(cfg.security.frame_timeout),
+                   max_conns=cfg.security.max_conns, frame_timeout_s=cfg.security.frame_timeout,
                    advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd))
 
 

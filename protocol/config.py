@@ -3,6 +3,12 @@
 Precedence: defaults < YAML file (``configs/local.yaml``, installed as ``kvpool/configs``, is the default)
 < environment ``KVPOOL_<SECTION>__<KEY>`` < explicit overrides (CLI flags). Objects
 are passed into constructors; nothing reads global settings.
+
+Durations (``"250ms"``, ``"30s"``, or a number of seconds) and sizes (``"2GiB"``, or a
+number of bytes) are parsed once, as each struct is built (``__post_init__``): from then on
+a duration field holds seconds (float) and a size field bytes (int), whatever wrote it, and
+a value that does not parse is a ConfigError naming its key. A field's declared default
+stays the text a user would write (what ``--help`` shows).
 """
 from __future__ import annotations
 
@@ -38,6 +44,20 @@ DEFAULT_CONFIG = CONFIG_DIR / "local.yaml"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # bind addresses meaning "every interface": never advertised
 
 
+def _parse_units(obj: msgspec.Struct, prefix: str, durations: tuple[str, ...] = (), sizes: tuple[str, ...] = ()) -> None:
+    """Parse ``obj``'s duration fields to seconds (float) and size fields to bytes (int) in
+    place, once, as the struct is built (YAML, environment, flags or code alike), so every
+    consumer reads numbers. Raises ConfigError naming ``prefix + field`` for a bad value."""
+    for f in durations:
+        v = getattr(obj, f)
+        if v is not None:
+            msgspec.structs.force_setattr(obj, f, parse_duration(v, key=prefix + f))
+    for f in sizes:
+        v = getattr(obj, f)
+        if v is not None:
+            msgspec.structs.force_setattr(obj, f, parse_size(v, key=prefix + f))
+
+
 class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """etcd endpoint(s); ``endpoint=None`` means: start an embedded etcd child process.
 
@@ -71,6 +91,9 @@ class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     auto_compaction_mode: str = "periodic"
     auto_compaction_retention: str | int = "5m"
 
+    def __post_init__(self) -> None:
+        _parse_units(self, "etcd.", sizes=("quota_backend",))
+
     def endpoints(self) -> list[str]:
         """The configured endpoints, normalised (empty for an embedded etcd)."""
         from kvpool.protocol.etcd import parse_endpoints
@@ -85,7 +108,7 @@ class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             sec = parse_duration(self.auto_compaction_retention, key="etcd.auto_compaction_retention")
             keep = f"{round(sec * 1000)}ms" if sec > 0 else "0"
         return [f"--auto-compaction-mode={self.auto_compaction_mode}", f"--auto-compaction-retention={keep}",
-                f"--quota-backend-bytes={parse_size(self.quota_backend, key='etcd.quota_backend')}"]
+                f"--quota-backend-bytes={self.quota_backend}"]
 
 
 class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,12 +141,17 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     join_backoff: D[str | float, "Wait after a failed join request before the next (doubled per failure)"] = "500ms"
     join_backoff_max: D[str | float, "Cap of the doubled join deadline and wait"] = "30s"
 
+    def __post_init__(self) -> None:  # durations in seconds from here on
+        _parse_units(self, "master.", durations=(
+            "lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll",
+            "etcd_compaction_interval", "join_timeout", "join_backoff", "join_backoff_max"))
+
     def join_settings(self, key_prefix: str = "master.") -> tuple[float, float, float]:
         """``(join_timeout, join_backoff, join_backoff_max)`` in seconds. Raises ConfigError
         unless each is a duration > 0 and ``join_backoff_max`` is at least the other two."""
         vals = []
         for key in ("join_timeout", "join_backoff", "join_backoff_max"):
-            v = parse_duration(getattr(self, key), key=f"{key_prefix}{key}")
+            v = getattr(self, key)
             if not v > 0:
                 raise ConfigError(f"{key_prefix}{key}: {getattr(self, key)!r}; accepted: a duration > 0 "
                                   "(e.g. 2s, 500ms)", key=f"{key_prefix}{key}")
@@ -183,6 +211,9 @@ class StoreNodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk_write_rate: D[str | int, "Bytes per second demotions are written at most, on average (0: unbounded)"] = 0
     disk_port: D[int, "Port of the disk tier's reads, with disk_dir (0: any free port)"] = 0
 
+    def __post_init__(self) -> None:  # sizes in bytes from here on
+        _parse_units(self, f"storenodes[{self.name or ''}].", sizes=("memory", "disk_capacity", "disk_write_rate"))
+
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``kvpool proxy``: the prefill and decode vLLM server URLs, where it listens, and its
@@ -206,6 +237,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                 "$KVPOOL_PROXY_API_KEY"] = None
     backend_api_key_file: D[str | None, "File with the vLLM servers' --api-key; else $KVPOOL_BACKEND_API_KEY"] = None
     allow_no_api_key: D[bool, "Serve a non-loopback host without an API key (warns loudly)"] = False
+
+    def __post_init__(self) -> None:  # durations in seconds from here on
+        _parse_units(self, "proxy.", durations=("health_interval", "timeout", "read_timeout"))
 
 
 class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -231,19 +265,19 @@ class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the CPU, before it sleeps (protocol/spin.py): no wake-up for a quick reply; 0 = sleep at once
     spin_wait: str | float = "100us"
 
+    def __post_init__(self) -> None:  # durations in seconds, sizes in bytes from here on
+        _parse_units(self, "client.", durations=("rpc_timeout", "io_timeout", "replica_timeout", "hedge_after",
+                                                 "write_timeout", "spin_wait"),
+                     sizes=("reserve", "reserve_max_object"))
+
     def client_kwargs(self) -> dict:
         """These settings as :class:`~connector.client.KVPoolClient` keyword arguments
-        (durations in seconds, sizes in bytes, parsed here once); ``None`` where unset."""
-        def secs(name):
-            v = getattr(self, name)
-            return None if v is None else parse_duration(v, key=f"client.{name}")
-        return dict(transport=self.transport, host_id=self.host_id, rpc_timeout_s=secs("rpc_timeout"),
-                    io_timeout_s=secs("io_timeout"), streams_per_node=self.streams_per_node,
-                    replica_timeout_s=secs("replica_timeout"), hedge_after_s=secs("hedge_after"),
-                    write_timeout_s=secs("write_timeout"),
-                    reserve_bytes=parse_size(self.reserve, key="client.reserve"),
-                    reserve_max_object_bytes=parse_size(self.reserve_max_object, key="client.reserve_max_object"),
-                    spin_wait_s=secs("spin_wait"))
+        (durations in seconds, sizes in bytes); ``None`` where unset."""
+        return dict(transport=self.transport, host_id=self.host_id, rpc_timeout_s=self.rpc_timeout,
+                    io_timeout_s=self.io_timeout, streams_per_node=self.streams_per_node,
+                    replica_timeout_s=self.replica_timeout, hedge_after_s=self.hedge_after,
+                    write_timeout_s=self.write_timeout, reserve_bytes=self.reserve,
+                    reserve_max_object_bytes=self.reserve_max_object, spin_wait_s=self.spin_wait)
 
 
 CLIENT_DEFAULTS = ClientConfig().client_kwargs()  # the one place client defaults are stated
@@ -276,6 +310,9 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frame_timeout: D[str | float, "Longest wait for a half-sent request frame, or one blocking send"] = "30s"
     insecure: D[bool, "Start without a cluster secret: every port open to anyone who reaches it"] = False
 
+    def __post_init__(self) -> None:  # seconds from here on
+        _parse_units(self, "security.", durations=("frame_timeout",))
+
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: str = "default"
@@ -302,12 +339,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def validate(self) -> "ClusterConfig":
         """Check values; raise ConfigError naming the key and accepted values."""
         m = self.master
-        for key in ("lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll",
-                    "etcd_compaction_interval"):
-            parse_duration(getattr(m, key), key=f"master.{key}")
         for key, least, why in (("node_ttl", 1.0, "etcd grants no shorter lease than its own minimum"),
                                 ("membership_poll", 0.01, "a shorter poll keeps a core busy reading etcd")):
-            if parse_duration(getattr(m, key)) < least:
+            if getattr(m, key) < least:
                 raise ConfigError(f"master.{key}: {getattr(m, key)!r}; accepted: a duration of at least {least:g}s "
                                   f"({why})", key=f"master.{key}")
         m.check_joins()
@@ -316,9 +350,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "master.low_watermark/high_watermark: need 0 < low <= high <= 1, got "
                 f"{m.low_watermark}/{m.high_watermark}", key="master.high_watermark")
         try:  # the bounds the cluster settings in etcd obey (what the first leader records)
-            ClusterSettings(m.replicas, parse_duration(m.lease_ttl), parse_duration(m.put_timeout),
-                            parse_duration(m.quarantine), m.high_watermark, m.low_watermark,
-                            parse_duration(m.max_handoff_ttl)).check()
+            ClusterSettings(m.replicas, m.lease_ttl, m.put_timeout, m.quarantine, m.high_watermark,
+                            m.low_watermark, m.max_handoff_ttl).check()
         except ConfigError as e:
             raise ConfigError(f"master.{e}", key=f"master.{e.fields.get('key', '')}") from None
         self._validate_etcd()
@@ -329,9 +362,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for key in ("rpc_timeout", "io_timeout", "replica_timeout", "hedge_after", "write_timeout"):
             if getattr(self.client, key) is None and key in ("replica_timeout", "hedge_after", "write_timeout"):
                 continue  # off
-            if parse_duration(getattr(self.client, key), key=f"client.{key}") <= 0:
+            if getattr(self.client, key) <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
-        if not 0 <= parse_duration(self.client.spin_wait, key="client.spin_wait") <= SPIN_WAIT_MAX_S:
+        if not 0 <= self.client.spin_wait <= SPIN_WAIT_MAX_S:
             raise ConfigError(f"client.spin_wait: {self.client.spin_wait!r}; accepted: 0 (off) to 10ms, e.g. 100us",
                               key="client.spin_wait")
         if self.log_level not in LOG_LEVELS:
@@ -353,7 +386,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if len(names) != len(set(names)):
             raise ConfigError(f"storenodes: names must be unique, got {names}", key="storenodes")
         for i, n in enumerate(self.storenodes):
-            if parse_size(n.memory, key=f"storenodes[{i}].memory") < MIN_SEGMENT:
+            if n.memory < MIN_SEGMENT:
                 raise ConfigError(f"storenodes[{i}].memory: at least 1MiB, got {n.memory!r}",
                                   key=f"storenodes[{i}].memory")
             if n.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", n.name):
@@ -366,7 +399,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"storenodes[{i}].device: {n.device!r}; accepted: cpu, cuda:N",
                                   key=f"storenodes[{i}].device")
             check_disk(n, f"storenodes[{i}].")
-        if parse_duration(self.security.frame_timeout, key="security.frame_timeout") <= 0:
+        if self.security.frame_timeout <= 0:
             raise ConfigError("security.frame_timeout: must be > 0", key="security.frame_timeout")
         if not 1 <= self.security.max_conns <= 1 << 20:
             raise ConfigError(f"security.max_conns: {self.security.max_conns}; accepted: 1 to 1048576",
@@ -382,7 +415,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def _validate_proxy(self) -> None:
         p = self.proxy
         for key in ("health_interval", "timeout", "read_timeout"):
-            if not 0 < parse_duration(getattr(p, key), key=f"proxy.{key}") < float("inf"):
+            if not 0 < getattr(p, key) < float("inf"):
                 raise ConfigError(f"proxy.{key}: must be > 0", key=f"proxy.{key}")
         if p.max_in_flight < 1:
             raise ConfigError(f"proxy.max_in_flight: {p.max_in_flight}; at least 1", key="proxy.max_in_flight")
@@ -399,7 +432,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("etcd.cert and etcd.key go together (a client certificate and its key)", key="etcd.cert")
         if e.cert is not None and e.ca is None:
             raise ConfigError("etcd.cert needs etcd.ca (TLS is on when etcd.ca is set)", key="etcd.ca")
-        if parse_size(e.quota_backend, key="etcd.quota_backend") < MIN_SEGMENT:
+        if e.quota_backend < MIN_SEGMENT:
             raise ConfigError(f"etcd.quota_backend: at least 1MiB, got {e.quota_backend!r}", key="etcd.quota_backend")
         if e.auto_compaction_mode not in ("periodic", "revision"):
             raise ConfigError(f"etcd.auto_compaction_mode: {e.auto_compaction_mode!r}; accepted: periodic, revision",
@@ -418,7 +451,7 @@ def check_disk(n: StoreNodeConfig, prefix: str = "storenodes[].") -> None:
     if n.disk_dir is not None and not str(n.disk_dir).strip():
         raise ConfigError(f"{prefix}disk_dir: empty; give a directory, or null for no disk tier",
                           key=f"{prefix}disk_dir")
-    if parse_size(n.disk_capacity, key=f"{prefix}disk_capacity") < MIN_SEGMENT:
+    if n.disk_capacity < MIN_SEGMENT:
         raise ConfigError(f"{prefix}disk_capacity: at least 1MiB, got {n.disk_capacity!r}",
                           key=f"{prefix}disk_capacity")
     if not 0 < n.disk_low_watermark <= n.disk_high_watermark <= 1:  # also refuses NaN
@@ -426,7 +459,7 @@ def check_disk(n: StoreNodeConfig, prefix: str = "storenodes[].") -> None:
                           f"{n.disk_low_watermark}/{n.disk_high_watermark}", key=f"{prefix}disk_high_watermark")
     if not 1 <= n.disk_readers <= 64:
         raise ConfigError(f"{prefix}disk_readers: {n.disk_readers!r}; accepted: 1 to 64", key=f"{prefix}disk_readers")
-    if parse_size(n.disk_write_rate, key=f"{prefix}disk_write_rate") < 0:
+    if n.disk_write_rate < 0:
         raise ConfigError(f"{prefix}disk_write_rate: {n.disk_write_rate!r}; bytes per second, 0 for no bound",
                           key=f"{prefix}disk_write_rate")
 
@@ -500,6 +533,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     data = _merge(_merge(data, env), overrides or {})
     try:
         cfg = msgspec.convert(data, ClusterConfig)
+    except ConfigError as e:  # a duration or size that does not parse (raised as the struct is built)
+        where = env_names.get(str(e.fields.get("key", "")))
+        if where:
+            raise ConfigError(f"{e} (set by {where})", key=where) from None
+        raise
     except msgspec.ValidationError as e:
         m = re.search(r"\$\.(\w+)\.(\w+)", str(e))
         where = env_names.get(f"{m.group(1)}.{m.group(2)}") if m else None

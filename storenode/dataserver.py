@@ -46,7 +46,6 @@ from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame
 from kvpool.protocol.errors import AuthFailed, InvalidRequest, KVPoolError, NodeUnavailable, Overloaded, StaleExtent
 from kvpool.protocol.grants import check_token
 from kvpool.protocol.messages import ExtentEntry
-from kvpool.protocol.units import parse_duration
 from kvpool.storenode.connpool import Conn, ConnPool, TLSSlices
 from kvpool.storenode.device_segment import DeviceSegment
 from kvpool.storenode.extents import ExtentTable
@@ -68,7 +67,7 @@ class DataServer:
     def __init__(self, segment: Segment | DeviceSegment, table: ExtentTable, addrs: list[str],
                  security: Security = OPEN, max_conns: int = SecurityConfig().max_conns,
                  workers: int = StoreNodeConfig().data_workers,
-                 frame_timeout_s: float = parse_duration(SecurityConfig().frame_timeout)) -> None:
+                 frame_timeout_s: float = SecurityConfig().frame_timeout) -> None:
         self.segment = segment
         self.table = table
         self.writers = WriterWatch(table)  # claims of writers whose connection closed (storenode/writers.py)

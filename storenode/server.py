@@ -44,7 +44,6 @@ from kvpool.protocol.config import ClusterConfig, SecurityConfig, StoreNodeConfi
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
 from kvpool.protocol.errors import ConfigError, EtcdFull, InvalidRequest, KVPoolError, Overloaded, StaleTerm
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys, kept_alive
-from kvpool.protocol.units import parse_duration, parse_size
 from kvpool.storenode.control import ControlChannel
 from kvpool.storenode.dataserver import DataServer
 from kvpool.storenode.device_segment import DeviceSegment
@@ -71,11 +70,11 @@ class NodeSettings:
     etcd: str
     cluster: str = ClusterConfig().cluster
     node_id: str | None = None
-    memory_bytes: int = parse_size(_NODE.memory)
+    memory_bytes: int = _NODE.memory
     host: str = _NODE.host
     data_port: int = _NODE.data_port
     host_id: str | None = None
-    node_ttl_s: float = parse_duration(ClusterConfig().master.node_ttl)
+    node_ttl_s: float = ClusterConfig().master.node_ttl
     run_dir: str | None = None
     device: str = _NODE.device
     ucx: bool = _NODE.ucx
@@ -87,15 +86,15 @@ class NodeSettings:
     ucx_port: int = _NODE.ucx_port  # 0: any free port
     etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
     data_workers: int = _NODE.data_workers  # threads serving data requests (storenode/connpool.py)
-    frame_timeout_s: float = parse_duration(SecurityConfig().frame_timeout)  # deadline of each data socket call
+    frame_timeout_s: float = SecurityConfig().frame_timeout  # deadline of each data socket call
     # the disk tier (None: none): directory, bytes, watermarks (fractions), read threads and
     # the demotions' write rate (bytes per second, 0: no bound)
     disk_dir: str | None = _NODE.disk_dir
-    disk_capacity: int = parse_size(_NODE.disk_capacity)
+    disk_capacity: int = _NODE.disk_capacity
     disk_high_watermark: float = _NODE.disk_high_watermark
     disk_low_watermark: float = _NODE.disk_low_watermark
     disk_readers: int = _NODE.disk_readers
-    disk_write_rate: int = parse_size(_NODE.disk_write_rate)
+    disk_write_rate: int = _NODE.disk_write_rate
     disk_port: int = _NODE.disk_port  # 0: any free port
 
     @classmethod
@@ -107,13 +106,13 @@ class NodeSettings:
         if not eps:
             raise ConfigError("no etcd endpoint: pass --etcd http://host:port or set etcd.endpoint in the --config "
                               "file (a store node does not start etcd; `kvpool up` does)", key="etcd.endpoint")
-        return cls(",".join(eps), cfg.cluster, node.name, parse_size(node.memory), node.host, node.data_port,
-                   node.host_id, parse_duration(cfg.master.node_ttl), run_dir, node.device, node.ucx,
+        return cls(",".join(eps), cfg.cluster, node.name, node.memory, node.host, node.data_port,
+                   node.host_id, cfg.master.node_ttl, run_dir, node.device, node.ucx,
                    node.metrics_port, Security.for_server(cfg.security, "this store node"), cfg.security.max_conns, node.advertise,
                    node.control_port, node.ucx_port, EtcdAuth.from_config(cfg.etcd), node.data_workers,
-                   parse_duration(cfg.security.frame_timeout), node.disk_dir, parse_size(node.disk_capacity),
+                   cfg.security.frame_timeout, node.disk_dir, node.disk_capacity,
                    node.disk_high_watermark, node.disk_low_watermark, node.disk_readers,
-                   parse_size(node.disk_write_rate), node.disk_port)
+                   node.disk_write_rate, node.disk_port)
 
 
 class StoreNode:

@@ -90,7 +90,7 @@ def test_units_and_config(tmp_path):
     with pytest.raises(E.ConfigError, match="memory"):
         parse_size("lots", key="memory")
     cfg = load_config(None, environ={})
-    assert [n.memory for n in cfg.storenodes] == ["1GiB", "1GiB"] and cfg.etcd.endpoint is None
+    assert [n.memory for n in cfg.storenodes] == [1 << 30, 1 << 30] and cfg.etcd.endpoint is None
     cfg = load_config(None, environ={"KVPOOL_MASTER__REPLICAS": "2"})
     assert cfg.master.replicas == 2
     bad = tmp_path / "bad.yaml"
@@ -223,3 +223,23 @@ def test_a_sliced_batch_answers_in_order_or_with_its_first_error():
 
     b = SlicedBatch(req, run, lambda r: r)
     assert b.step() is None and isinstance(b.step(), E.NotLeader)
+
+
+def test_durations_and_sizes_are_parsed_once_as_the_config_is_built():
+    from kvpool.protocol.config import ClientConfig, MasterConfig, StoreNodeConfig
+
+    cfg = load_config(None, {"master": {"lease_ttl": "250ms"}, "client": {"reserve": "2MiB", "hedge_after": None},
+                             "storenodes": [{"name": "a", "memory": "64MiB"}]}, environ={})
+    assert (cfg.master.lease_ttl, cfg.master.node_ttl, cfg.client.reserve) == (0.25, 3.0, 2 << 20)
+    assert cfg.client.hedge_after is None and cfg.storenodes[0].memory == 64 << 20
+    assert cfg.client.client_kwargs()["spin_wait_s"] == pytest.approx(100e-6)
+    assert MasterConfig(lease_ttl="2s").lease_ttl == 2.0  # built in code: parsed alike
+    assert msgspec.structs.replace(MasterConfig(), put_timeout="1m").put_timeout == 60.0
+    assert StoreNodeConfig(memory=4096).memory == 4096 and ClientConfig(rpc_timeout=3).rpc_timeout == 3.0
+    with pytest.raises(E.ConfigError, match="master.quarantine") as ei:
+        MasterConfig(quarantine="soon")
+    assert ei.value.fields["key"] == "master.quarantine"
+    with pytest.raises(E.ConfigError, match=r"storenodes\[b\].memory"):
+        load_config(None, {"storenodes": [{"name": "b", "memory": "lots"}]}, environ={})
+    with pytest.raises(E.ConfigError, match="KVPOOL_CLIENT__IO_TIMEOUT"):
+        load_config(None, environ={"KVPOOL_CLIENT__IO_TIMEOUT": "forever"})
