@@ -13,15 +13,13 @@ Bounds, so one client cannot stall the master or grow its memory:
   and unanswered requests, is not read until it catches up;
 * a corrupt frame length is answered (after the requests before it, durable ones
   included) and the connection closed, since its stream position can no longer be trusted;
-* at most ``max_conns`` connections: one accepted at the cap takes the place of the
-  oldest connection still in its handshake (closed), so silent peers cannot lock honest
-  clients out for the handshake deadline; with none in a handshake it is told
-  :class:`~protocol.errors.Overloaded` and closed. A connection must pass TLS and the
-  cluster-secret handshake (:mod:`protocol.auth`, when configured) within ``auth.HANDSHAKE_S`` before any request is
-  read (it buffers at most the handshake's 69 bytes meanwhile), and a request frame
-  half-sent for :data:`FRAME_TIMEOUT_S` with no whole frame meanwhile closes it;
-* a master without TLS answers a connection that opens with a TLS record in plain text
-  (:data:`NOT_TLS`) and closes it, so the client's TLS handshake fails at once.
+* the connection cap, the handshake deadline and the refusals are the rules every port
+  shares (:mod:`protocol.admission`): at most ``max_conns`` connections, one accepted at
+  the cap in place of the oldest still in its handshake, TLS and the cluster-secret
+  handshake (:mod:`protocol.auth`, when configured) within ``auth.HANDSHAKE_S`` before any
+  request is read (a connection buffers at most the handshake's 69 bytes meanwhile), a
+  TLS client on a plaintext master told so at once. A request frame half-sent for
+  :data:`FRAME_TIMEOUT_S` with no whole frame meanwhile closes its connection.
   ``refusals`` counts the connections closed for each reason (the master exports it).
 
 ``before_send`` runs before any reply leaves: the master sends its queued frees (and any
@@ -50,17 +48,15 @@ from kvpool.master.batches import SlicedBatch
 from kvpool.master.durable import Pending
 from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire
-from kvpool.protocol import auth
-from kvpool.protocol.errors import KVPoolError, Overloaded
+from kvpool.protocol import admission, auth
+from kvpool.protocol.errors import KVPoolError
 
 OUT_MAX = 16 << 20  # bytes of unsent replies after which a client's requests wait
 PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not read
 BUDGET = 64  # requests answered per client per loop turn (the others get their turn)
 FRAME_TIMEOUT_S = 30.0  # a request frame left half-sent this long (no whole frame meanwhile) closes its client
 HELLO_RID = (1 << 64) - 1  # request id of a client's first request (its Hello, connector/rpc.py)
-TLS_RECORD = b"\x16\x03"  # how a TLS ClientHello starts: a handshake record of version 3.x (RFC 8446 §5.1)
-NOT_TLS = (b"kvpool master: this port does not serve TLS; give the master security.tls_cert and "
-           b"security.tls_key, or connect without security.tls_ca\n")  # sent to a TLS client, then closed
+NOT_TLS = admission.not_tls("master")  # sent to a TLS client of a plaintext master, then closed
 _log = logging.getLogger("kvpool.master")
 
 _IN, _OUT, _ERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)  # plain ints: enum ops are slow
@@ -71,7 +67,7 @@ class Client:
     the reply bytes not sent yet; until it is authenticated, its TLS and handshake state."""
 
     __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed", "hs", "tls", "tin", "tout",
-                 "raw", "tls_up", "deadline", "partial_since", "first", "role", "batch", "batch_rid")
+                 "raw", "tls_up", "partial_since", "first", "role", "batch", "batch_rid")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -86,7 +82,6 @@ class Client:
         self.tin = self.tout = None
         self.tls_up = False  # the TLS handshake finished
         self.raw = bytearray()  # under TLS: encrypted bytes not sent yet
-        self.deadline: float | None = None  # an unauthenticated connection is closed at this time
         self.partial_since: float | None = None  # a frame has been half-received since then
         self.first = True  # nothing was read yet
         self.role = "cluster"  # what the peer's credential allows (protocol/auth.py, "Roles"); open: all
@@ -113,8 +108,8 @@ class ClientConns:
         self._auth_key = security.auth_keys() if security.secret is not None else None
         self.max_conns = max_conns
         self.frame_timeout_s = frame_timeout_s
-        self.refusals: dict[str, int] = {  # closed connections by reason (a metric)
-            "max_conns": 0, "auth": 0, "tls": 0, "handshake_timeout": 0, "handshake_evicted": 0, "frame_timeout": 0}
+        self.admission: admission.Admission[Client] = admission.Admission(max_conns)
+        self.refusals = self.admission.refusals  # closed connections by reason (a metric)
         self._swept = 0.0
         self.listeners = {lst.fileno(): lst for lst in listeners}
         self.poller = poller
@@ -152,11 +147,10 @@ class ClientConns:
     def sweep(self, now: float) -> None:
         """Close connections that did not authenticate within ``auth.HANDSHAKE_S``, or hold a
         frame half-received for ``frame_timeout_s`` (no whole frame arrived meanwhile)."""
+        for c in self.admission.expired(now):
+            self._close(c)
         for c in list(self.clients.values()):
-            if c.deadline is not None and now > c.deadline:
-                self.refusals["handshake_timeout"] += 1
-                self._close(c)
-            elif c.partial_since is not None and now - c.partial_since > self.frame_timeout_s:
+            if c.partial_since is not None and now - c.partial_since > self.frame_timeout_s:
                 self.refusals["frame_timeout"] += 1
                 _log.warning("master: closed a client that left a request frame half-sent for %.0f s",
                              now - c.partial_since)
@@ -196,7 +190,10 @@ class ClientConns:
             tcp = sock.family != socket.AF_UNIX
             if tcp:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if len(self.clients) >= self.max_conns and not self._evict_one():
+            admitted, victim = self.admission.admit(len(self.clients))
+            if victim is not None:
+                self._close(victim)
+            if not admitted:
                 self._refuse(sock, tcp)
                 continue
             c = Client(sock)
@@ -206,31 +203,15 @@ class ClientConns:
             if self._auth_key is not None:
                 c.hs = auth.ServerHandshake(self._auth_key, auth.RPC, _reject)
             if c.tls is not None or c.hs is not None:
-                c.deadline = time.monotonic() + auth.HANDSHAKE_S
+                self.admission.start(c, time.monotonic())
             self.clients[sock.fileno()] = c
             self.poller.register(sock, _IN)
 
-    def _evict_one(self) -> bool:
-        """At the cap: close the oldest connection still in its handshake (clients are held in
-        accept order); False when there is none."""
-        victim = next((c for c in self.clients.values() if c.deadline is not None), None)
-        if victim is None:
-            return False
-        self.refusals["handshake_evicted"] += 1
-        self._close(victim)
-        return True
-
     def _refuse(self, sock: socket.socket, tcp: bool) -> None:
         """Over the connection cap: say so (unless under TLS) and close."""
-        self.refusals["max_conns"] += 1
-        err = Overloaded(f"the master holds its maximum of {self.max_conns} client connections "
-                         "(security.max_conns); retry later, or raise it", max_conns=self.max_conns)
-        if not (tcp and self.tls_ctx is not None):
-            with contextlib.suppress(OSError):
-                sock.send(auth.refusal(err.message) if self._auth_key is not None
-                          else _reject(err, rpcwire.HEAD.pack(0, HELLO_RID)))
-        with contextlib.suppress(OSError):
-            sock.close()
+        admission.refuse(sock, admission.overloaded("the master", self.max_conns), secret=self._auth_key is not None,
+                         tls=tcp and self.tls_ctx is not None,
+                         framed=lambda err: _reject(err, rpcwire.HEAD.pack(0, HELLO_RID)))
 
     def _refuse_tls(self, c: Client) -> None:
         """A TLS client on this plaintext master: tell it in plain text (its TLS stack fails
@@ -246,6 +227,7 @@ class ClientConns:
         self._close(c)
 
     def _close(self, c: Client) -> None:
+        self.admission.done(c)
         self.clients.pop(c.sock.fileno(), None)
         self.busy.discard(c)
         c.closed = True
@@ -270,7 +252,7 @@ class ClientConns:
                 data = self._rbuf[:got]
                 if c.first:
                     c.first = False
-                    if c.tls is None and data[:2] == TLS_RECORD:
+                    if c.tls is None and data[:2] == admission.TLS_RECORD:
                         return self._refuse_tls(c)
                 if c.tls is not None:
                     data = self._tls_in(c, data)
@@ -305,7 +287,7 @@ class ClientConns:
                 c.tls_up = True
                 self._send(c)  # the handshake's last flight
                 if c.hs is None:
-                    c.deadline = None
+                    self.admission.done(c)
             out = bytearray()
             while True:
                 try:
@@ -336,7 +318,8 @@ class ClientConns:
         if not c.hs.done:
             return None
         c.role = c.hs.role
-        c.hs = c.deadline = None
+        c.hs = None
+        self.admission.done(c)
         return rest
 
     def _send_raw(self, c: Client, data: bytes) -> None:

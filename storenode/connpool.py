@@ -6,11 +6,11 @@ No thread per connection. A connection is owned by exactly one of:
   idle. It drives TLS (``ssl`` with ``do_handshake_on_connect=False``) and the
   cluster-secret handshake (:class:`protocol.auth.ServerHandshake`, fed from non-blocking
   reads) within ``auth.HANDSHAKE_S`` of the accept, so unauthenticated peers cost no worker;
-  and it watches authenticated connections for their next request. A connection accepted
-  at the server's connection cap takes the place of the oldest one still in its handshake
-  (closed, AuthFailed ``evicted``), so peers that open connections and stay silent cannot
-  lock honest clients out for the handshake deadline; with none in its handshake, it is
-  refused (``refuse``);
+  and it watches authenticated connections for their next request. The cap and the
+  handshake deadlines follow the rules every port shares (:mod:`protocol.admission`): a
+  connection accepted at the server's connection cap takes the place of the oldest one
+  still in its handshake (closed, AuthFailed ``evicted``), and with none in its handshake
+  it is refused (``refuse``);
 * a **worker** (``workers`` of them), once the connection is readable: the worker runs
   ``serve(conn)``, which serves every request that arrives while it holds the connection
   and returns True to hand it back to the selector (or False: it was closed). A TLS
@@ -49,7 +49,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from kvpool.protocol import auth
+from kvpool.protocol import admission, auth
 from kvpool.protocol.errors import AuthFailed
 
 _log = logging.getLogger("kvpool.storenode")
@@ -89,7 +89,7 @@ class Conn:
     ``unix``: it came in on the Unix socket; ``state``: what the server keeps for it once
     it is authenticated (its writer identity)."""
 
-    __slots__ = ("sock", "unix", "tls", "tls_up", "hs", "deadline", "events", "authed", "closed", "state", "over_cap")
+    __slots__ = ("sock", "unix", "tls", "tls_up", "hs", "events", "authed", "closed", "state", "over_cap")
 
     def __init__(self, sock, unix: bool, tls: bool, hs: auth.ServerHandshake | None, over_cap: bool = False) -> None:
         self.sock = sock
@@ -97,7 +97,6 @@ class Conn:
         self.tls = tls
         self.tls_up = not tls  # the TLS handshake finished
         self.hs = hs  # the secret handshake, until it succeeds
-        self.deadline = time.monotonic() + auth.HANDSHAKE_S
         self.events = 0  # what the selector watches it for (0: not registered)
         self.authed = False
         self.closed = False
@@ -113,12 +112,13 @@ class ConnPool:
     ``closed(conn)`` runs once for every connection when it is closed; ``failed(err)`` counts
     a connection that failed TLS or the handshake (``err``: the AuthFailed, or an OSError);
     ``refuse(conn)`` tells a connection accepted at the cap that the server is full (its
-    socket is closed after)."""
+    socket is closed after); ``max_conns``: the server's connection cap."""
 
     def __init__(self, workers: int, frame_timeout_s: float, tls: ssl.SSLContext | None, auth_key: dict[str, bytes] | None,
                  reject: Callable[[AuthFailed, bytes], bytes], opened: Callable[[Conn], None],
                  serve: Callable[[Conn], bool], closed: Callable[[Conn], None],
-                 failed: Callable[[BaseException], None], refuse: Callable[[Conn], None] = lambda c: None) -> None:
+                 failed: Callable[[BaseException], None], refuse: Callable[[Conn], None] = lambda c: None,
+                 max_conns: int = 1024) -> None:
         self.workers = workers
         self.frame_timeout_s = frame_timeout_s
         self._timeval = struct.pack("ll", int(frame_timeout_s), int(frame_timeout_s % 1 * 1e6))
@@ -132,7 +132,7 @@ class ConnPool:
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, _R, None)
         self._back: deque[Conn] = deque()  # new and parked connections for the selector to take
-        self._pending: deque[Conn] = deque()  # handshaking connections, in deadline order
+        self.admission: admission.Admission[Conn] = admission.Admission(max_conns)  # the selector's
         self._work: queue.SimpleQueue[Conn | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.conns: set[Conn] = set()
@@ -179,13 +179,15 @@ class ConnPool:
 
     def handshaking(self) -> bool:
         """Whether connections may be in their handshake (any thread; the selector checks)."""
-        return bool(self._pending)
+        return self.admission.handshaking() > 0
 
     def close(self, c: Conn) -> None:
         """Close ``c`` (by its current owner)."""
         if c.closed:
             return
         c.closed = True
+        if not c.authed:  # (only the selector thread closes connections in their handshake)
+            self.admission.done(c)
         with self._lock:
             self.conns.discard(c)
         with contextlib.suppress(OSError):
@@ -201,7 +203,7 @@ class ConnPool:
     def _select(self) -> None:
         sel = self._sel
         while not self._stop.is_set():
-            timeout = _SWEEP_S if self._pending else None
+            timeout = _SWEEP_S if self.admission.handshaking() else None
             for key, ev in sel.select(timeout):
                 c = key.data
                 if c is None:
@@ -219,32 +221,26 @@ class ConnPool:
                     continue
                 if c.authed:
                     self._watch(c, _R)
-                elif c.over_cap and not self._evict_one():
+                elif c.over_cap and not self._make_room():
                     self._refuse(c)
                     self.close(c)
                 else:
-                    self._pending.append(c)
+                    self.admission.start(c, time.monotonic())
                     self._step(c)
-            now = time.monotonic()
-            while self._pending and (self._pending[0].authed or self._pending[0].closed
-                                     or self._pending[0].deadline <= now):
-                c = self._pending.popleft()
-                if not (c.authed or c.closed):
-                    self._fail(c, AuthFailed("peer did not finish the cluster-secret handshake in time",
-                                             cause="timeout"))
+            for c in self.admission.expired(time.monotonic()):
+                self._fail(c, AuthFailed("peer did not finish the cluster-secret handshake in time", cause="timeout"))
         for key in list(sel.get_map().values()):
             if key.data is not None:
                 self.close(key.data)
         sel.close()
 
-    def _evict_one(self) -> bool:
-        """Close the oldest connection still in its handshake; False when there is none."""
-        for c in self._pending:
-            if not (c.authed or c.closed):
-                self._fail(c, AuthFailed("closed in its handshake to make room at the connection cap "
-                                         "(security.max_conns)", cause="evicted"))
-                return True
-        return False
+    def _make_room(self) -> bool:
+        """At the cap: close the oldest connection still in its handshake; False when there is none."""
+        admitted, victim = self.admission.admit(self.admission.max_conns)
+        if victim is not None:
+            self._fail(victim, AuthFailed("closed in its handshake to make room at the connection cap "
+                                          "(security.max_conns)", cause="evicted"))
+        return admitted
 
     def _watch(self, c: Conn, events: int) -> None:
         if c.events == events:
@@ -306,6 +302,7 @@ class ConnPool:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._timeval)
         except OSError as e:
             return self._fail(c, e)
+        self.admission.done(c)
         c.authed = True
         self._opened(c)
         if c.tls and s.pending():

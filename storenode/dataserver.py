@@ -39,7 +39,7 @@ import threading
 
 import msgspec
 
-from kvpool.protocol import auth, transport
+from kvpool.protocol import admission, auth, transport
 from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.config import SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
@@ -80,7 +80,7 @@ class DataServer:
                              security.auth_keys() if security.secret is not None else None,
                              lambda e, _head: frame(DataReply(False, e.to_wire())),
                              self._opened, self._serve, self._closed, self._auth_failed,
-                             lambda c: self._refuse(c.sock, "unix" if c.unix else "tcp"))
+                             lambda c: self._refuse(c.sock, "unix" if c.unix else "tcp"), max_conns)
         self.listeners = [(a, transport.listen(a)) for a in addrs]
         self.addrs = [self._bound(a, s) for a, s in self.listeners]
         self._stop = threading.Event()
@@ -145,16 +145,9 @@ class DataServer:
         """Over the cap: tell the peer (in the framing it expects) and close, without a thread."""
         self.refused += 1
         self.stats.errors["data", Overloaded.code] += 1  # exported as kvpool_storenode_errors (storenode/metrics.py)
-        err = Overloaded(f"store node data server holds its maximum of {self.max_conns} connections "
-                         "(security.max_conns); retry later, or raise it", max_conns=self.max_conns)
-        if scheme != "tcp" or self._tls is None:
-            msg = auth.refusal(err.message) if self.security.secret is not None else frame(DataReply(False,
-                                                                                                     err.to_wire()))
-            with contextlib.suppress(OSError):
-                conn.setblocking(False)
-                conn.send(msg)
-        with contextlib.suppress(OSError):
-            conn.close()
+        admission.refuse(conn, admission.overloaded("store node data server", self.max_conns),
+                         secret=self.security.secret is not None, tls=scheme == "tcp" and self._tls is not None,
+                         framed=lambda err: frame(DataReply(False, err.to_wire())))
 
     def _auth_failed(self, _err: BaseException) -> None:
         """A connection failed TLS or the secret handshake (AuthFailed, or an OSError: ssl.SSLError, EOF)."""
