@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -124,6 +125,18 @@ class MasterServerSettings:
                    *m.join_settings(), security=Security.for_server(cfg.security, "this master"),
                    max_conns=cfg.security.max_conns, frame_timeout_s=cfg.security.frame_timeout,
                    advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd))
+
+
+_HANDLERS: dict[type, Callable] = {}  # request type -> MasterServer handler (registered by @_handles)
+
+
+def _handles(*types: type) -> Callable:
+    """Register the decorated MasterServer method as the handler of requests of ``types``."""
+    def register(fn: Callable) -> Callable:
+        for t in types:
+            _HANDLERS[t] = fn
+        return fn
+    return register
 
 
 class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
@@ -425,81 +438,130 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         return out
 
     def _dispatch(self, req, role: str = "cluster"):
-        st, now = self.state, time.monotonic()  # every lease, pin, hold and deadline: this clock
-        if isinstance(req, M.PutStart):
-            return st.put_start(req.items, req.host_id, req.replicas, now)
-        if isinstance(req, M.PutEnd):
-            return st.put_end(req.keys, req.put_ids, now, req.checksums)
-        if isinstance(req, M.PutReserved):
-            results, tokens = st.put_reserved(req.items, now)
-            r = req.refill
-            refill = None if r is None else st.reserve(r.size, r.count, r.host_id, r.replicas, now, r.release, r.ahead)
-            return M.PutReservedReply(results, tokens, refill)
-        if isinstance(req, M.Reserve):
-            return st.reserve(req.size, req.count, req.host_id, req.replicas, now, req.release, req.ahead)
-        if isinstance(req, M.Lookup):
-            return st.lookup(req.keys, req.lease, now)
-        if isinstance(req, M.ReleaseLeases):
-            return st.release_leases(req.keys, now)
-        if isinstance(req, M.Exists):
-            return st.exists(req.keys)
-        if isinstance(req, M.PutRevoke):
-            return st.put_revoke(req.keys, req.put_ids, now)
-        if isinstance(req, M.Remove):
-            return st.remove(req.keys, req.force, now)
-        if isinstance(req, M.ListObjects):
-            return st.list_objects(req.prefix, req.limit, now, time.time())  # wall: for display only
-        if isinstance(req, M.Story):  # the key's own entries, at most STORY_LIMIT (master/story.py)
-            return [M.StoryEntry(t, e, d) for t, e, d in st.story.of(req.key, req.limit)]
-        if isinstance(req, M.Stats):  # walked off this thread; answered when the walk is done
-            return self.stats.request()
-        if isinstance(req, (M.Pin, M.Unpin)):  # durable first: an acknowledged (un)pin survives a failover
-            ttl = req.ttl_s if isinstance(req, M.Pin) else None
-            key = self.keys.pin(req.key)
-            if isinstance(req, M.Unpin):
-                st.check_unpin(req.key)  # a pin waiting for an away node can be cancelled too
-                return self.durable.write(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
-            obj = st.check_pin(req.key, ttl)
-            val = M.encode(M.PinRecord(req.key, ttl, obj.size, obj.checksum, time.time()))  # a duration
+        """The result of ``req`` (its handler in :data:`_HANDLERS`, by type)."""
+        handler = _HANDLERS.get(type(req))
+        if handler is None:
+            raise KVPoolError(f"unhandled request {type(req).__name__}")
+        return handler(self, req, self.state, time.monotonic(), role)  # every lease, pin, hold and deadline: this clock
 
-            def pin_same(k=req.key, size=obj.size, checksum=obj.checksum):
-                cur = st.check_pin(k, ttl)
-                if (cur.size, cur.checksum) != (size, checksum):  # re-put meanwhile: the record names the old bytes
-                    raise NotFound(f"{k!r} was replaced while its pin was being recorded; pin it again", key=k)
-                return st.pin(k, ttl, time.monotonic())  # counted from when the record landed
+    # ---- one handler per request type: (req, state, now, role) -> result ---------------------------------
 
-            return self.durable.write(key, lambda e: e.put(key, val), "pins", pin_same,
-                                      undo=lambda: self._etcd_forget(key))
-        if isinstance(req, M.Evict):
-            open_ = [rid for rid, h in st.handoffs.items() if h.status == "open"] if req.force else []
-            report = st.evict(req.selector, req.dry_run, req.force, now)
-            for rid in open_:  # a forced evict releases the hand-offs holding its objects: their records go
-                if (h := st.handoffs.get(rid)) is None or h.status != "open":
-                    self._etcd_forget(self.keys.handoff(rid))
-            return report
-        if isinstance(req, M.Drain):
-            return st.drain(req.node_id, req.undo)
-        if isinstance(req, M.ReportDead):
-            return st.report_dead(req.node_id, req.incarnation, now)
-        if isinstance(req, M.ReportCorrupt):
-            return st.report_corrupt(req.key, req.node_id, req.gen, req.incarnation, trusted=role != "client")
-        if isinstance(req, M.HandoffPublish):
-            rec = st.handoff_publish(msgspec.structs.replace(req.record, published_at=time.time()), now)
-            key, val = self.keys.handoff(rec.request_id), M.encode(rec)
-            return self.durable.write(key, lambda e: e.put(key, val), "hand-off records", lambda: rec)
-        if isinstance(req, M.GetConfig):
-            return _settings_of(st.s)
-        if isinstance(req, M.SetConfig):
-            return self._set_settings(req.changes)
-        if isinstance(req, M.HandoffClaim):
-            return st.handoff_claim(req.request_id, now)
-        if isinstance(req, (M.HandoffAck, M.HandoffRelease)):
-            status = "acked" if isinstance(req, M.HandoffAck) else "released"
-            if st.handoff_finish(req.request_id, status, now):
-                key = self.keys.handoff(req.request_id)
-                self._etcd_forget(key)
-            return None
-        raise KVPoolError(f"unhandled request {type(req).__name__}")
+    @_handles(M.PutStart)
+    def _put_start(self, req, st, now, role):
+        return st.put_start(req.items, req.host_id, req.replicas, now)
+
+    @_handles(M.PutEnd)
+    def _put_end(self, req, st, now, role):
+        return st.put_end(req.keys, req.put_ids, now, req.checksums)
+
+    @_handles(M.PutReserved)
+    def _put_reserved(self, req, st, now, role):
+        results, tokens = st.put_reserved(req.items, now)
+        r = req.refill
+        refill = None if r is None else st.reserve(r.size, r.count, r.host_id, r.replicas, now, r.release, r.ahead)
+        return M.PutReservedReply(results, tokens, refill)
+
+    @_handles(M.Reserve)
+    def _reserve(self, req, st, now, role):
+        return st.reserve(req.size, req.count, req.host_id, req.replicas, now, req.release, req.ahead)
+
+    @_handles(M.Lookup)
+    def _lookup(self, req, st, now, role):
+        return st.lookup(req.keys, req.lease, now)
+
+    @_handles(M.ReleaseLeases)
+    def _release_leases(self, req, st, now, role):
+        return st.release_leases(req.keys, now)
+
+    @_handles(M.Exists)
+    def _exists(self, req, st, now, role):
+        return st.exists(req.keys)
+
+    @_handles(M.PutRevoke)
+    def _put_revoke(self, req, st, now, role):
+        return st.put_revoke(req.keys, req.put_ids, now)
+
+    @_handles(M.Remove)
+    def _remove(self, req, st, now, role):
+        return st.remove(req.keys, req.force, now)
+
+    @_handles(M.ListObjects)
+    def _list_objects(self, req, st, now, role):
+        return st.list_objects(req.prefix, req.limit, now, time.time())  # wall: for display only
+
+    @_handles(M.Story)
+    def _story(self, req, st, now, role):  # the key's own entries, at most STORY_LIMIT (master/story.py)
+        return [M.StoryEntry(t, e, d) for t, e, d in st.story.of(req.key, req.limit)]
+
+    @_handles(M.Stats)
+    def _stats(self, req, st, now, role):  # walked off this thread; answered when the walk is done
+        return self.stats.request()
+
+    @_handles(M.Unpin)
+    def _unpin(self, req, st, now, role):  # durable first: an acknowledged unpin survives a failover
+        key = self.keys.pin(req.key)
+        st.check_unpin(req.key)  # a pin waiting for an away node can be cancelled too
+        return self.durable.write(key, lambda e: e.delete(key), "pins", lambda: st.unpin(req.key))
+
+    @_handles(M.Pin)
+    def _pin(self, req, st, now, role):  # durable first: an acknowledged pin survives a failover
+        ttl, key = req.ttl_s, self.keys.pin(req.key)
+        obj = st.check_pin(req.key, ttl)
+        val = M.encode(M.PinRecord(req.key, ttl, obj.size, obj.checksum, time.time()))  # a duration
+
+        def pin_same(k=req.key, size=obj.size, checksum=obj.checksum):
+            cur = st.check_pin(k, ttl)
+            if (cur.size, cur.checksum) != (size, checksum):  # re-put meanwhile: the record names the old bytes
+                raise NotFound(f"{k!r} was replaced while its pin was being recorded; pin it again", key=k)
+            return st.pin(k, ttl, time.monotonic())  # counted from when the record landed
+
+        return self.durable.write(key, lambda e: e.put(key, val), "pins", pin_same,
+                                  undo=lambda: self._etcd_forget(key))
+
+    @_handles(M.Evict)
+    def _evict(self, req, st, now, role):
+        open_ = [rid for rid, h in st.handoffs.items() if h.status == "open"] if req.force else []
+        report = st.evict(req.selector, req.dry_run, req.force, now)
+        for rid in open_:  # a forced evict releases the hand-offs holding its objects: their records go
+            if (h := st.handoffs.get(rid)) is None or h.status != "open":
+                self._etcd_forget(self.keys.handoff(rid))
+        return report
+
+    @_handles(M.Drain)
+    def _drain(self, req, st, now, role):
+        return st.drain(req.node_id, req.undo)
+
+    @_handles(M.ReportDead)
+    def _report_dead(self, req, st, now, role):
+        return st.report_dead(req.node_id, req.incarnation, now)
+
+    @_handles(M.ReportCorrupt)
+    def _report_corrupt(self, req, st, now, role):
+        return st.report_corrupt(req.key, req.node_id, req.gen, req.incarnation, trusted=role != "client")
+
+    @_handles(M.HandoffPublish)
+    def _handoff_publish(self, req, st, now, role):
+        rec = st.handoff_publish(msgspec.structs.replace(req.record, published_at=time.time()), now)
+        key, val = self.keys.handoff(rec.request_id), M.encode(rec)
+        return self.durable.write(key, lambda e: e.put(key, val), "hand-off records", lambda: rec)
+
+    @_handles(M.GetConfig)
+    def _get_config(self, req, st, now, role):
+        return _settings_of(st.s)
+
+    @_handles(M.SetConfig)
+    def _set_config(self, req, st, now, role):
+        return self._set_settings(req.changes)
+
+    @_handles(M.HandoffClaim)
+    def _handoff_claim(self, req, st, now, role):
+        return st.handoff_claim(req.request_id, now)
+
+    @_handles(M.HandoffAck, M.HandoffRelease)
+    def _handoff_finish(self, req, st, now, role):
+        if st.handoff_finish(req.request_id, "acked" if type(req) is M.HandoffAck else "released", now):
+            self._etcd_forget(self.keys.handoff(req.request_id))
+        return None
 
 
 # answered even while fenced: they change nothing another leader must know (a read lease
