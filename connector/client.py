@@ -43,7 +43,7 @@ from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol import messages as M
 from kvpool.protocol.errors import (ChecksumMismatch, ConfigError, ExtentBusy, InvalidRequest, KVPoolError,
                              LayoutMismatch, LeaseExpired, LoadCancelled, NodeUnavailable, NotFound, PutInFlight,
-                             PutRevoked, StaleExtent, StaleTerm, from_wire)
+                             PutRevoked, ReplyTooLarge, StaleExtent, StaleTerm, from_wire)
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import LayoutSpec, check_layout, layout_bytes, raw_layout
 from kvpool.protocol.config import CLIENT_DEFAULTS
@@ -302,12 +302,12 @@ class KVPoolClient(ReservedPuts, HintedReads):
         if replicas is not None and not 1 <= replicas <= 16:
             raise InvalidRequest(f"replicas must be between 1 and 16, got {replicas}")
         lays = _per_key(layouts, n)
-        if n > M.MAX_BATCH_KEYS:  # the master takes this many per request
+        cuts = _request_cuts(keys, lays)
+        if len(cuts) > 2:  # the master takes this many keys (and bytes) per request
             errs: list[KVPoolError | None] = []
             stored_all: list[tuple[int, int] | None] = []
-            for a in range(0, n, M.MAX_BATCH_KEYS):
-                e, st = self._put(keys[a:a + M.MAX_BATCH_KEYS], datas[a:a + M.MAX_BATCH_KEYS],
-                                  lays[a:a + M.MAX_BATCH_KEYS], replicas)
+            for a, b in zip(cuts, cuts[1:]):
+                e, st = self._put(keys[a:b], datas[a:b], lays[a:b], replicas)
                 errs += e
                 stored_all += st
             return errs, stored_all
@@ -661,12 +661,18 @@ class KVPoolClient(ReservedPuts, HintedReads):
 
     def _batched(self, request: Callable[[Sequence], Any], items: Sequence) -> list:
         """``request(part)`` for each slice of at most ``MAX_BATCH_KEYS`` of ``items`` (the
-        master's limit per request), the replies' lists joined in order."""
-        if len(items) <= M.MAX_BATCH_KEYS:
-            return self.rpc.call(request(items))
+        master's limit per request), the replies' lists joined in order. A slice whose answer
+        would not fit in a frame (ReplyTooLarge: large layouts) is asked again in halves."""
         out: list = []
         for a in range(0, len(items), M.MAX_BATCH_KEYS):
-            out += self.rpc.call(request(items[a:a + M.MAX_BATCH_KEYS]))
+            part = items[a:a + M.MAX_BATCH_KEYS]
+            try:
+                out += self.rpc.call(request(part))
+            except ReplyTooLarge:
+                if len(part) < 2:
+                    raise
+                half = len(part) // 2
+                out += self._batched(request, part[:half]) + self._batched(request, part[half:])
         return out
 
     def _read(self, keys, views, lays, results, todo: list[int], infos, t_sent: float, last: bool) -> list[int]:
@@ -879,6 +885,24 @@ def disk_lanes(ops: Sequence) -> list[list]:
     after the other)."""
     k = min(DISK_STREAMS, len(ops))
     return [list(ops[j::k]) for j in range(k)]
+
+
+REQUEST_BYTES = 16 << 20  # bytes of keys and layouts one put request carries at most (the frame limit is 64 MiB)
+
+
+def _request_cuts(keys: Sequence[str], lays: Sequence[LayoutSpec | None]) -> list[int]:
+    """Where to cut a put batch into requests: at most ``MAX_BATCH_KEYS`` items and about
+    :data:`REQUEST_BYTES` of keys and encoded layouts each. Returns the cut positions, 0
+    and ``len(keys)`` included."""
+    cuts, size = [0], 0
+    for i, (k, lay) in enumerate(zip(keys, lays)):
+        item = (len(k) if isinstance(k, str) else 0) + 32 + (len(raw_layout(lay)) if isinstance(lay, LayoutSpec) else 0)
+        if i > cuts[-1] and (i - cuts[-1] >= M.MAX_BATCH_KEYS or size + item > REQUEST_BYTES):
+            cuts.append(i)
+            size = 0
+        size += item
+    cuts.append(len(keys))
+    return cuts
 
 
 def _per_key(v, n: int) -> list:

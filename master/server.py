@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from kvpool.master.batches import SLICE, SLICED, SlicedBatch
+from kvpool.master.batches import PER_KEY_ERRORS, SLICE, SLICED, SlicedBatch
 from kvpool.master.clients import ClientConns
 from kvpool.master.cluster_settings import _ClusterSettings, _settings_of
 from kvpool.master.durable import DurableWrites, Pending
@@ -66,11 +66,11 @@ from kvpool.master.nodes import NOTICE_DELAY_S, _StoreNodes
 from kvpool.master.state import MasterSettings, MasterState
 from kvpool.master.stats import StatsWalks
 from kvpool.protocol import messages as M
-from kvpool.protocol import transport
+from kvpool.protocol import rpcwire, transport
 from kvpool.protocol.auth import OPEN, Security, curve_client_keys
 from kvpool.protocol.config import ClusterConfig, MasterConfig, SecurityConfig
 from kvpool.protocol.errors import (ConfigError, Forbidden, InvalidRequest, KVPoolError, LeaderFenced, NotFound,
-                                    NotLeader)
+                                    NotLeader, ReplyTooLarge)
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys
 
 _JOIN = MasterConfig().join_settings()  # (timeout, backoff, backoff max) in seconds
@@ -420,7 +420,15 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
             self._check_serving(part)
             return self._dispatch(part, role)
 
-        return SlicedBatch(req, run, lambda result: self._reply(result, op, t0))
+        def key_error(e: Exception):
+            if not isinstance(e, KVPoolError):
+                log.error("master: request %s failed", op, exc_info=e)
+                e = KVPoolError(f"master failed on {op}: {type(e).__name__}: {e}; this is a kvpool bug, please "
+                                "report it with the master's log")
+            return e.to_wire()
+
+        return SlicedBatch(req, run, lambda result: self._reply(result, op, t0),
+                           key_error if type(req) in PER_KEY_ERRORS else None)
 
     def _reply(self, result, op: str, t0: float) -> bytes:
         """The encoded Reply carrying ``result``, or the error it is (a typed one as it is;
@@ -434,6 +442,10 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         else:
             reply = M.Reply(msgspec.Raw(M.encode(result)), term=self.term)
         out = M.encode(reply)
+        if len(out) > rpcwire.MAX_FRAME - 8:  # (its layouts, most likely): the client splits the batch
+            out = M.encode(M.Reply(error=ReplyTooLarge(
+                f"the answer to this {op} is {len(out)} bytes, over the {rpcwire.MAX_FRAME}-byte frame limit; ask "
+                "for fewer keys per request", reply_bytes=len(out), limit=rpcwire.MAX_FRAME).to_wire(), term=self.term))
         self.metrics.observe(op, time.perf_counter() - t0)
         return out
 

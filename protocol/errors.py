@@ -58,6 +58,13 @@ class InvalidRequest(KVPoolError):
     code = "invalid_request"
 
 
+class ReplyTooLarge(InvalidRequest):
+    """The answer to a batch would exceed the RPC frame limit (``reply_bytes`` against
+    ``limit``): ask for fewer keys per request (KVPoolClient halves such a batch itself)."""
+
+    code = "reply_too_large"
+
+
 class LayoutMismatch(KVPoolError):
     """The stored layout differs from the one the reader asked for."""
 

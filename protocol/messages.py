@@ -540,6 +540,9 @@ def check_layouts(req: Any) -> None:
         layout_of(b)
 
 
+_OPTIONAL_LISTS = {PutEnd: ("checksums",)}  # per-key lists a batch may leave empty
+
+
 def slice_request(req: Any, start: int, stop: int) -> Any:
     """Items ``start:stop`` of batch request ``req``, each of its per-key list fields sliced
     alike (an empty optional one, e.g. PutEnd's ``checksums``, stays empty). Raises
@@ -547,10 +550,11 @@ def slice_request(req: Any, start: int, stop: int) -> Any:
     batch is refused whole, never partly applied."""
     field = _BATCH_FIELD[type(req)]
     n = len(getattr(req, field))
+    optional = _OPTIONAL_LISTS.get(type(req), ())
     cut = {}
     for f in req.__struct_fields__:
         v = getattr(req, f)
-        if type(v) is list and v:
+        if type(v) is list and (v or f not in optional):
             if len(v) != n:
                 raise InvalidRequest(f"{type(req).__name__}: {n} {field} but {len(v)} {f}; send one per key")
             cut[f] = v[start:stop]

@@ -1,6 +1,7 @@
 """Parsing of sizes ("2GiB", bytes) and durations ("30s", seconds) used in configs and CLI."""
 from __future__ import annotations
 
+import math
 import re
 
 from kvpool.protocol.errors import ConfigError
@@ -29,11 +30,12 @@ def parse_size(value: str | int, *, key: str = "size") -> int:
 def parse_duration(value: str | float | int, *, key: str = "duration") -> float:
     """Return seconds from ``5``, ``"100us"``, ``"250ms"``, ``"30s"``, ``"10m"``, ``"2h"``.
 
-    Raises ConfigError naming ``key`` when the text is not a duration.
+    Raises ConfigError naming ``key`` when the text is not a duration, or for a negative,
+    infinite or NaN number.
     """
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"{key}: duration must be >= 0, got {value}", key=key)
+        if not 0 <= value < math.inf:  # NaN fails too
+            raise ConfigError(f"{key}: a duration is a finite number of seconds >= 0, got {value}", key=key)
         return float(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _DUR:

@@ -330,3 +330,25 @@ def test_a_big_batch_is_answered_in_slices_and_a_mismatched_one_refused_whole(lc
     assert lat
     print(f"\nLIMITS a {n}-item put of 100-tensor layouts, answered in slices: another client's worst "
           f"exists {max(lat) * 1e3:.0f} ms over {len(lat)} calls", flush=True)
+
+
+def test_batches_whose_layouts_fill_frames_are_split_to_fit(lc):
+    """8,192 objects whose layout encodes to about 9 KB (a 200-tensor model layout): the put
+    requests would carry about 70 MB and a lookup's answer as much, past the 64 MiB frame.
+    KVPoolClient cuts the puts by bytes, and halves a lookup the master answers with
+    ReplyTooLarge: every object is stored, looked up and read back."""
+    lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=tuple(
+        TensorSpec(f"model.language_model.layers.{i}.self_attn.kv_cache.key_value", (4,), "uint8")
+        for i in range(200)))
+    assert len(lay.encode()) > 8000
+    n = 8192
+    keys = [f"fat/{i}" for i in range(n)]
+    vals = [i.to_bytes(4, "little") * 200 for i in range(n)]
+    with lc.client(rpc_timeout_s=120) as c:
+        assert c.put_batch(keys, vals, lay) == [None] * n
+        with pytest.raises(InvalidRequest, match="frame limit"):  # the master's answer to one such request
+            c.rpc.call(M.Lookup(keys, lease=False))
+        infos = c.lookup(keys)
+        assert all(i is not None and i.layout == lay for i in infos)
+        assert c.get_batch(keys[:2048], lay) == vals[:2048]
+        assert c.remove_batch(keys) == [None] * n

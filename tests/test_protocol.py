@@ -204,6 +204,8 @@ def test_slice_request_cuts_every_per_key_list_alike():
     assert M.slice_request(M.Remove(["a", "b", "c"], force=True), 0, 2) == M.Remove(["a", "b"], force=True)
     with pytest.raises(E.InvalidRequest, match="3 keys but 2 put_ids"):
         M.slice_request(M.PutRevoke(["a", "b", "c"], [1, 2]), 0, 2)
+    with pytest.raises(E.InvalidRequest, match="3 keys but 0 put_ids"):  # only checksums may be left empty
+        M.slice_request(M.PutEnd(["a", "b", "c"], []), 0, 2)
 
 
 def test_a_sliced_batch_answers_in_order_or_with_its_first_error():
@@ -222,7 +224,11 @@ def test_a_sliced_batch_answers_in_order_or_with_its_first_error():
         return [True] * len(part.keys)
 
     b = SlicedBatch(req, run, lambda r: r)
-    assert b.step() is None and isinstance(b.step(), E.NotLeader)
+    assert b.step() is None and isinstance(b.step(), E.NotLeader)  # a read: the error alone
+    b = SlicedBatch(req, run, lambda r: r, key_error=lambda e: e.code)  # per-key results: what was applied
+    assert b.step() is None and b.step() == [True] * SLICE + [E.NotLeader.code] * (SLICE + 5)
+    assert SlicedBatch(req, lambda part: 1 / 0, lambda r: r, key_error=lambda e: e).step().__class__ \
+        is ZeroDivisionError  # nothing applied: the error alone
 
 
 def test_durations_and_sizes_are_parsed_once_as_the_config_is_built():
@@ -243,3 +249,8 @@ def test_durations_and_sizes_are_parsed_once_as_the_config_is_built():
         load_config(None, {"storenodes": [{"name": "b", "memory": "lots"}]}, environ={})
     with pytest.raises(E.ConfigError, match="KVPOOL_CLIENT__IO_TIMEOUT"):
         load_config(None, environ={"KVPOOL_CLIENT__IO_TIMEOUT": "forever"})
+    for bad in (".nan", ".inf", "-1"):  # YAML numbers that are no duration
+        with pytest.raises(E.ConfigError, match="KVPOOL_MASTER__NODE_TTL"):
+            load_config(None, environ={"KVPOOL_MASTER__NODE_TTL": bad})
+    with pytest.raises(E.ConfigError, match="KVPOOL_MASTER__JOIN_TIMEOUT"):
+        load_config(None, environ={"KVPOOL_MASTER__JOIN_TIMEOUT": ".inf"})
