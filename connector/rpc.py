@@ -212,6 +212,10 @@ class MasterRPC:
             raise ConfigError(f"call timeout must be > 0 seconds, got {timeout_s!r}", key="timeout_s")
         deadline = time.monotonic() + waited
         body = M.encode(req)
+        if len(body) + 8 > rpcwire.MAX_FRAME:  # the master would refuse it unread and hang up
+            raise InvalidRequest(f"{type(req).__name__} encodes to {len(body)} bytes, over the {rpcwire.MAX_FRAME}-byte "
+                                 "frame limit; send fewer keys per request (KVPoolClient's batch calls split by "
+                                 "bytes)", limit=rpcwire.MAX_FRAME, request_bytes=len(body))
         typ = M.RESULT_TYPES[type(req)]
         spin = type(req) not in _NO_SPIN
         if meanwhile is not None:

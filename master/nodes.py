@@ -107,7 +107,7 @@ class _StoreNodes:
         self.state.gens_above(d.node_id, max(table.max_gen, first_gen(self.term) - 1))
         for r in table.rows:
             with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
-                layout = layout_of(r.layout) if r.layout else None
+                layout = r.layout if r.layout and layout_of(r.layout) is not None else None  # checked, kept encoded
                 if r.tier == M.DISK:  # a file of its disk tier (master/tiers.py)
                     self.state.restore_disk_extent(d.node_id, r.key, r.size, r.gen, r.checksum, layout, now,
                                                    r.replicas)

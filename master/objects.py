@@ -4,7 +4,7 @@ An index of millions of objects spends most of its memory on per-object Python o
 so an :class:`Obj` is a msgspec Struct without a GC header holding the key (the same str
 object the index and the LRU lists use), one ``bytes`` record packing the numbers that
 change rarely (size, checksum, put id, creation time, state, replica count wanted and each
-replica's node number, offset and generation), the layout (interned by the state), the
+replica's node number, offset and generation), the layout's encoding (interned by the state), the
 access and lease fields a read updates, and ``ext`` for what few objects carry (a
 writer's deadline, a pin, hand-off holds, re-replication bookkeeping), None otherwise.
 Replicas refer to store nodes by number (:func:`node_number`); :attr:`Obj.replicas`
@@ -17,7 +17,6 @@ import struct
 
 import msgspec
 
-from kvpool.protocol.layout import LayoutSpec
 from kvpool.protocol.messages import DISK, MEMORY, ExtentRef, NodeDesc
 
 PENDING, COMMITTED = 0, 1
@@ -111,14 +110,14 @@ class Obj(msgspec.Struct, gc=False):
 
     key: str
     rec: bytes
-    layout: LayoutSpec | None
+    layout: bytes | None  # the layout's msgpack encoding, one shared object per distinct layout
     last_access: float
     lease_until: float = 0.0
     lease_count: int = 0
     ext: Ext | None = None
 
     @classmethod
-    def new(cls, key: str, size: int, checksum: int, layout: LayoutSpec | None, replicas: list[ExtentRef],
+    def new(cls, key: str, size: int, checksum: int, layout: bytes | None, replicas: list[ExtentRef],
             state: int, put_id: int, created: float, last_access: float, writer_deadline: float = 0.0,
             replicas_wanted: int = 1) -> Obj:
         obj = cls(key, _HEAD.pack(size, checksum, put_id, created, state, replicas_wanted) + _pack_reps(replicas),

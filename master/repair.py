@@ -37,7 +37,7 @@ _QUEUED_BACK, _QUEUED_FRONT, _PARKED = 1, 2, 3  # Obj.queued: where the object w
 def commit_row(obj: Obj, ref: ExtentRef) -> ExtentEntry:
     """The node's extent-table row for replica ``ref`` of committed ``obj``."""
     return ExtentEntry(obj.key, ref.offset, ref.size, ref.gen, obj.checksum,
-                       obj.layout.encode() if obj.layout is not None else None, True, obj.replicas_wanted)
+                       obj.layout, True, obj.replicas_wanted)
 
 
 def grant(node: Node, offset: int, size: int, key: str) -> ExtentRef:
@@ -177,7 +177,7 @@ class RepairMixin:
         self.repairs[obj.key] = (ref, now, obj, src.node_id)
         self.story.add(obj.key, "repair started", (f"copy from {src.node_id}", f"to {dst.node_id}"))
         self.outbox[src.node_id].append(NodeCopy(src.offset, src.gen, ref, obj.key, obj.checksum,
-                                                 obj.layout.encode() if obj.layout else None, src_tier=src.tier))
+                                                 obj.layout, src_tier=src.tier))
         self.counters["repairs_started"] += 1
         return ""
 

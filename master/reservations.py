@@ -222,11 +222,11 @@ class ReservationMixin:
                                 f"master.max_objects = {cap}, and none can be evicted; remove or unpin objects, "
                                 "or raise master.max_objects", key=key, max_objects=cap)
         del self.reserved[it.res_id]
-        layout = self._intern(it.layout)
+        layout = self._intern(it.wire_layout)
         obj = Obj.new(key, held.size, it.checksum, layout, held.refs, COMMITTED, it.res_id, now, now,
                       replicas_wanted=held.wanted)
         self.objects[key] = obj
-        lay = self._layout_bytes(layout)
+        lay = layout
         for r in held.refs:  # a fresh, plain object: the hot end of each of its nodes' LRU lists
             node = self.nodes[r.node_id]
             node.reserved -= r.size

@@ -27,6 +27,8 @@ import random
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+import msgspec
+
 from kvpool.master.allocator import RangeAllocator, align_up
 from kvpool.master.objects import COMMITTED, PENDING, Obj
 from kvpool.master.eviction import EvictionMixin
@@ -42,12 +44,14 @@ from kvpool.protocol import errors as E
 from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
 from kvpool.protocol.keys import validate_key
-from kvpool.protocol.layout import LayoutSpec, raw_layout
+from kvpool.protocol.layout import NO_LAYOUT, LayoutSpec, layout_bytes, layout_of
 from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, NodeCommit,
                                NodeDesc, NodeFree, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
                                WIRE_VERSION)
 
 MAX_REPLICAS = 16
+LAYOUTS_KEPT = 4096  # distinct layout encodings the index shares at most
+LAYOUT_BYTES_KEPT = 64 << 20  # ... and their bytes at most
 DEPARTED_KEEP_S = 120.0  # how long a dropped node's memory may come back and be indexed again
 DEPARTED_MAX_KEYS = 200_000  # removals tracked per away node; past that it comes back empty
 # a drop's reason -> the story's event and its explanation (master/story.py)
@@ -105,34 +109,37 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         self._init_repair()
         self.repair_timeout_s = 30.0
         self.rng = random.Random(seed)
-        self._layouts: dict[LayoutSpec, LayoutSpec] = {}  # one instance per distinct layout
-        self._layout_enc: dict[int, tuple[LayoutSpec, bytes]] = {}  # id(interned layout) -> its encoding
+        self._layouts: dict[bytes, tuple[bytes, msgspec.Raw]] = {}  # layout encoding -> (shared copy, as a wire field)
+        self._layouts_bytes = 0
         self._rid_pool: list[int] = []  # random reservation ids drawn ahead (master/reservations.py)
         self._init_tiers()
 
-    def _intern(self, layout: LayoutSpec | None) -> LayoutSpec | None:
-        """The shared instance equal to ``layout`` (objects of one model share a few layouts)."""
+    def _intern(self, layout: LayoutSpec | bytes | msgspec.Raw | None) -> bytes | None:
+        """``layout``'s encoding (given as a LayoutSpec, its encoding, or a wire field's raw
+        msgpack), one shared object per distinct layout: objects of one model share a few.
+        The index keeps layouts encoded (a tenth of the memory of decoded ones; lookups and
+        node notices carry them as they are). At most :data:`LAYOUTS_KEPT` distinct
+        encodings and :data:`LAYOUT_BYTES_KEPT` bytes are shared; past that an object keeps
+        its own copy."""
         if layout is None:
             return None
-        try:
-            got = self._layouts.get(layout)
-            if got is None and len(self._layouts) < 4096:
-                got = self._layouts[layout] = layout
-        except TypeError:  # unhashable (a list inside): keep it as it is
-            return layout
-        return got or layout
+        b = layout.encode() if isinstance(layout, LayoutSpec) else layout_bytes(layout)
+        if b is None:
+            return None
+        got = self._layouts.get(b)
+        if got is not None:
+            return got[0]
+        if len(self._layouts) < LAYOUTS_KEPT and self._layouts_bytes + len(b) <= LAYOUT_BYTES_KEPT:
+            self._layouts[b] = (b, msgspec.Raw(b))
+            self._layouts_bytes += len(b)
+        return b
 
-    def _layout_bytes(self, layout: LayoutSpec | None) -> bytes | None:
-        """``layout.encode()``, kept per interned layout (commit rows carry it per object)."""
+    def _wire_layout(self, layout: bytes | None) -> msgspec.Raw:
+        """An object's layout as the raw msgpack of a reply field."""
         if layout is None:
-            return None
-        got = self._layout_enc.get(id(layout))
-        if got is None or got[0] is not layout:
-            enc = layout.encode()
-            if len(self._layout_enc) < 4096:
-                self._layout_enc[id(layout)] = (layout, enc)
-            return enc
-        return got[1]
+            return NO_LAYOUT
+        got = self._layouts.get(layout)
+        return got[1] if got is not None else msgspec.Raw(layout)
 
     # ---- membership ---------------------------------------------------------------------
 
@@ -229,9 +236,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
 
     def restore_extent(self, node_id: str, key: str, offset: int, size: int, gen: int, checksum: int,
-                       layout: LayoutSpec | None, now: float, replicas: int = 0) -> None:
+                       layout: bytes | LayoutSpec | None, now: float, replicas: int = 0) -> None:
         """Rebuild after failover (or a node's return): a node reported a committed extent
-        from its table. Raises ValueError when the range is not free on the master's side."""
+        from its table (``layout``: its encoding, or None). Raises ValueError when the range is not free on the master's side."""
         node = self.nodes[node_id]
         if key in self.pending:  # being written again right now: that put wins
             self.outbox[node_id].append(NodeFree([(offset, gen)]))
@@ -315,7 +322,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
                     "lapse, or raise master.max_objects", key=key, max_objects=cap)
         refs = self._place(key, it.size, host_id, replicas, now, live)
         put_id = next(self._put_ids)
-        obj = Obj.new(key, it.size, it.checksum, self._intern(it.layout), refs, PENDING, put_id, now, now,
+        obj = Obj.new(key, it.size, it.checksum, self._intern(it.wire_layout), refs, PENDING, put_id, now, now,
                       writer_deadline=now + self.s.put_timeout_s, replicas_wanted=replicas)
         self.pending[key] = obj
         for r in refs:
@@ -505,7 +512,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             size, checksum, refs = obj.read_view()
             if tiered:
                 self._disk_access(obj, refs, now)
-            out.append(ObjectInfo(key, size, checksum, raw_layout(obj.layout), refs, ttl))
+            out.append(ObjectInfo(key, size, checksum, self._wire_layout(obj.layout), refs, ttl))
         return out
 
     def release_leases(self, keys: list[str], now: float) -> None:
@@ -685,7 +692,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             if o.key.startswith(prefix):
                 pin = o.pin if (o.pin != "soft" or o.pin_until > now) else ""
                 tiers = [_TIER_NAMES[t] for _, t in o.tiers()] if self.disk_nodes else []
-                out.append(ObjectMeta(o.key, o.size, o.layout.kind if o.layout else "raw",
+                out.append(ObjectMeta(o.key, o.size, layout_of(o.layout).kind if o.layout else "raw",
                                       o.node_ids(), o.created + to_wall, o.last_access + to_wall,
                                       o.lease_until > now, pin, bool(o.holds), o.replicas_wanted,
                                       now - o.created, now - o.last_access, tiers))

@@ -343,7 +343,7 @@ class TierMixin:
         self._disk_free(r.node_id, r.gen)
 
     def restore_disk_extent(self, node_id: str, key: str, size: int, disk_id: int, checksum: int,
-                            layout: LayoutSpec | None, now: float, replicas: int = 0) -> None:
+                            layout: bytes | LayoutSpec | None, now: float, replicas: int = 0) -> None:
         """A node's extent table lists file ``disk_id`` (a DISK row): index it as a disk
         replica (a restart, or a failover rebuild), unless its key is being written again,
         was removed or evicted while the node was away, already has a replica on this node,

@@ -147,7 +147,8 @@ def check_layout(expected: LayoutSpec, stored: LayoutSpec | None, key: str) -> N
 
 NO_LAYOUT = msgspec.Raw(b"\xc0")  # msgpack nil: an item without a layout
 _NIL = b"\xc0"
-_DECODED_MAX_BYTES = 16 << 20  # encoded bytes of the decoded layouts kept; the cache is emptied past it
+MAX_LAYOUT_BYTES = 256 << 10  # a layout's encoding at most (4,096 tensors with plain names take ~200 KiB)
+_DECODED_MAX_BYTES = 8 << 20  # encoded bytes of the decoded layouts kept (about ten times that decoded)
 _ENCODED_MAX = 4096  # layout objects whose encoding is kept
 _decoded: dict[bytes, LayoutSpec] = {}
 _decoded_bytes = [0]
@@ -173,12 +174,16 @@ def raw_layout(layout: LayoutSpec | None) -> msgspec.Raw:
 def layout_of(raw: msgspec.Raw | bytes) -> LayoutSpec | None:
     """The layout a wire field carries (None for nil). Each distinct encoding is decoded once
     and the result shared (layouts are frozen); raises InvalidRequest for bytes that are not
-    a valid layout (e.g. more than :data:`MAX_LAYOUT_TENSORS` tensors)."""
+    a valid layout (e.g. more than :data:`MAX_LAYOUT_TENSORS` tensors, or an encoding over
+    :data:`MAX_LAYOUT_BYTES`)."""
     b = bytes(raw)
     if b == _NIL:
         return None
     got = _decoded.get(b)
     if got is None:
+        if len(b) > MAX_LAYOUT_BYTES:
+            raise InvalidRequest(f"a layout of {len(b)} encoded bytes; the limit is {MAX_LAYOUT_BYTES}",
+                                 limit=MAX_LAYOUT_BYTES)
         got = LayoutSpec.decode(b)
         if _decoded_bytes[0] + len(b) > _DECODED_MAX_BYTES:
             _decoded.clear()
