@@ -526,18 +526,27 @@ def batch_len(req: Any) -> int:
 
 def check_layouts(req: Any) -> None:
     """Decode (once each) the distinct layouts the items of ``req`` carry, so that a bad one
-    refuses the whole request before any item is acted on; raises InvalidRequest for a
-    malformed layout or more than :data:`MAX_REQUEST_LAYOUTS` distinct ones."""
+    refuses the whole request before any item is acted on. Raises InvalidRequest for a
+    malformed layout, more than :data:`MAX_REQUEST_LAYOUTS` distinct ones, or an item
+    whose size (bytes) is not the size its layout describes (``LayoutSpec.nbytes``)."""
     if type(req) is not PutStart and type(req) is not PutReserved:
         return
-    distinct: set[bytes] = set()
+    distinct: dict[bytes, LayoutSpec | None] = {}
+    prev, lay = None, None
     for it in req.items:
-        distinct.add(bytes(it.wire_layout))
-        if len(distinct) > MAX_REQUEST_LAYOUTS:
-            raise InvalidRequest(f"{type(req).__name__} carries more than {MAX_REQUEST_LAYOUTS} distinct layouts, "
-                                 "the limit per request: send one batch per cache group", limit=MAX_REQUEST_LAYOUTS)
-    for b in distinct:
-        layout_of(b)
+        w = it.wire_layout
+        if prev is None or w != prev:  # items of a batch come in runs of one layout: compared, not copied
+            prev, b = w, bytes(w)
+            if b not in distinct:
+                if len(distinct) == MAX_REQUEST_LAYOUTS:
+                    raise InvalidRequest(f"{type(req).__name__} carries more than {MAX_REQUEST_LAYOUTS} distinct "
+                                         "layouts, the limit per request: send one batch per cache group",
+                                         limit=MAX_REQUEST_LAYOUTS)
+                distinct[b] = layout_of(b)
+            lay = distinct[b]
+        if lay is not None and it.size != lay.nbytes:
+            raise InvalidRequest(f"{type(req).__name__}: item {getattr(it, 'key', '?')!r} has {it.size} bytes but its "
+                                 f"{lay.kind} layout describes {lay.nbytes}", key=getattr(it, "key", ""))
 
 
 _OPTIONAL_LISTS = {PutEnd: ("checksums",)}  # per-key lists a batch may leave empty

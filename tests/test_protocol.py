@@ -194,6 +194,8 @@ def test_layouts_travel_raw_and_decode_once_per_encoding():
     with pytest.raises(E.InvalidRequest, match="distinct layouts"):
         M.check_layouts(many)
     M.check_layouts(M.slice_request(many, 0, M.MAX_REQUEST_LAYOUTS))
+    with pytest.raises(E.InvalidRequest, match="has 64 bytes but its raw layout describes 4"):
+        M.check_layouts(M.PutStart([item, M.PutItem("small", 64, 0, raw_layout(lay))]))
 
 
 def test_slice_request_cuts_every_per_key_list_alike():
