@@ -50,6 +50,7 @@ from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, 
                                WIRE_VERSION)
 
 MAX_REPLICAS = 16
+REVOKES_PER_TICK = 1024  # silent writers revoked per tick at most (a tick holds the request thread)
 LAYOUTS_KEPT = 4096  # distinct layout encodings the index shares at most
 LAYOUT_BYTES_KEPT = 64 << 20  # ... and their bytes at most
 DEPARTED_KEEP_S = 120.0  # how long a dropped node's memory may come back and be indexed again
@@ -643,10 +644,12 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
     # ---- periodic work ------------------------------------------------------------------
 
     def tick(self, now: float) -> list[str]:
-        """Revoke silent writers, expire hand-offs and soft pins, enforce watermarks.
+        """Revoke silent writers (up to :data:`REVOKES_PER_TICK`), expire hand-offs and soft
+        pins, enforce watermarks.
         Returns the request ids of hand-off records that expired (the server deletes them
         from etcd)."""
-        for obj in [o for o in self.pending.values() if o.writer_deadline <= now]:
+        late = (o for o in self.pending.values() if o.writer_deadline <= now)  # oldest first
+        for obj in list(itertools.islice(late, REVOKES_PER_TICK)):  # the rest on the next ticks
             self._revoke_pending(obj, now, quarantine=True)
         if self.reserved:
             self.expire_reservations(now)

@@ -577,3 +577,17 @@ def test_listing_shows_wall_clock_times_and_monotonic_ages():
     m = st.list_objects("", 10, 160.0, wall=1_700_000_000.0)[0]
     assert (m.created, m.last_access) == (1_700_000_000.0 - 60.0, 1_700_000_000.0 - 10.0)
     assert (m.age_s, m.idle_s) == (60.0, 10.0)
+
+
+def test_silent_writers_are_revoked_a_bounded_number_per_tick():
+    from kvpool.master.state import REVOKES_PER_TICK
+
+    st = make(cap=1 << 30, put_timeout_s=1.0)
+    n = 2 * REVOKES_PER_TICK + 5
+    grants = st.put_start([PutItem(f"p{i}", 4096, 1) for i in range(n)], "h0", 1, 0.0)
+    assert all(g.status == "write" for g in grants) and len(st.pending) == n
+    st.tick(5.0)
+    assert len(st.pending) == n - REVOKES_PER_TICK  # the oldest first; a tick holds the request thread
+    st.tick(5.1)
+    st.tick(5.2)
+    assert not st.pending and st.counters["puts_revoked"] == n
