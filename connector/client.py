@@ -156,7 +156,7 @@ class PutResult:
         return self.stored and self.replicas < self.replicas_wanted
 
 
-class KVPoolClient(ReservedPuts, HintedReads):
+class KVPoolClient(ReservedPuts):
     """A connection to one kvpool cluster. Thread-safe.
 
     ``master``: the master's RPC address (``tcp://host:port``), or ``etcd`` + ``cluster``
@@ -237,7 +237,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
             raise ConfigError(f"reserve_bytes and reserve_max_object_bytes must be integers >= 0, got "
                               f"{reserve_bytes!r} and {reserve_max_object_bytes!r}", key="reserve_bytes")
         self._init_reserved(reserve_bytes, reserve_max_object_bytes)
-        self._init_hints()
+        self.hints = HintedReads(self.data, self.replica_reads, self._release_live)  # connector/hinted_reads.py
 
     @classmethod
     def from_config(cls, cfg, master: str | None = None, **overrides) -> "KVPoolClient":
@@ -595,7 +595,8 @@ class KVPoolClient(ReservedPuts, HintedReads):
         for attempt in range(first, self.lease_retries + 1):
             if not todo:
                 return
-            early = self._start_hinted(keys, todo, views) if attempt == 0 and alloc is None else None
+            early = (self.hints.start(keys, todo, views) if attempt == 0 and alloc is None and self.read_hook is None
+                     else None)  # (a read hook times reads under their lease)
             try:
                 t_sent, infos = self._leased_lookup(keys, todo)
             except BaseException:
@@ -603,7 +604,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
                     self.data.abandon_reads(early[2])
                 raise
             if early is not None:  # a one-key get whose read went out with its lookup (connector/hinted_reads.py)
-                todo, infos = self._end_hinted(early, keys, lays, results, todo, infos, t_sent)
+                todo, infos = self.hints.end(early, keys, lays, results, todo, infos, t_sent)
                 if not todo:
                     return
             self._sized(alloc, views, todo, infos)
@@ -739,7 +740,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
                         self.rpc.send_nowait(M.ReportCorrupt(info.key, op.ref.node_id, op.ref.gen, op.ref.incarnation))
                     else:
                         results[i] = info.size
-                        self._remember(info.key, op.ref)
+                        self.hints.remember(info.key, op.ref)
                         continue
                 errors[i] = err
                 if type(err) is StaleExtent and time.monotonic() < t_sent + info.lease_ttl_s * LEASE_MARGIN:
@@ -785,7 +786,7 @@ class KVPoolClient(ReservedPuts, HintedReads):
             raise e
 
     def remove_batch(self, keys: Sequence[str], force: bool = False) -> list[KVPoolError | None]:
-        self._forget(keys)
+        self.hints.forget(keys)
         return [None if e is None else from_wire(e) for e in self._batched(lambda part: M.Remove(list(part), force),
                                                                              keys)]
 

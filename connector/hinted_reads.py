@@ -19,6 +19,8 @@ recently missed a deadline are not hinted.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from kvpool.connector.dataclient import ReadOp, ReplicaDeadline
@@ -31,22 +33,29 @@ HINT_MAX_BYTES = 4 << 20  # bigger objects are not read ahead: a wasted read wou
 
 
 class HintedReads:
-    """Mixed into :class:`~connector.client.KVPoolClient` (uses its ``data``,
-    ``replica_reads``, ``read_hook`` and ``_release_live``)."""
+    """The locations one client remembers and the early reads it sends from them; owned by
+    :class:`~connector.client.KVPoolClient` (its ``hints``). ``data``: the client's
+    :class:`~connector.dataclient.DataPlane`; ``replica_reads``: its
+    :class:`~connector.hedge.ReplicaReads` (slow nodes, their deadline); ``release(infos,
+    t_sent)``: gives back the read leases of looked-up ``infos``. ``kept`` / ``dropped``
+    count the one-key gets an early read served, and those it did not."""
 
-    def _init_hints(self) -> None:
-        self._where: dict[str, M.ExtentRef] = {}  # key -> a network replica, token stripped
-        self.hinted_kept = 0  # one-key gets served by the read sent with their lookup
-        self.hinted_dropped = 0  # ... whose early read did not serve (read again as usual)
-        timeout = self.replica_reads.timeout_s
-        self._hint_deadline = None if timeout is None else ReplicaDeadline(timeout)
+    def __init__(self, data, replica_reads, release: Callable[[list, float], None]) -> None:
+        self.data = data
+        self.replica_reads = replica_reads
+        self._release = release
+        self.where: dict[str, M.ExtentRef] = {}  # key -> a network replica, token stripped
+        self.kept = 0
+        self.dropped = 0
+        timeout = replica_reads.timeout_s
+        self._deadline = None if timeout is None else ReplicaDeadline(timeout)
 
-    def _remember(self, key: str, ref: M.ExtentRef) -> None:
+    def remember(self, key: str, ref: M.ExtentRef) -> None:
         """``key`` lives at ``ref``, a network replica (same-host ones and big objects are
         skipped; the caller skips keys that also have a same-host replica)."""
         if ref.size > HINT_MAX_BYTES or ref.tier or self.data.uses_shm(ref):
             return  # (a disk replica is not read ahead: a wasted read would cost disk I/O)
-        where = self._where
+        where = self.where
         where.pop(key, None)  # re-inserted last: the oldest-first eviction forgets cold keys
         where[key] = msgspec.structs.replace(ref, token=b"") if ref.token else ref
         if len(where) > HINTS_MAX:
@@ -55,35 +64,35 @@ class HintedReads:
             except (KeyError, RuntimeError, StopIteration):  # another thread got there first
                 pass
 
-    def _forget(self, keys) -> None:
+    def forget(self, keys) -> None:
         """Forget the locations of ``keys`` (removed, or seen elsewhere)."""
         for k in keys:
-            self._where.pop(k, None)
+            self.where.pop(k, None)
 
-    def _forget_node(self, node_id: str) -> None:
+    def forget_node(self, node_id: str) -> None:
         """Forget every location on ``node_id`` (it failed a read: died, froze or restarted)."""
-        self._where = {k: r for k, r in list(self._where.items()) if r.node_id != node_id}
+        self.where = {k: r for k, r in list(self.where.items()) if r.node_id != node_id}
 
-    def _start_hinted(self, keys, todo: list[int], views: list) -> tuple | None:
+    def start(self, keys, todo: list[int], views: list) -> tuple | None:
         """For a get of one key with a remembered location, send its read now (see the module
-        docstring); what :meth:`_end_hinted` needs, or None."""
-        if len(todo) != 1 or self.read_hook is not None:  # a read hook times reads under their lease
+        docstring); what :meth:`end` needs, or None."""
+        if len(todo) != 1:
             return None
         i = todo[0]
-        ref = self._where.get(keys[i])
+        ref = self.where.get(keys[i])
         out = views[i]
         if ref is None or type(out) is not memoryview or len(out) < ref.size or self.replica_reads.is_slow(ref.node_id):
             return None
         op = ReadOp(ref, out, digest=True)
-        pending = self.data.start_reads([op], self._hint_deadline)
+        pending = self.data.start_reads([op], self._deadline)
         if pending is None:  # the node could not be reached
             self._failed(keys[i], op)
             return None
         return i, op, pending
 
-    def _end_hinted(self, early: tuple, keys, lays, results, todo: list[int], infos: list,
-                    t_sent: float) -> tuple[list[int], list]:
-        """Keep the read :meth:`_start_hinted` sent when it read the object the lookup answered
+    def end(self, early: tuple, keys, lays, results, todo: list[int], infos: list,
+            t_sent: float) -> tuple[list[int], list]:
+        """Keep the read :meth:`start` sent when it read the object the lookup answered
         (``infos``, sent at ``t_sent``): the key's result is set and its lease released, and
         ``todo`` and ``infos`` come back empty. Otherwise they come back as they were, for
         the usual read, and the early read is either received and dropped (it named the right
@@ -92,21 +101,21 @@ class HintedReads:
         info = infos[0]
         if not self._may_keep(keys[i], op.ref, info, lays[i]):
             self.data.abandon_reads(pending)
-            self.hinted_dropped += 1
+            self.dropped += 1
             return todo, infos
         try:
             self.data.finish_reads(pending)
         except BaseException:  # interrupted mid-reply: the stream cannot be trusted, the lease goes back
             self.data.abandon_reads(pending)
-            self._release_live([info], t_sent)
+            self._release([info], t_sent)
             raise
         if op.error is None and op.digest == info.checksum:
             results[i] = info.size
-            self._release_live([info], t_sent)
-            self.hinted_kept += 1
+            self._release([info], t_sent)
+            self.kept += 1
             return [], []
         self._failed(keys[i], op)
-        self.hinted_dropped += 1
+        self.dropped += 1
         return todo, infos
 
     def _may_keep(self, key: str, ref: M.ExtentRef, info, want_layout) -> bool:
@@ -114,7 +123,7 @@ class HintedReads:
         checked); a key whose location went stale is forgotten."""
         if (type(info) is not M.ObjectInfo or ref not in info.replicas
                 or any(self.data.uses_shm(r) for r in info.replicas)):  # a copy here beats any network read
-            self._where.pop(key, None)
+            self.where.pop(key, None)
             return False
         if want_layout is not None and want_layout != info.layout:
             try:
@@ -130,6 +139,6 @@ class HintedReads:
         if isinstance(op.error, NodeUnavailable):
             self.replica_reads.failed(op.ref.node_id)
         if isinstance(op.error, (NodeUnavailable, StaleExtent)):
-            self._forget_node(op.ref.node_id)
+            self.forget_node(op.ref.node_id)
         else:
-            self._where.pop(key, None)
+            self.where.pop(key, None)

@@ -38,7 +38,7 @@ _FLUSH_ITEMS = 256  # ... or until this many are queued
 
 class ReservedPuts:
     """Mixed into :class:`~connector.client.KVPoolClient` (uses its ``rpc``, ``data``,
-    ``host_id``, ``_parallel``, ``_write_deadline``, ``_await_in_flight`` and ``_remember``)."""
+    ``host_id``, ``_parallel``, ``_write_deadline``, ``_await_in_flight`` and ``hints``)."""
 
     def _init_reserved(self, budget_bytes: int, max_object_bytes: int) -> None:
         self.reserve_budget = budget_bytes
@@ -169,7 +169,7 @@ class ReservedPuts:
                         op.ref, op.key, op.checksum = ref, items[j].key, checksum
                         net_commits[op.ref.node_id].append(op)
                         if not s.local:  # a key with a same-host replica is read from it
-                            self._remember(items[j].key, ref)
+                            self.hints.remember(items[j].key, ref)
             elif isinstance(res, str):  # "exists" / "in_flight"
                 keep.append(s)
                 if res == "in_flight":

@@ -25,10 +25,10 @@ def test_a_key_this_client_put_is_read_with_its_lookup(lc):
         out = bytearray(64 * KiB)
         for k, v in blobs.items():
             assert c.get_into(k, out) == 64 * KiB and bytes(out) == v
-        assert (c.hinted_kept, c.hinted_dropped) == (6, 0)
+        assert (c.hints.kept, c.hints.dropped) == (6, 0)
         # leases are released as usual: a plain remove succeeds, and forgets the location
         c.remove("hr/0")
-        assert c.get_into("hr/0", out) is None and (c.hinted_kept, c.hinted_dropped) == (6, 0)
+        assert c.get_into("hr/0", out) is None and (c.hints.kept, c.hints.dropped) == (6, 0)
 
 
 def test_a_key_replaced_or_removed_by_another_client_is_never_served_stale(lc):
@@ -36,17 +36,17 @@ def test_a_key_replaced_or_removed_by_another_client_is_never_served_stale(lc):
     with lc.client(transport="tcp") as a, lc.client(transport="tcp") as b:
         assert a.put("hr/k", old) is True
         out = bytearray(64 * KiB)
-        assert a.get_into("hr/k", out) == 64 * KiB and a.hinted_kept == 1
+        assert a.get_into("hr/k", out) == 64 * KiB and a.hints.kept == 1
         b.remove("hr/k", force=True)
         assert b.put("hr/k", new) is True  # wherever it lands, a has the old extent in mind
         assert a.get_into("hr/k", out) == 64 * KiB and bytes(out) == new
-        assert a.hinted_dropped == 1
+        assert a.hints.dropped == 1
         # the usual read taught a the new place: the next get overlaps again
-        assert a.get_into("hr/k", out) == 64 * KiB and bytes(out) == new and a.hinted_kept == 2
+        assert a.get_into("hr/k", out) == 64 * KiB and bytes(out) == new and a.hints.kept == 2
         b.remove("hr/k", force=True)
         assert b.put("hr/other", old) is True  # may take the freed extent, with a new generation
-        assert a.get_into("hr/k", out) is None and a.hinted_dropped == 2
-        assert a.get_into("hr/k", out) is None and a.hinted_dropped == 2  # the stale location is forgotten
+        assert a.get_into("hr/k", out) is None and a.hints.dropped == 2
+        assert a.get_into("hr/k", out) is None and a.hints.dropped == 2  # the stale location is forgotten
 
 
 def test_a_wrong_layout_or_a_short_buffer_is_refused_as_without_the_overlap(lc):
@@ -72,13 +72,13 @@ def test_a_frozen_node_behind_a_remembered_location_costs_one_replica_deadline(l
     blob = os.urandom(64 * KiB)
     with lc.client(transport="tcp", replica_timeout_s=0.5, hedge_after_s=None) as c:
         assert c.put_batch_results(["hr/two"], [blob], replicas=2)[0].replicas == 2
-        ref = c._where["hr/two"]
+        ref = c.hints.where["hr/two"]
         frozen = lc.nodes[ref.node_id].proc.pid
         freeze(frozen)
         try:
             out = bytearray(64 * KiB)
             assert c.get_into("hr/two", out) == 64 * KiB and bytes(out) == blob
-            assert c.hinted_dropped == 1
+            assert c.hints.dropped == 1
         finally:
             os.kill(frozen, signal.SIGCONT)
         wait_for(lambda: c.get_into("hr/two", out) == 64 * KiB, 10, what="the thawed node to serve again")
@@ -89,4 +89,4 @@ def test_keys_with_a_same_host_replica_are_not_read_ahead(lc):
         assert c.put("hr/local", os.urandom(64 * KiB)) is True
         out = bytearray(64 * KiB)
         assert c.get_into("hr/local", out) == 64 * KiB
-        assert not c._where and (c.hinted_kept, c.hinted_dropped) == (0, 0)
+        assert not c.hints.where and (c.hints.kept, c.hints.dropped) == (0, 0)
