@@ -156,7 +156,7 @@ class PutResult:
         return self.stored and self.replicas < self.replicas_wanted
 
 
-class KVPoolClient(ReservedPuts):
+class KVPoolClient:
     """A connection to one kvpool cluster. Thread-safe.
 
     ``master``: the master's RPC address (``tcp://host:port``), or ``etcd`` + ``cluster``
@@ -236,8 +236,10 @@ class KVPoolClient(ReservedPuts):
                 and reserve_max_object_bytes >= 0):
             raise ConfigError(f"reserve_bytes and reserve_max_object_bytes must be integers >= 0, got "
                               f"{reserve_bytes!r} and {reserve_max_object_bytes!r}", key="reserve_bytes")
-        self._init_reserved(reserve_bytes, reserve_max_object_bytes)
         self.hints = HintedReads(self.data, self.replica_reads, self._release_live)  # connector/hinted_reads.py
+        self.reserved = ReservedPuts(self.rpc, self.data, self.host_id, reserve_bytes, reserve_max_object_bytes,
+                                     self._parallel, self._write_deadline, self._await_in_flight,
+                                     self.hints.remember)  # connector/reserved_puts.py
 
     @classmethod
     def from_config(cls, cfg, master: str | None = None, **overrides) -> "KVPoolClient":
@@ -249,8 +251,12 @@ class KVPoolClient(ReservedPuts):
                   security=Security.from_config(cfg.security), etcd_auth=EtcdAuth.from_config(cfg.etcd))
         return cls(master, **{**kw, **overrides})
 
+    def reservations_held(self) -> int:
+        """Reservations this client holds now, all object sizes (connector/reserved_puts.py)."""
+        return self.reserved.held()
+
     def close(self) -> None:
-        self._close_reserved()
+        self.reserved.close()
         self._pool.shutdown(wait=True)
         self.replica_reads.close()
         self.data.close()
@@ -326,12 +332,12 @@ class KVPoolClient(ReservedPuts):
                 idx.append(i)
             except KVPoolError as e:
                 results[i] = e
-        if items and self.reserve_budget:
-            todo = self._put_reserved(items, bufs, idx, replicas, results, stored)
+        if items and self.reserved.reserve_budget:
+            todo = self.reserved.put(items, bufs, idx, replicas, results, stored)
             items, bufs, idx = [items[j] for j in todo], [bufs[j] for j in todo], [idx[j] for j in todo]
         if items:
-            if self._ends_n:  # claims this client ended lately first: put_start may grant those ranges again
-                self._flush_ends()
+            if self.reserved.ends_pending:  # claims this client ended lately first: put_start may grant those ranges again
+                self.reserved.flush_ends()
             for round_ in range(PUT_ROUNDS):  # writes that hit a dead node or a busy extent are placed again
                 retry = self._put_round(items, bufs, idx, replicas, results, stored)
                 if not retry or round_ == PUT_ROUNDS - 1:

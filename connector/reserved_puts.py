@@ -37,10 +37,20 @@ _FLUSH_ITEMS = 256  # ... or until this many are queued
 
 
 class ReservedPuts:
-    """Mixed into :class:`~connector.client.KVPoolClient` (uses its ``rpc``, ``data``,
-    ``host_id``, ``_parallel``, ``_write_deadline``, ``_await_in_flight`` and ``hints``)."""
+    """The reserved-put path of one :class:`~connector.client.KVPoolClient` (its
+    ``reserved``), built with what it uses of the client: ``rpc`` (its MasterRPC), ``data``
+    (its DataPlane), ``host_id``; ``parallel(fn, by_node)`` runs writes per node;
+    ``write_deadline`` bounds one replica's write (None: the I/O timeout);
+    ``await_in_flight(items, idx, positions, results)`` waits for another writer's put of
+    the same key; ``remember(key, ref)`` notes where a key lives (connector/hinted_reads.py).
+    ``budget_bytes``: reservations held at most; ``max_object_bytes``: the largest object
+    put this way."""
 
-    def _init_reserved(self, budget_bytes: int, max_object_bytes: int) -> None:
+    def __init__(self, rpc, data, host_id: str, budget_bytes: int, max_object_bytes: int,
+                 parallel: Callable, write_deadline, await_in_flight: Callable, remember: Callable) -> None:
+        self.rpc, self.data, self.host_id = rpc, data, host_id
+        self._parallel, self._write_deadline = parallel, write_deadline
+        self._await_in_flight, self._remember = await_in_flight, remember
         self.reserve_budget = budget_bytes
         self.reserve_max_object = max_object_bytes
         self._res_pool = ReservationPool(budget_bytes)
@@ -57,19 +67,19 @@ class ReservedPuts:
         self._claimer: threading.Thread | None = None  # does that off the put's path (never the reaper:
         self._claimer_wake = threading.Event()  # its flushes of commit copies must not wait on the master)
 
-    def _reservable(self, size: int) -> bool:
+    def reservable(self, size: int) -> bool:
         return self.reserve_budget > 0 and 0 < size <= self.reserve_max_object
 
     # ---- the put ------------------------------------------------------------------------
 
-    def _put_reserved(self, items, bufs, idx, replicas, results, stored) -> list[int]:
+    def put(self, items, bufs, idx, replicas, results, stored) -> list[int]:
         """Put ``items`` through reservations; returns the positions (in ``items``) left for
         ``put_start`` (not reservable, or this path could not finish them)."""
         rep = replicas or 0
-        fallback = [j for j, it in enumerate(items) if not self._reservable(it.size)]
+        fallback = [j for j, it in enumerate(items) if not self.reservable(it.size)]
         by_size: dict[int, list[int]] = defaultdict(list)
         for j, it in enumerate(items):
-            if self._reservable(it.size):
+            if self.reservable(it.size):
                 by_size[it.size].append(j)
         slot_of: dict[int, Slot] = {}
         now = time.monotonic()
@@ -169,7 +179,7 @@ class ReservedPuts:
                         op.ref, op.key, op.checksum = ref, items[j].key, checksum
                         net_commits[op.ref.node_id].append(op)
                         if not s.local:  # a key with a same-host replica is read from it
-                            self.hints.remember(items[j].key, ref)
+                            self._remember(items[j].key, ref)
             elif isinstance(res, str):  # "exists" / "in_flight"
                 keep.append(s)
                 if res == "in_flight":
@@ -236,7 +246,7 @@ class ReservedPuts:
                 if self.data.uses_shm(r):
                     local[r.node_id].append((i, r))
         if self._ends_n:
-            self._flush_ends()  # our own ended claims first: a range freed since may come back to us
+            self.flush_ends()  # our own ended claims first: a range freed since may come back to us
         timeout = self._write_deadline.timeout_s if self._write_deadline is not None else self.data.io_timeout_s
         bad: set[int] = set()
         verdicts = self.data.claim_held_many({nid: [r for _, r in pairs] for nid, pairs in local.items()}, timeout,
@@ -286,12 +296,17 @@ class ReservedPuts:
             due = now or self._ends_n >= _FLUSH_ITEMS or (
                 self._ends_since and time.monotonic() - self._ends_since >= _FLUSH_S)
         if due:
-            self._flush_ends()
+            self.flush_ends()
         elif first:  # the reaper's timer sends them
             self._start_reaper()
             self._reaper_wake.set()
 
-    def _flush_ends(self) -> None:
+    @property
+    def ends_pending(self) -> bool:
+        """Whether claim ends or commit copies are queued (see :meth:`_end_claims`)."""
+        return self._ends_n > 0
+
+    def flush_ends(self) -> None:
         """Send what :meth:`_end_claims` queued."""
         with self._ends_lock:
             ends, self._ends = self._ends, defaultdict(lambda: ([], []))
@@ -328,7 +343,7 @@ class ReservedPuts:
             with contextlib.suppress(KVPoolError, OSError):
                 since = self._ends_since
                 if since and time.monotonic() - since >= _FLUSH_S:
-                    self._flush_ends()
+                    self.flush_ends()
                 self._give_back_dead(time.monotonic())
 
     def _start_claimer(self) -> None:
@@ -375,7 +390,7 @@ class ReservedPuts:
                     self.rpc.send_nowait(M.Reserve(0, 0, self.host_id, 0, [a.res.res_id for a in ahead
                                                                            if id(a) in refused]))
 
-    def _close_reserved(self) -> None:
+    def close(self) -> None:
         """Give every reservation back (closing)."""
         self._reaper_stop.set()
         self._reaper_wake.set()
@@ -385,9 +400,9 @@ class ReservedPuts:
                 t.join(timeout=2 * _REAP_S)
         with contextlib.suppress(KVPoolError, OSError):
             self._release(self._res_pool.drain())
-            self._flush_ends()
+            self.flush_ends()
 
-    def reservations_held(self) -> int:
+    def held(self) -> int:
         """Reservations this client holds now (all sizes)."""
         return self._res_pool.held()
 
