@@ -213,22 +213,29 @@ def test_copy_request_flood_is_refused_not_queued(lc):
     sock.close()
 
 
+def _prober(lc, key: str):
+    """``(prober, latencies, stop)``: ``prober()`` (run it on a thread) times another
+    client's ``exists_batch([key])`` every 10 ms into ``latencies`` (seconds) until ``stop``."""
+    probe, lat, stop = lc.client(), [], threading.Event()
+    probe.put(key, b"1")
+
+    def prober() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            assert probe.exists_batch([key]) == [True]
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.01)
+
+    return prober, lat, stop
+
+
 def test_a_batch_past_the_key_limit_is_refused_and_the_client_splits_it(lc):
     """A request carrying more than MAX_BATCH_KEYS keys (40 MB, 400k keys) is refused with
     a typed InvalidRequest naming the limit, and the master keeps answering another client
     meanwhile; KVPoolClient's batch calls split larger batches and answer every key. The
     other client's worst wait is printed (``-s``), never asserted."""
     keys = [("k%08d" % i) * 11 for i in range(400_000)]  # 99-byte keys
-    probe, lat, stop = lc.client(), [], threading.Event()
-    probe.put("limit/x", b"1")
-
-    def prober() -> None:
-        while not stop.is_set():
-            t = time.perf_counter()
-            assert probe.exists_batch(["limit/x"]) == [True]
-            lat.append(time.perf_counter() - t)
-            time.sleep(0.01)
-
+    prober, lat, stop = _prober(lc, "limit/x")
     refused: list[BaseException] = []
 
     def big() -> None:
@@ -291,16 +298,7 @@ def test_a_big_batch_is_answered_in_slices_and_a_mismatched_one_refused_whole(lc
     n = M.MAX_BATCH_KEYS
     lay = LayoutSpec(kind="raw", tokens_per_block=1, tensors=tuple(TensorSpec(f"layer.{i}.kv", (4,), "uint8")
                                                                    for i in range(100)))
-    probe, lat, stop = lc.client(), [], threading.Event()
-    probe.put("slice/x", b"1")
-
-    def prober() -> None:
-        while not stop.is_set():
-            t = time.perf_counter()
-            assert probe.exists_batch(["slice/x"]) == [True]
-            lat.append(time.perf_counter() - t)
-            time.sleep(0.01)
-
+    prober, lat, stop = _prober(lc, "slice/x")
     t = threading.Thread(target=prober)
     t.start()
     try:
