@@ -57,7 +57,7 @@ import zmq
 
 from kvpool.master.batches import PER_KEY_ERRORS, SLICE, SLICED, SlicedBatch
 from kvpool.master.clients import ClientConns
-from kvpool.master.cluster_settings import _ClusterSettings, _settings_of
+from kvpool.master.cluster_settings import ClusterSettingsPart, _settings_of
 from kvpool.master.durable import DurableWrites, Pending
 from kvpool.master.etcd_thread import _EtcdThread
 from kvpool.master.fencing import Fence
@@ -139,7 +139,7 @@ def _handles(*types: type) -> Callable:
     return register
 
 
-class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
+class MasterServer(_EtcdThread, _StoreNodes):
     def __init__(self, s: MasterServerSettings) -> None:
         self.s = s
         self.keys = Keys(s.cluster)
@@ -187,9 +187,9 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
         self.conns = ClientConns(listeners, self.poller, self._handle, self._flush_urgent, s.security, s.max_conns,
                                  s.frame_timeout_s)
         self.metrics.refusals = self.conns.refusals
-        self._settings_write: Pending | None = None  # the settings change on its way to etcd, if any
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
         self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
+        self.settings = ClusterSettingsPart(lambda: self.state, self.durable, self.keys)  # master/cluster_settings.py
         self.joins = self._join_queue()
         self._descs: dict[str, M.NodeDesc] = {}  # the store nodes published in etcd, as last polled
         self._join_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="join")
@@ -354,7 +354,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
                 self.joins = self._join_queue()  # answers to the previous leadership's asks are dropped
                 self.term = ev[6]
                 self.fence.lead(self.term, ev[7])
-                self._adopt_settings(ev[4])
+                self.settings.adopt(ev[4])
                 self._rebuild(ev[1], ev[2], ev[3], ev[5])
                 self.leading, self.leader_addr = True, self.rpc_addr
                 log.info("master: leading with term %d", self.term)
@@ -563,7 +563,7 @@ class MasterServer(_EtcdThread, _StoreNodes, _ClusterSettings):
 
     @_handles(M.SetConfig)
     def _set_config(self, req, st, now, role):
-        return self._set_settings(req.changes)
+        return self.settings.change(req.changes)
 
     @_handles(M.HandoffClaim)
     def _handoff_claim(self, req, st, now, role):
