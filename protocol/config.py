@@ -541,6 +541,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     except msgspec.ValidationError as e:
         m = re.search(r"\$\.(\w+)\.(\w+)", str(e))
         where = env_names.get(f"{m.group(1)}.{m.group(2)}") if m else None
+        over = (overrides or {}).get(m.group(1)) if m else None
+        if where is None and isinstance(over, dict) and m.group(2) in over:
+            where = f"--{m.group(2).replace('_', '-')}"  # a command-line flag (or a caller's override)
         raise ConfigError(f"invalid config: {e} (set by {where})" if where else f"invalid config {p}: {e}",
                           key=where or "config") from None
     try:

@@ -256,3 +256,5 @@ def test_durations_and_sizes_are_parsed_once_as_the_config_is_built():
             load_config(None, environ={"KVPOOL_MASTER__NODE_TTL": bad})
     with pytest.raises(E.ConfigError, match="KVPOOL_MASTER__JOIN_TIMEOUT"):
         load_config(None, environ={"KVPOOL_MASTER__JOIN_TIMEOUT": ".inf"})
+    with pytest.raises(E.ConfigError, match=r"set by --replicas"):  # a flag's value, not the file's
+        load_config(None, {"master": {"replicas": "two"}}, environ={})
