@@ -205,6 +205,6 @@ class EvictionMixin:
                 for rid in list(o.holds):
                     h = self.handoffs.get(rid)
                     if h is not None:
-                        self._release_handoff(h, "released")
+                        self.hand.release(h, "released")
                 self._drop(o, reason="admin")
         return EvictReport(removed, rbytes, leased, pinned, held, dry_run, keys[:1000])

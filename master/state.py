@@ -32,7 +32,7 @@ import msgspec
 from kvpool.master.allocator import RangeAllocator, align_up
 from kvpool.master.objects import COMMITTED, PENDING, Obj
 from kvpool.master.eviction import EvictionMixin
-from kvpool.master.handoffs import Handoff, HandoffMixin
+from kvpool.master.handoffs import Handoffs
 from kvpool.master.placement import spread
 from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
 from kvpool.master.reservations import Held, ReservationMixin
@@ -45,7 +45,7 @@ from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.layout import NO_LAYOUT, LayoutSpec, layout_bytes, layout_of
-from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, NodeCommit,
+from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, HandoffRecord, NodeCommit,
                                NodeDesc, NodeFree, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
                                WIRE_VERSION)
 
@@ -75,7 +75,7 @@ class MasterSettings(ClusterSettings, frozen=True):
     max_objects: int = MasterConfig().max_objects  # objects in the index (committed + pending) at most; 0: no bound
 
 
-class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
+class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
     """All master decisions. Not thread-safe: the server calls it from one event loop.
     ``seed``: of placement's random choices (:mod:`master.placement`); None: from the OS."""
 
@@ -86,7 +86,6 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
         self.reserved: dict[int, Held] = {}  # reservation id -> extents reserved ahead (master/reservations.py)
-        self.handoffs: dict[str, Handoff] = {}
         # pins and hand-off holds of objects that are away with a store node (it left, or was
         # not indexed at a rebuild): applied when the key is committed again or the node
         # brings the extent back; pins are forgotten (their etcd record deleted) after
@@ -107,6 +106,9 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         self.leader_addr = ""
         self.refused: dict[str, int] = {}  # node id -> wire version, nodes of another kvpool version
         self._now = 0.0  # time of the latest event, for bookkeeping that has no `now` argument
+        self.hand = Handoffs(self.objects, self.waiting_holds, self.counters, self._lru_add, self._lru_remove,
+                             self._maybe_repair, lambda: self.s.max_handoff_ttl_s, lambda: self._now)
+        self.handoffs = self.hand.records  # request id -> Handoff (master/handoffs.py)
         self._init_repair()
         self.repair_timeout_s = 30.0
         self.rng = random.Random(seed)
@@ -141,6 +143,25 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
             return NO_LAYOUT
         got = self._layouts.get(layout)
         return got[1] if got is not None else msgspec.Raw(layout)
+
+    # ---- hand-offs (master/handoffs.py) -------------------------------------------------
+
+    def handoff_publish(self, rec: HandoffRecord, now: float) -> HandoffRecord:
+        """:meth:`Handoffs.publish <master.handoffs.Handoffs.publish>` at ``now``."""
+        self._now = now
+        return self.hand.publish(rec, now)
+
+    def handoff_claim(self, request_id: str, now: float) -> HandoffRecord:
+        return self.hand.claim(request_id, now)
+
+    def handoff_finish(self, request_id: str, status: str, now: float | None = None) -> bool:
+        return self.hand.finish(request_id, status, now)
+
+    def restore_handoff(self, rec: HandoffRecord, now: float) -> None:
+        self.hand.restore(rec, now)
+
+    def hold_histogram(self) -> dict[str, tuple[list[int], float]]:
+        return self.hand.hold_histogram()
 
     # ---- membership ---------------------------------------------------------------------
 
@@ -668,7 +689,7 @@ class MasterState(HandoffMixin, RepairMixin, EvictionMixin, ReservationMixin, Ti
         expired = []
         for h in self.handoffs.values():
             if h.status == "open" and h.deadline <= now:
-                self._release_handoff(h, "expired")
+                self.hand.release(h, "expired")
                 expired.append(h.record.request_id)
         # forget closed records after a while (keep them long enough for idempotent repeats)
         for rid in [r for r, h in self.handoffs.items()
