@@ -4,7 +4,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def kv(cluster):
-    """A client of the module's cluster, shared by its tests."""
-    c = cluster.client()
+    """A client of the module's cluster, shared by its tests; its master calls wait out a
+    re-election (engines loading the machine may cost the master its etcd lease)."""
+    c = cluster.client(rpc_timeout_s=60)
     yield c
     c.close()

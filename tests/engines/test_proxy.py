@@ -155,8 +155,8 @@ def test_same_text_as_reference(proxies, servers, kv, kind, stream):
     assert usage["prompt_tokens_details"]["cached_tokens"] == HIT, usage  # loaded from the hand-off
     if kind == "completions" and not stream:
         assert json.loads(raw)["id"] == f"cmpl-{rid}"  # the decode server got our request id
-    wait_for(lambda: kv.stats().counters.get("handoffs_acked", 0) == acked + 1, 10, what="hand-off acked")
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="no hand-off holds left")
+    wait_for(lambda: kv.stats().counters.get("handoffs_acked", 0) == acked + 1, 60, what="hand-off acked")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="no hand-off holds left")
 
 
 def test_request_id_generated(proxies):
@@ -269,13 +269,13 @@ def test_decode_server_holding_the_whole_prompt_releases_the_handoff(proxies, se
     main = proxies["main"].url + "/v1/completions"
     st, _, raw = http("POST", main, body)  # the first time: the decode server loads the hand-off
     assert st == 200 and answer("completions", raw, False)[0] == want, raw
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the first hand-off acked")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="the first hand-off acked")
     before = dict(kv.stats().counters)
     st, _, raw = http("POST", main, body)
     got, usage = answer("completions", raw, False)
     assert st == 200 and got == want, raw
     assert usage["prompt_tokens_details"]["cached_tokens"] == HIT, usage  # all of it from the local cache
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the hand-off of a whole local hit released")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="the hand-off of a whole local hit released")
     after = kv.stats().counters
     assert after.get("handoffs_released", 0) == before.get("handoffs_released", 0) + 1, after
     assert after.get("handoffs_acked", 0) == before.get("handoffs_acked", 0), after
@@ -294,7 +294,7 @@ def test_decode_server_holding_the_whole_prompt_releases_the_handoff(proxies, se
     assert rec.request_id == params["kvpool"]["handoff_id"]
     assert kv.stats().counters.get("handoffs_released", 0) == released
     kv.handoff_release(rec.request_id)
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the other prompt's hand-off released")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="the other prompt's hand-off released")
 
 
 def test_decode_server_killed(proxies, servers, kv):
@@ -312,7 +312,7 @@ def test_decode_server_killed(proxies, servers, kv):
         rest = r.read().decode()
     events = [ln[6:] for ln in rest.splitlines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]" and "failed mid-stream" in json.loads(events[-2])["error"]["message"], rest[-500:]
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the streamed request's hand-off acked")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="the streamed request's hand-off acked")
 
     # 2. dead before its first byte, no other decode server: 502 naming it, hand-off released
     released = kv.stats().counters.get("handoffs_released", 0)
@@ -320,7 +320,7 @@ def test_decode_server_killed(proxies, servers, kv):
     err = json.loads(raw)["error"]
     assert st == 502 and err["servers_tried"] == [cons.url] and "decode failed" in err["message"], raw
     assert err["handoff"] and err["handoff_released"] is True, err
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="the failed request's hand-off released")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="the failed request's hand-off released")
     assert kv.stats().counters.get("handoffs_released", 0) == released + 1
     with pytest.raises(HandoffNotFound):
         kv.handoff_claim(err["handoff"])

@@ -169,7 +169,7 @@ def test_pd_handoff(engines, kv):
     out = engines["cons"].generate([x], max_tokens=16, params=[params])
     assert tokens(out) == ref
     assert out[0]["num_cached_tokens"] == 7 * BS
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-off acked")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="hand-off acked")
     with pytest.raises(HandoffNotFound):
         kv.handoff_claim(params["kvpool"]["handoff_id"])  # acked: closed
 
@@ -207,7 +207,7 @@ def test_a_request_naming_another_prompts_handoff_cannot_end_it(engines, kv):
     assert "h" * 200 not in engines["cons_fail"].log_text()  # a hostile id is shortened in logs
     out = engines["cons_fail"].generate([a], max_tokens=8, params=[params])
     assert tokens(out) == [ref[0]] and out[0]["num_cached_tokens"] == 6 * BS
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-off acked")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="hand-off acked")
 
 
 def test_unknown_handoff(engines, kv):
@@ -263,4 +263,4 @@ def test_store_node_killed_between_producer_and_consumer(engines, kv, cluster):
     assert out[0]["finish_reason"] == "error", out
     log = engines["cons_fail"].log_text()
     assert "could not be loaded" in log and "policy=fail" in log, engines["cons_fail"].tail()
-    wait_for(lambda: kv.stats().held_bytes == 0, 10, what="hand-offs closed")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="hand-offs closed")
