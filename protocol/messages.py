@@ -531,8 +531,8 @@ def check_layouts(req: Any) -> None:
     whose size (bytes) is not the size its layout describes (``LayoutSpec.nbytes``)."""
     if type(req) is not PutStart and type(req) is not PutReserved:
         return
-    distinct: dict[bytes, LayoutSpec | None] = {}
-    prev, lay = None, None
+    distinct: dict[bytes, tuple[LayoutSpec | None, int]] = {}  # encoding -> (layout, its nbytes)
+    prev, lay, nbytes = None, None, 0
     for it in req.items:
         w = it.wire_layout
         if prev is None or w != prev:  # items of a batch come in runs of one layout: compared, not copied
@@ -542,9 +542,10 @@ def check_layouts(req: Any) -> None:
                     raise InvalidRequest(f"{type(req).__name__} carries more than {MAX_REQUEST_LAYOUTS} distinct "
                                          "layouts, the limit per request: send one batch per cache group",
                                          limit=MAX_REQUEST_LAYOUTS)
-                distinct[b] = layout_of(b)
-            lay = distinct[b]
-        if lay is not None and it.size != lay.nbytes:
+                got = layout_of(b)
+                distinct[b] = (got, got.nbytes if got is not None else 0)
+            lay, nbytes = distinct[b]
+        if lay is not None and it.size != nbytes:
             raise InvalidRequest(f"{type(req).__name__}: item {getattr(it, 'key', '?')!r} has {it.size} bytes but its "
                                  f"{lay.kind} layout describes {lay.nbytes}", key=getattr(it, "key", ""))
 
