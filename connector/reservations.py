@@ -5,9 +5,7 @@ claims, in one round trip per node (all nodes at once), the slots it takes that 
 claimed yet plus the next :data:`CLAIM_AHEAD` of that size, so a writer that stalls holds
 claims on at most its batch and that many extents per size (a claim outlives the writer's
 silence, and the master places in memory it has freed again), while the claim costs one
-node round trip per that many puts, or per batch. When fewer than half of that many
-claimed slots are left, the next ones are claimed ahead off the put's path
-(:meth:`ReservationPool.claim_wanted`), so a steady writer rarely waits for a claim.
+node round trip per that many puts, or per batch.
 
 Pure bookkeeping, thread-safe, no I/O (the client moves the bytes and talks to the master
 and the nodes; the protocol is in :mod:`master.reservations`). Reservations are kept per
@@ -21,8 +19,7 @@ only what its put needs), then three times the largest batch of that size seen, 
 :data:`MIN_DEPTH`, at most :data:`MAX_DEPTH` and the client's byte budget. A batch that
 finds too few asks for the rest on the spot (one round trip, as a put without reservations
 would), and a commit asks for more (riding on its reply) when what is left would not cover
-the next batch of the same size; once fewer than half the target are held, more are asked
-for off the put's path (:meth:`ReservationPool.top_up`). Reservations held ahead are placed only in free memory
+the next batch of the same size. Reservations held ahead are placed only in free memory
 under the high watermark (:mod:`master.reservations`): they never push data out. At most :data:`MAX_SIZES` sizes are kept; the least
 recently used size's reservations are given back first.
 """
@@ -115,26 +112,6 @@ class ReservationPool:
                     out.append(s)
             return out
 
-    def claim_wanted(self, size: int, replicas: int, low: int) -> bool:
-        """Whether the next slots of this size should be claimed ahead now, off the put's
-        path: fewer than ``low`` claimed ones are held, unclaimed ones wait, and no claim of
-        this size is on its way."""
-        with self._lock:
-            st = self._sizes.get((size, replicas))
-            if st is None:
-                return False
-            claimed = unclaimed = 0
-            for s in st.slots:
-                if s.pending:
-                    return False
-                if s.claimed:
-                    claimed += 1
-                    if claimed >= low:
-                        return False
-                else:
-                    unclaimed += 1
-            return unclaimed > 0
-
     def claimed(self, good: list[Slot], bad: list[Slot]) -> None:
         """The claims of pending slots were answered: ``good`` may be written into now,
         ``bad`` (refused) leave the pool for :meth:`take_dead`."""
@@ -199,17 +176,6 @@ class ReservationPool:
             have = len(st.slots) if st is not None else 0
             batch = st.batch if st is not None else 1
         return want - have if have < min(batch, want) else 0
-
-    def top_up(self, size: int, replicas: int) -> int:
-        """How many to ask for ahead, off the put's path: once what is held falls under half
-        the target (but still covers the next batch, else :meth:`refill` asks on the commit),
-        the target minus what is held; else 0."""
-        want = self.target(size, replicas)
-        with self._lock:
-            st = self._sizes.get((size, replicas))
-            have = len(st.slots) if st is not None else 0
-            batch = st.batch if st is not None else 1
-        return want - have if min(batch, want) <= have < want // 2 else 0
 
     def take_dead(self, now: float | None = None) -> list[Slot]:
         """Slots to give back: those taken out unused, plus (given ``now``) every held slot

@@ -63,9 +63,6 @@ class ReservedPuts:
         self._ends: defaultdict = defaultdict(lambda: ([], []))
         self._ends_n = 0
         self._ends_since = 0.0
-        self._claims_wanted: set[tuple[int, int]] = set()  # (size, replicas) to top up and claim ahead
-        self._claimer: threading.Thread | None = None  # does that off the put's path (never the reaper:
-        self._claimer_wake = threading.Event()  # its flushes of commit copies must not wait on the master)
 
     def reservable(self, size: int) -> bool:
         return self.reserve_budget > 0 and 0 < size <= self.reserve_max_object
@@ -198,10 +195,6 @@ class ReservedPuts:
         self._res_pool.give_back(keep)
         if reply.refill is not None:
             self._take_reserved(reply.refill, rp, size, t_sent)
-        for key in {(slot_of[j].size, slot_of[j].replicas) for j in commit_j}:
-            if self._res_pool.top_up(*key) or self._res_pool.claim_wanted(*key, CLAIM_AHEAD // 2):
-                self._claims_wanted.add(key)  # more reservations, the next claims: off this path
-                self._start_claimer()
         if in_flight:
             self._await_in_flight(items, idx, in_flight, results)
         return sorted(fallback)
@@ -346,58 +339,12 @@ class ReservedPuts:
                     self.flush_ends()
                 self._give_back_dead(time.monotonic())
 
-    def _start_claimer(self) -> None:
-        with self._reaper_lock:
-            if self._claimer is None and not self._reaper_stop.is_set():
-                self._claimer = threading.Thread(target=self._claim_loop, name="kvpool-claims", daemon=True)
-                self._claimer.start()
-        self._claimer_wake.set()
-
-    def _claim_loop(self) -> None:
-        while not self._reaper_stop.is_set():
-            self._claimer_wake.wait(_REAP_S)
-            self._claimer_wake.clear()
-            if not self._reaper_stop.is_set():
-                self._claim_wanted_ahead()
-
-    def _claim_wanted_ahead(self) -> None:
-        """For each size a put asked for (on the claimer thread): top the pool up from the
-        master, then claim the next :data:`CLAIM_AHEAD` slots; refused ones leave the pool
-        and go back to the master."""
-        while self._claims_wanted and not self._reaper_stop.is_set():
-            try:
-                size, rep = self._claims_wanted.pop()
-            except KeyError:  # (a put adds while this thread takes)
-                return
-            more = _per_call(size, self._res_pool.top_up(size, rep))
-            if more:
-                t_sent = time.monotonic()
-                with contextlib.suppress(KVPoolError, OSError):
-                    self._take_reserved(self.rpc.call(M.Reserve(size, 0, self.host_id, rep, [], ahead=more)),
-                                        rep, size, t_sent)
-            ahead = self._res_pool.claim_ahead(size, rep, CLAIM_AHEAD)
-            if not ahead:
-                continue
-            try:
-                refused = {id(s) for s in self._claim(ahead)}
-            except (KVPoolError, OSError):
-                refused = {id(s) for s in ahead}
-                with contextlib.suppress(KVPoolError, OSError):
-                    self._end_claims(ahead)
-            self._res_pool.claimed([a for a in ahead if id(a) not in refused], [a for a in ahead if id(a) in refused])
-            if refused:
-                with contextlib.suppress(KVPoolError, OSError):
-                    self.rpc.send_nowait(M.Reserve(0, 0, self.host_id, 0, [a.res.res_id for a in ahead
-                                                                           if id(a) in refused]))
-
     def close(self) -> None:
         """Give every reservation back (closing)."""
         self._reaper_stop.set()
         self._reaper_wake.set()
-        self._claimer_wake.set()
-        for t in (self._reaper, self._claimer):
-            if t is not None:
-                t.join(timeout=2 * _REAP_S)
+        if self._reaper is not None:
+            self._reaper.join(timeout=2 * _REAP_S)
         with contextlib.suppress(KVPoolError, OSError):
             self._release(self._res_pool.drain())
             self.flush_ends()

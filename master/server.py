@@ -570,14 +570,10 @@ class MasterServer(_EtcdThread, _StoreNodes):
         return st.handoff_claim(req.request_id, now)
 
     @_handles(M.HandoffAck, M.HandoffRelease)
-    def _handoff_finish(self, req, st, now, role):  # durable first: a closed hand-off stays closed after a failover
-        rid, status = req.request_id, "acked" if type(req) is M.HandoffAck else "released"
-        h = st.handoffs.get(rid)
-        if h is None or h.status != "open":
-            return None  # (idempotent)
-        key = self.keys.handoff(rid)
-        return self.durable.write(key, lambda e: e.delete(key), "hand-off records",
-                                  lambda: (st.handoff_finish(rid, status, time.monotonic()), None)[1])
+    def _handoff_finish(self, req, st, now, role):
+        if st.handoff_finish(req.request_id, "acked" if type(req) is M.HandoffAck else "released", now):
+            self._etcd_forget(self.keys.handoff(req.request_id))
+        return None
 
 
 # answered even while fenced: they change nothing another leader must know (a read lease

@@ -224,20 +224,3 @@ def test_slots_are_claimed_a_little_ahead_and_pending_ones_are_not_handed_out():
     pool.claimed(ahead[:2], ahead[2:])  # the third was refused: it leaves the pool
     again = pool.take(MiB, 0, 5, 0.0, 1)
     assert [s.res.res_id for s in again] == [0, 1] and all(s.claimed and not s.pending for s in again)
-
-
-def test_the_pool_asks_for_claims_and_more_reservations_before_a_put_must_wait():
-    pool = ReservationPool(64 * MiB)
-    for _ in range(2):  # a size put twice is held ahead: MIN_DEPTH of it
-        pool.take(MiB, 0, 1, 0.0, 1)
-    pool.add(_slots(40))
-    assert pool.claim_wanted(MiB, 0, 16) and pool.top_up(MiB, 0) == 0  # none claimed; 40 >= MIN_DEPTH // 2
-    ahead = pool.claim_ahead(MiB, 0, 32)
-    assert not pool.claim_wanted(MiB, 0, 16)  # a claim is on its way: not twice
-    pool.claimed(ahead, [])
-    assert not pool.claim_wanted(MiB, 0, 16)  # 32 claimed
-    pool.take(MiB, 0, 20, 0.0, 1)
-    assert pool.claim_wanted(MiB, 0, 16)  # 12 claimed left, 8 unclaimed behind them
-    assert pool.top_up(MiB, 0) == MIN_DEPTH - 20  # under half the target: topped up off the put's path
-    pool.take(MiB, 0, 20, 0.0, 1)
-    assert pool.top_up(MiB, 0) == 0 and not pool.claim_wanted(MiB, 0, 16)  # empty: the commit's refill asks
