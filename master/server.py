@@ -127,6 +127,16 @@ class MasterServerSettings:
                    advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd))
 
 
+def _typed(e: Exception, op: str) -> KVPoolError:
+    """``e`` as the typed error a client is told: a KVPoolError as it is, anything else a
+    kvpool bug (logged with its traceback)."""
+    if isinstance(e, KVPoolError):
+        return e
+    log.error("master: request %s failed", op, exc_info=e)
+    return KVPoolError(f"master failed on {op}: {type(e).__name__}: {e}; this is a kvpool bug, please report it "
+                       "with the master's log")
+
+
 _HANDLERS: dict[type, Callable] = {}  # request type -> MasterServer handler (registered by @_handles)
 
 
@@ -420,15 +430,8 @@ class MasterServer(_EtcdThread, _StoreNodes):
             self._check_serving(part)
             return self._dispatch(part, role)
 
-        def key_error(e: Exception):
-            if not isinstance(e, KVPoolError):
-                log.error("master: request %s failed", op, exc_info=e)
-                e = KVPoolError(f"master failed on {op}: {type(e).__name__}: {e}; this is a kvpool bug, please "
-                                "report it with the master's log")
-            return e.to_wire()
-
         return SlicedBatch(req, run, lambda result: self._reply(result, op, t0),
-                           key_error if type(req) in PER_KEY_ERRORS else None)
+                           (lambda e: _typed(e, op).to_wire()) if type(req) in PER_KEY_ERRORS else None)
 
     def _reply(self, result, op: str, t0: float) -> bytes:
         """The encoded Reply carrying ``result``, or the error it is (a typed one as it is;
@@ -436,9 +439,7 @@ class MasterServer(_EtcdThread, _StoreNodes):
         if isinstance(result, KVPoolError):
             reply = M.Reply(error=result.to_wire(), term=self.term)
         elif isinstance(result, Exception):
-            log.error("master: request %s failed", op, exc_info=result)
-            reply = M.Reply(error=KVPoolError(f"master failed on {op}: {type(result).__name__}: {result}; this is a "
-                                              "kvpool bug, please report it with the master's log").to_wire())
+            reply = M.Reply(error=_typed(result, op).to_wire())
         else:
             reply = M.Reply(msgspec.Raw(M.encode(result)), term=self.term)
         out = M.encode(reply)
