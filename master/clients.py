@@ -49,7 +49,8 @@ from kvpool.master.durable import Pending
 from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire
 from kvpool.protocol import admission, auth
-from kvpool.protocol.errors import KVPoolError
+from kvpool.protocol.errors import AuthFailed, KVPoolError
+from kvpool.protocol.session import BIOStream, ServerSession
 
 OUT_MAX = 16 << 20  # bytes of unsent replies after which a client's requests wait
 PENDING_MAX = 4096  # parsed, unanswered requests after which a client is not read
@@ -64,10 +65,10 @@ _IN, _OUT, _ERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)  # plain i
 
 class Client:
     """One client connection: its frame parser, requests not answered yet (in order) and
-    the reply bytes not sent yet; until it is authenticated, its TLS and handshake state."""
+    the reply bytes not sent yet; until it is set up, its :class:`~protocol.session.ServerSession`."""
 
-    __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed", "hs", "tls", "tin", "tout",
-                 "raw", "tls_up", "partial_since", "first", "role", "batch", "batch_rid")
+    __slots__ = ("sock", "parser", "pending", "waiting", "out", "closing", "closed", "session", "tls",
+                 "partial_since", "role", "batch", "batch_rid")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -77,16 +78,16 @@ class Client:
         self.out = bytearray()
         self.closing = False
         self.closed = False
-        self.hs: auth.ServerHandshake | None = None  # the secret handshake, until it succeeds
-        self.tls: ssl.SSLObject | None = None  # TLS over memory BIOs (the socket stays non-blocking)
-        self.tin = self.tout = None
-        self.tls_up = False  # the TLS handshake finished
-        self.raw = bytearray()  # under TLS: encrypted bytes not sent yet
+        self.session: ServerSession | None = None  # TLS, the secret handshake, the first bytes: until done
+        self.tls: BIOStream | None = None  # TLS over memory BIOs (the socket stays non-blocking)
         self.partial_since: float | None = None  # a frame has been half-received since then
-        self.first = True  # nothing was read yet
         self.role = "cluster"  # what the peer's credential allows (protocol/auth.py, "Roles"); open: all
         self.batch: SlicedBatch | None = None  # a big batch being answered a slice per turn (master/batches.py)
         self.batch_rid = 0
+
+    def queued(self) -> int:
+        """Reply bytes not sent yet (encrypted ones included)."""
+        return len(self.out) + (len(self.tls.raw) if self.tls is not None else 0)
 
 
 def _reject(err: KVPoolError, head: bytes) -> bytes:
@@ -198,11 +199,11 @@ class ClientConns:
                 continue
             c = Client(sock)
             if tcp and self.tls_ctx is not None:
-                c.tin, c.tout = ssl.MemoryBIO(), ssl.MemoryBIO()
-                c.tls = self.tls_ctx.wrap_bio(c.tin, c.tout, server_side=True)
-            if self._auth_key is not None:
-                c.hs = auth.ServerHandshake(self._auth_key, auth.RPC, _reject)
-            if c.tls is not None or c.hs is not None:
+                c.tls = BIOStream(sock, self.tls_ctx)
+            hs = auth.ServerHandshake(self._auth_key, auth.RPC, _reject) if self._auth_key is not None else None
+            if c.tls is not None or hs is not None or tcp:
+                c.session = ServerSession(c.tls or sock, c.tls is not None, hs, NOT_TLS if tcp else None)
+            if c.tls is not None or hs is not None:
                 self.admission.start(c, time.monotonic())
             self.clients[sock.fileno()] = c
             self.poller.register(sock, _IN)
@@ -213,18 +214,13 @@ class ClientConns:
                          tls=tcp and self.tls_ctx is not None,
                          framed=lambda err: _reject(err, rpcwire.HEAD.pack(0, HELLO_RID)))
 
-    def _refuse_tls(self, c: Client) -> None:
-        """A TLS client on this plaintext master: tell it in plain text (its TLS stack fails
-        on those bytes at once, instead of waiting its timeout) and close."""
-        self.refusals["tls"] += 1
+    def _warn_tls(self) -> None:
+        """A TLS client on this plaintext master (told so by its session): warn, at most every 10 s."""
         now = time.monotonic()
         if now - self._tls_warned > 10:
             self._tls_warned = now
             _log.warning("master: a client opened TLS on this plaintext port; configure security.tls_cert and "
                          "security.tls_key here, or turn TLS off on the client (security.tls_ca)")
-        with contextlib.suppress(OSError):
-            c.sock.send(NOT_TLS)
-        self._close(c)
 
     def _close(self, c: Client) -> None:
         self.admission.done(c)
@@ -239,9 +235,10 @@ class ClientConns:
     def _serve(self, c: Client, ev: int) -> None:
         """Read what the connection has (unless it is already far behind), then answer."""
         if ev & (_IN | _ERR) and not c.closing and len(c.pending) < PENDING_MAX:
+            if c.session is not None:
+                return self._set_up(c)
             try:
-                # an unauthenticated peer is read no further than its next handshake step
-                got = c.sock.recv_into(self._rbuf, c.hs.want() if c.hs is not None and c.tls is None else 0)
+                got = c.sock.recv_into(self._rbuf)
             except (BlockingIOError, InterruptedError):
                 got = -1
             except OSError:
@@ -250,93 +247,63 @@ class ClientConns:
                 return self._close(c)
             if got > 0:
                 data = self._rbuf[:got]
-                if c.first:
-                    c.first = False
-                    if c.tls is None and data[:2] == admission.TLS_RECORD:
-                        return self._refuse_tls(c)
                 if c.tls is not None:
-                    data = self._tls_in(c, data)
-                    if data is None:
-                        return None
-                if c.hs is not None:
-                    data = self._handshake(c, data)
-                    if data is None:
-                        return None
-                frames = c.parser.feed(data)
-                c.pending.extend(frames)
-                if not c.parser.partial:
-                    c.partial_since = None
-                elif frames or c.partial_since is None:
-                    c.partial_since = time.monotonic()
-                if c.parser.error is not None:  # a corrupt length: answer what came before it, then it, then hang up
-                    c.pending.append((int(c.parser.error.fields.get("rid", 0)), c.parser.error))
-                    c.closing = True
+                    try:
+                        data = c.tls.decrypt(data)
+                    except ssl.SSLZeroReturnError:  # the peer closed its TLS session
+                        return self._close(c)
+                    except (ssl.SSLError, OSError):
+                        self.refusals["tls"] += 1
+                        return self._close(c)
+                self._parse(c, data)
         self._work(c)
 
-    def _tls_in(self, c: Client, data) -> bytes | None:
-        """Feed received bytes to ``c``'s TLS; the plaintext they carried (None: the connection
-        was closed, or nothing to parse yet)."""
-        c.tin.write(data)
+    def _set_up(self, c: Client) -> None:
+        """Step ``c``'s session (protocol/session.py); once it is done, serve what came after it."""
         try:
-            if not c.tls_up:
-                try:
-                    c.tls.do_handshake()
-                except ssl.SSLWantReadError:
-                    self._send(c)
-                    return None
-                c.tls_up = True
-                self._send(c)  # the handshake's last flight
-                if c.hs is None:
-                    self.admission.done(c)
-            out = bytearray()
-            while True:
-                try:
-                    part = c.tls.read(1 << 20)
-                except ssl.SSLWantReadError:
-                    break
-                if not part:
-                    break
-                out += part
-        except ssl.SSLZeroReturnError:  # the peer closed its TLS session
-            self._close(c)
-            return None
-        except (ssl.SSLError, OSError):
+            got = c.session.step()
+        except AuthFailed as e:
+            cause = e.fields.get("cause")
+            if cause == "tls":
+                self._warn_tls()
+            if cause != "closed":
+                self.refusals["tls" if cause == "tls" else "auth"] += 1
+            return self._close(c)
+        except ssl.SSLError:
             self.refusals["tls"] += 1
-            self._close(c)
-            return None
-        return bytes(out)
-
-    def _handshake(self, c: Client, data) -> bytes | None:
-        """Feed ``c``'s secret handshake; the bytes after it, once it succeeded (else None)."""
-        reply, rest = c.hs.feed(bytes(data))
-        if reply:
-            self._send_raw(c, reply)
-        if c.hs.error is not None:
-            self.refusals["auth"] += 1
-            self._close(c)
-            return None
-        if not c.hs.done:
-            return None
-        c.role = c.hs.role
-        c.hs = None
+            return self._close(c)
+        except OSError:
+            return self._close(c)
+        if isinstance(got, int):  # waiting for the peer: send the handshake's flight, if any
+            return self._send(c)
+        c.role, c.session = c.session.role, None
         self.admission.done(c)
-        return rest
-
-    def _send_raw(self, c: Client, data: bytes) -> None:
-        """Send ``data`` now (through TLS if any): the few bytes of a handshake step."""
         if c.tls is not None:
-            c.tls.write(data)
-            c.raw += c.tout.read()
-            data, c.raw = bytes(c.raw), bytearray()
-        with contextlib.suppress(OSError):
-            c.sock.send(data)  # a fresh connection's socket buffer holds these bytes
+            try:
+                got += c.tls.decrypt(b"")  # requests pipelined after the handshake, already in TLS's buffer
+            except (ssl.SSLError, OSError):
+                return self._close(c)
+        if got:
+            self._parse(c, got)
+        self._work(c)
+
+    def _parse(self, c: Client, data) -> None:
+        frames = c.parser.feed(data)
+        c.pending.extend(frames)
+        if not c.parser.partial:
+            c.partial_since = None
+        elif frames or c.partial_since is None:
+            c.partial_since = time.monotonic()
+        if c.parser.error is not None:  # a corrupt length: answer what came before it, then it, then hang up
+            c.pending.append((int(c.parser.error.fields.get("rid", 0)), c.parser.error))
+            c.closing = True
 
     def _work(self, c: Client) -> None:
         """Answer up to :data:`BUDGET` of ``c``'s requests while its unsent replies stay under
         :data:`OUT_MAX`, send what can be sent, and poll it for what it needs next. A big
         batch goes one slice per turn, and the client's later requests wait behind it."""
         budget = BUDGET
-        while (c.pending or c.batch is not None) and budget and len(c.out) + len(c.raw) < OUT_MAX:
+        while (c.pending or c.batch is not None) and budget and c.queued() < OUT_MAX:
             budget -= 1
             if c.batch is None:
                 rid, body = c.pending.popleft()
@@ -354,7 +321,7 @@ class ClientConns:
                 c.waiting += 1
             elif rid != rpcwire.ONE_WAY:
                 c.out += rpcwire.pack(rid, reply)
-        if (c.pending or c.batch is not None) and len(c.out) + len(c.raw) < OUT_MAX:
+        if (c.pending or c.batch is not None) and c.queued() < OUT_MAX:
             self.busy.add(c)
         else:
             self.busy.discard(c)
@@ -363,19 +330,18 @@ class ClientConns:
     def _send(self, c: Client) -> None:
         if c.closed:
             return
-        if c.out or c.raw or c.tls is not None and c.tout.pending:
+        tls = c.tls
+        if c.out or tls is not None and tls.pending:
             if c.out:
                 self.before_send()
             buf = c.out
-            if c.tls is not None:  # replies go through TLS into the raw buffer
+            if tls is not None:  # replies go through TLS into its raw buffer
                 try:
-                    if c.out:
-                        c.tls.write(c.out)
-                        c.out.clear()
-                    c.raw += c.tout.read()
+                    tls.encrypt(c.out)
                 except ssl.SSLError:
                     return self._close(c)
-                buf = c.raw
+                c.out.clear()
+                buf = tls.raw
             try:
                 sent = c.sock.send(buf)
                 del buf[:sent]
@@ -383,7 +349,7 @@ class ClientConns:
                 pass
             except OSError:
                 return self._close(c)
-        queued = len(c.out) + len(c.raw)
+        queued = c.queued()
         if c.closing and not queued and not c.pending and not c.waiting and c.batch is None:
             return self._close(c)
         want_in = not c.closing and len(c.pending) < PENDING_MAX and queued < OUT_MAX

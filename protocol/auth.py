@@ -362,37 +362,6 @@ class ServerHandshake:
         return b"\x00", rest
 
 
-def server_handshake(sock, security: Security, purpose: bytes, reject: Callable[[AuthFailed, bytes], bytes],
-                     deadline_s: float = HANDSHAKE_S) -> str:
-    """Run the server's half on a blocking socket within ``deadline_s`` seconds; the peer's
-    role. Raises AuthFailed (after telling the peer) when it fails or stalls; the caller
-    closes."""
-    import time
-
-    hs = ServerHandshake(security.auth_keys(), purpose, reject)
-    end = time.monotonic() + deadline_s
-    try:
-        while not hs.done:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise AuthFailed("peer did not finish the cluster-secret handshake in time", cause="timeout")
-            sock.settimeout(left)
-            data = sock.recv(hs.want())
-            if not data:
-                raise AuthFailed("peer closed the connection during the handshake", cause="closed")
-            out, _ = hs.feed(data)
-            if out:
-                sock.sendall(out)
-            if hs.error is not None:
-                raise hs.error
-    except (socket.timeout, TimeoutError):
-        raise AuthFailed("peer did not finish the cluster-secret handshake in time", cause="timeout") from None
-    finally:
-        with _suppress():
-            sock.settimeout(None)
-    return hs.role
-
-
 def client_handshake(sock, security: Security, purpose: bytes, where: str) -> None:
     """The client's half on a blocking socket (its timeout applies). Raises AuthFailed
     naming the cause: the server has no secret or another one, or refused ours;

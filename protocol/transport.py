@@ -18,6 +18,7 @@ from kvpool.protocol.errors import ConfigError, NodeUnavailable
 _LAZY: dict[str, str] = {"ucx": "kvpool.protocol.ucx_transport"}
 _CONNECT: dict[str, Callable[[str, float], Any]] = {}
 _LISTEN: dict[str, Callable[[str], Any]] = {}
+_UPGRADE: dict[str, Callable[[Any, float], Any]] = {}  # scheme -> what a set-up socket becomes (register)
 
 SOCK_BUF = 4 << 20
 
@@ -90,10 +91,15 @@ _CONNECT.update(tcp=_tcp_connect, unix=_unix_connect)
 _LISTEN.update(tcp=_tcp_listen, unix=_unix_listen)
 
 
-def register(scheme: str, connect: Callable[[str, float], Any], listen: Callable[[str], Any]) -> None:
-    """Register a transport for ``scheme`` (called by lazily imported plugin modules)."""
+def register(scheme: str, connect: Callable[[str, float], Any], listen: Callable[[str], Any],
+             upgrade: Callable[[Any, float], Any] | None = None) -> None:
+    """Register a transport for ``scheme`` (called by lazily imported plugin modules).
+    ``upgrade(sock, timeout)``: for a transport whose ``connect`` returns a socket to set
+    up first (secured like any stream socket), the stream that socket then becomes."""
     _CONNECT[scheme] = connect
     _LISTEN[scheme] = listen
+    if upgrade is not None:
+        _UPGRADE[scheme] = upgrade
 
 
 def _load(scheme: str) -> None:
@@ -122,6 +128,13 @@ def connect(addr: str, timeout: float, security=None, purpose: bytes = b"data") 
             from kvpool.protocol.auth import secure_client
 
             s = secure_client(s, scheme, rest.rsplit(":", 1)[0].strip("[]"), security, purpose, addr)
+        up = _UPGRADE.get(scheme)
+        if up is not None:
+            try:
+                s = up(s, timeout)
+            except BaseException:
+                s.close()
+                raise
         return s
     except OSError as e:
         raise NodeUnavailable(f"cannot reach store node at {addr}: {e}; check `kvpool status`",

@@ -6,10 +6,13 @@ reports a ConfigError telling how to install the extra.
 
 How a connection is made. ucxx's listener binds every interface (0.0.0.0), which kvpool
 must not do, so connections are set up by worker address instead: ``host:port`` names a
-small TCP *rendezvous* socket bound to loopback. The client sends a random 64-bit
-connection id and its UCX worker address, the server answers with its worker address,
-and each side creates an endpoint to the other's worker (endpoint error handling off: the
-bundled UCX's shared-memory transports need that). The rendezvous socket then stays open
+small TCP *rendezvous* socket bound to loopback. The rendezvous socket is set up like any
+kvpool stream socket first (the cluster-secret handshake, on the store node's selector
+with its cap and deadline: :mod:`protocol.session`), so a peer without the secret never
+reaches UCX. Then the client sends a random 64-bit connection id and its UCX worker
+address, the server answers with its worker address, and each side creates an endpoint
+to the other's worker (endpoint error handling off: the bundled UCX's shared-memory
+transports need that). The rendezvous socket then stays open
 as the liveness channel: a peer that exits or dies closes it, and a blocked receive raises
 instead of waiting forever.
 
@@ -237,6 +240,22 @@ class UcxStream:
         self._stage = sv[n:]
         return n
 
+    def wait_readable(self) -> None:
+        """Wait, with no deadline, until a receive would not block: a message (or the peer's
+        FIN) arrived, bytes of one are staged, or the peer went away. Raises OSError once
+        the stream is closed. A server waits here between requests, so an idle connection
+        is allowed while each frame keeps its deadline (:meth:`settimeout`)."""
+        step = 20e-6
+        while self._stage is None and not self._peer_gone:
+            if self._closed:
+                raise OSError("ucx stream closed")
+            if self._eng.worker.tag_probe(self._rtag).matched:
+                return
+            r, _, _ = select.select([self._rv], [], [], step)
+            if r and self._rendezvous_eof():
+                return
+            step = min(step * 2, 2e-3)
+
     def recv(self, n: int) -> bytes:
         buf = bytearray(n)
         got = self.recv_into(memoryview(buf), n)
@@ -291,20 +310,35 @@ class UcxListener:
         self._sock.settimeout(t)
 
     def accept(self) -> tuple[UcxStream, tuple]:
+        """The next stream, for a server without a secret that serves one peer at a time;
+        a peer that breaks its worker-address exchange (or stalls it 10 s) is dropped."""
         while True:
             conn, peer = self._sock.accept()
             try:
-                conn.settimeout(10.0)
-                cid, alen = _HELLO.unpack(_recv_exact_sock(conn, _HELLO.size))
-                if not 0 < alen <= _MAX_ADDR:
-                    raise ConnectionError("bad ucx hello")
-                client_addr = _recv_exact_sock(conn, alen)
-                ep = self._eng.endpoint(client_addr)
-                conn.sendall(_HELLO.pack(cid, len(self._eng.address)) + self._eng.address)
-                conn.settimeout(None)
-                return UcxStream(conn, ep, _tag(cid, 1), _tag(cid, 0), self._eng), peer
-            except (OSError, ConnectionError, struct.error, ucx_api.UCXError):
-                conn.close()  # a broken handshake: drop it and keep listening
+                return self.upgrade(conn, 10.0), peer
+            except OSError:
+                conn.close()
+
+    def accept_socket(self) -> tuple[socket.socket, tuple]:
+        """A rendezvous connection, not set up yet: the data server authenticates it like any
+        stream socket on its selector, then makes it a stream with :meth:`upgrade`."""
+        return self._sock.accept()
+
+    def upgrade(self, conn: socket.socket, timeout: float) -> UcxStream:
+        """The server's half of the worker-address exchange on an accepted (and
+        authenticated) rendezvous socket, within ``timeout`` seconds; raises OSError
+        (ConnectionError, socket.timeout) when the peer breaks or stalls it."""
+        conn.settimeout(timeout)
+        try:
+            cid, alen = _HELLO.unpack(_recv_exact_sock(conn, _HELLO.size))
+            if not 0 < alen <= _MAX_ADDR:
+                raise ConnectionError("bad ucx hello")
+            ep = self._eng.endpoint(_recv_exact_sock(conn, alen))
+            conn.sendall(_HELLO.pack(cid, len(self._eng.address)) + self._eng.address)
+        except ucx_api.UCXError as e:
+            raise ConnectionError(f"ucx endpoint: {e}") from None
+        conn.settimeout(None)
+        return UcxStream(conn, ep, _tag(cid, 1), _tag(cid, 0), self._eng)
 
     def close(self) -> None:
         self._sock.close()
@@ -315,21 +349,28 @@ def _tag(cid: int, direction: int) -> int:
     return ((cid << 1) | direction) & ((1 << 64) - 1)
 
 
-def _connect(rest: str, timeout: float) -> UcxStream:
+def _connect(rest: str, timeout: float) -> socket.socket:
+    """The rendezvous socket to ``host:port``: secured like any stream socket (the cluster
+    secret's handshake), then made a stream by :func:`_upgrade`."""
     host, port = rest.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def _upgrade(s: socket.socket, timeout: float) -> UcxStream:
+    """The client's half of the worker-address exchange on a connected, secured rendezvous
+    socket; raises OSError when the server breaks or stalls it within ``timeout`` seconds."""
     eng = _Engine.get()
-    s = socket.create_connection((host, int(port)), timeout=timeout)
+    s.settimeout(timeout)
+    cid = int.from_bytes(os.urandom(8), "little") >> 1
+    s.sendall(_HELLO.pack(cid, len(eng.address)) + eng.address)
+    got_cid, alen = _HELLO.unpack(_recv_exact_sock(s, _HELLO.size))
+    if got_cid != cid or not 0 < alen <= _MAX_ADDR:
+        raise ConnectionError("bad ucx hello reply")
     try:
-        cid = int.from_bytes(os.urandom(8), "little") >> 1
-        s.sendall(_HELLO.pack(cid, len(eng.address)) + eng.address)
-        got_cid, alen = _HELLO.unpack(_recv_exact_sock(s, _HELLO.size))
-        if got_cid != cid or not 0 < alen <= _MAX_ADDR:
-            raise ConnectionError("bad ucx hello reply")
         ep = eng.endpoint(_recv_exact_sock(s, alen))
-        s.settimeout(None)
-    except BaseException:
-        s.close()
-        raise
+    except ucx_api.UCXError as e:
+        raise ConnectionError(f"ucx endpoint: {e}") from None
+    s.settimeout(None)
     return UcxStream(s, ep, _tag(cid, 0), _tag(cid, 1), eng)
 
 
@@ -338,4 +379,4 @@ def _listen(rest: str) -> UcxListener:
     return UcxListener(host, int(port))
 
 
-transport.register("ucx", _connect, _listen)
+transport.register("ucx", _connect, _listen, _upgrade)

@@ -3,10 +3,12 @@
 No thread per connection. A connection is owned by exactly one of:
 
 * the **selector thread** (``selectors.DefaultSelector``), while it authenticates or sits
-  idle. It drives TLS (``ssl`` with ``do_handshake_on_connect=False``) and the
-  cluster-secret handshake (:class:`protocol.auth.ServerHandshake`, fed from non-blocking
-  reads) within ``auth.HANDSHAKE_S`` of the accept, so unauthenticated peers cost no worker;
-  and it watches authenticated connections for their next request. The cap and the
+  idle. It steps each connection's set-up (:class:`protocol.session.ServerSession`: TLS
+  through ``ssl`` with ``do_handshake_on_connect=False``, then the cluster-secret
+  handshake, on non-blocking reads) within ``auth.HANDSHAKE_S`` of the accept, so
+  unauthenticated peers cost no worker; and it watches authenticated connections for
+  their next request. A ``ucx://`` connection is set up the same way on its rendezvous
+  socket, and only then becomes a UCX stream, served on a thread of its own. The cap and the
   handshake deadlines follow the rules every port shares (:mod:`protocol.admission`): a
   connection accepted at the server's connection cap takes the place of the oldest one
   still in its handshake (closed, AuthFailed ``evicted``), and with none in its handshake
@@ -51,6 +53,7 @@ from typing import Any, Callable
 
 from kvpool.protocol import admission, auth
 from kvpool.protocol.errors import AuthFailed
+from kvpool.protocol.session import WANT_READ, WANT_WRITE, ServerSession
 
 _log = logging.getLogger("kvpool.storenode")
 _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
@@ -86,17 +89,21 @@ class TLSSlices:
 
 class Conn:
     """One accepted stream. ``sock``: the stream served (an ``ssl.SSLSocket`` under TLS);
-    ``unix``: it came in on the Unix socket; ``state``: what the server keeps for it once
-    it is authenticated (its writer identity)."""
+    ``unix``: it came in on the Unix socket; ``session``: its set-up until it is done
+    (:class:`protocol.session.ServerSession`); ``upgrade``: for a stream set up on its
+    socket but served as another (``ucx://``: its rendezvous socket), what serves it on a
+    thread of its own once it is set up; ``state``: what the server keeps for it once it
+    is authenticated (its writer identity)."""
 
-    __slots__ = ("sock", "unix", "tls", "tls_up", "hs", "events", "authed", "closed", "state", "over_cap")
+    __slots__ = ("sock", "unix", "tls", "session", "upgrade", "events", "authed", "closed", "state", "over_cap")
 
-    def __init__(self, sock, unix: bool, tls: bool, hs: auth.ServerHandshake | None, over_cap: bool = False) -> None:
+    def __init__(self, sock, unix: bool, tls: bool, session: ServerSession | None, over_cap: bool = False,
+                 upgrade: Callable[["Conn"], None] | None = None) -> None:
         self.sock = sock
         self.unix = unix
         self.tls = tls
-        self.tls_up = not tls  # the TLS handshake finished
-        self.hs = hs  # the secret handshake, until it succeeds
+        self.session = session
+        self.upgrade = upgrade
         self.events = 0  # what the selector watches it for (0: not registered)
         self.authed = False
         self.closed = False
@@ -125,6 +132,7 @@ class ConnPool:
         self.slice_s = slice_s = min(SLICE_S, frame_timeout_s)
         self._slice = struct.pack("ll", int(slice_s), int(slice_s % 1 * 1e6))
         self._tls, self._key, self._reject = tls, auth_key, reject
+        self._not_tls = admission.not_tls("store node")
         self._opened, self._serve, self._closed, self._failed, self._refuse = opened, serve, closed, failed, refuse
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -162,16 +170,21 @@ class ConnPool:
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
 
-    def add(self, sock: socket.socket, unix: bool, tcp: bool, over_cap: bool = False) -> None:
-        """Take a freshly accepted socket (any thread); its handshake starts on the selector.
+    def add(self, sock: socket.socket, unix: bool, tcp: bool, over_cap: bool = False,
+            upgrade: Callable[[Conn], None] | None = None) -> None:
+        """Take a freshly accepted socket (any thread); its set-up starts on the selector.
         ``over_cap``: the server is at its connection cap, so the socket is admitted only in
-        place of a connection still in its handshake, and refused otherwise."""
+        place of a connection still in its handshake, and refused otherwise. ``upgrade``: see
+        :class:`Conn` (no TLS: TLS is for ``tcp://`` only)."""
         sock.setblocking(False)
-        tls = tcp and self._tls is not None
+        tls = tcp and upgrade is None and self._tls is not None
         if tls:
             sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         hs = auth.ServerHandshake(self._key, auth.DATA, self._reject) if self._key is not None else None
-        c = Conn(sock, unix, tls, hs, over_cap)
+        session = None
+        if tls or hs is not None:  # a plaintext TCP port with a secret tells TLS clients so at once
+            session = ServerSession(sock, tls, hs, self._not_tls if tcp and upgrade is None else None)
+        c = Conn(sock, unix, tls, session, over_cap, upgrade)
         with self._lock:
             self.conns.add(c)
         self._back.append(c)
@@ -263,36 +276,25 @@ class ConnPool:
         self.close(c)
 
     def _step(self, c: Conn) -> None:
-        """Advance ``c``'s TLS and secret handshake as far as its socket allows."""
+        """Advance ``c``'s set-up as far as its socket allows; once done, serve it."""
         s = c.sock
-        try:
-            if not c.tls_up:
-                try:
-                    s.do_handshake()
-                except ssl.SSLWantReadError:
-                    return self._watch(c, _R)
-                except ssl.SSLWantWriteError:
-                    return self._watch(c, _W)
-                c.tls_up = True
-            while c.hs is not None:
-                try:
-                    data = s.recv(c.hs.want())  # never more than the handshake holds
-                except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
-                    return self._watch(c, _R)
-                except ssl.SSLWantWriteError:
-                    return self._watch(c, _W)
-                if not data:
-                    raise AuthFailed("peer closed the connection during the handshake", cause="closed")
-                out, _ = c.hs.feed(data)  # nothing lies past the proof: no more than it was read
-                if out and s.send(out) != len(out):  # a few bytes into an empty send buffer
-                    raise AuthFailed("peer does not read the handshake", cause="closed")
-                if c.hs.error is not None:
-                    raise c.hs.error
-                if c.hs.done:
-                    c.hs = None
-        except (AuthFailed, OSError) as e:  # ssl.SSLError is an OSError
-            return self._fail(c, e)
+        if c.session is not None:
+            try:
+                got = c.session.step()
+            except (AuthFailed, OSError) as e:  # ssl.SSLError is an OSError
+                return self._fail(c, e)
+            if got == WANT_READ:
+                return self._watch(c, _R)
+            if got == WANT_WRITE:
+                return self._watch(c, _W)
+            c.session = None  # nothing lies past the proof: the handshake is read no further than its steps
         self._unwatch(c)
+        if c.upgrade is not None:  # served as another stream, on a thread of its own
+            self.admission.done(c)
+            c.authed = True
+            self._opened(c)
+            threading.Thread(target=c.upgrade, args=(c,), daemon=True, name="kvpool-data-stream").start()
+            return None
         try:
             s.setblocking(True)
             if c.tls:

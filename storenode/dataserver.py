@@ -11,7 +11,8 @@ and serves every request that arrives while it holds it. Socket calls release th
 several streams run in parallel. Every blocking ``recv``/``send`` of a worker has a
 deadline of ``frame_timeout_s``: a peer sending a frame slowly (or not reading its
 replies) holds one worker for at most that long per stalled call, then is closed. ``ucx://``
-streams have no readiness descriptor and keep a thread each. Frames are described in
+streams have no readiness descriptor: each is set up on its rendezvous socket by the
+selector like any other, then keeps a thread of its own. Frames are described in
 :mod:`protocol.dataplane`. A malformed frame gets an error reply and the connection is
 closed (its stream position can no longer be trusted).
 
@@ -33,13 +34,14 @@ each way through its staging buffer (see :mod:`storenode.device_segment`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import ssl
 import threading
 
 import msgspec
 
-from kvpool.protocol import admission, auth, transport
+from kvpool.protocol import admission, transport
 from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.config import SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
@@ -80,12 +82,10 @@ class DataServer:
                              security.auth_keys() if security.secret is not None else None,
                              lambda e, _head: frame(DataReply(False, e.to_wire())),
                              self._opened, self._serve, self._closed, self._auth_failed,
-                             lambda c: self._refuse(c.sock, "unix" if c.unix else "tcp"), max_conns)
+                             lambda c: self._refuse(c.sock, "unix" if c.unix else "ucx" if c.upgrade else "tcp"), max_conns)
         self.listeners = [(a, transport.listen(a)) for a in addrs]
         self.addrs = [self._bound(a, s) for a, s in self.listeners]
         self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
         self.bytes_in = 0
         self.bytes_out = 0
         self.stats = NodeStats()  # requests and errors by kind (storenode/metrics.py)
@@ -114,32 +114,25 @@ class DataServer:
         for _, s in self.listeners:
             with contextlib.suppress(OSError):
                 s.close()
-        with self._lock:
-            for c in list(self._conns):
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
-                    c.close()
 
     def _accept(self, addr: str, s) -> None:
         scheme, _ = transport.split_addr(addr)
         unix = scheme == "unix"
+        # a stream set up on its accepted socket, then served as the listener's (ucx://: UCX)
+        upgrade = functools.partial(self._serve_stream, s.upgrade) if hasattr(s, "upgrade") else None
+        accept = s.accept_socket if upgrade is not None else s.accept
         while not self._stop.is_set():
             try:
-                conn, _ = s.accept()
+                conn, _ = accept()
             except OSError:
                 return
             if scheme == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                full = len(self._conns) + len(self.pool) >= self.max_conns
-                if not full and not isinstance(conn, socket.socket):
-                    self._conns.add(conn)
-            if full and not (isinstance(conn, socket.socket) and self.pool.handshaking()):
+            full = len(self.pool) >= self.max_conns
+            if full and not self.pool.handshaking():
                 self._refuse(conn, scheme)
-            elif isinstance(conn, socket.socket):  # at the cap: in place of a connection in its handshake
-                self.pool.add(conn, unix, scheme == "tcp", over_cap=full)
-            else:  # no readiness descriptor (ucx://): a thread of its own
-                threading.Thread(target=self._serve_thread, args=(conn,), daemon=True).start()
+            else:  # at the cap: in place of a connection in its handshake
+                self.pool.add(conn, unix, scheme == "tcp", over_cap=full, upgrade=upgrade)
 
     def _refuse(self, conn, scheme: str) -> None:
         """Over the cap: tell the peer (in the framing it expects) and close, without a thread."""
@@ -213,27 +206,25 @@ class DataServer:
             # stopping: the segment was closed under an in-flight transfer; the peer sees EOF
         return False
 
-    def _serve_thread(self, conn) -> None:
-        """A stream without a readiness descriptor (``ucx://``): authenticated and served on
-        this thread until it closes."""
-        c = Conn(conn, False, False, None)
+    def _serve_stream(self, upgrade, c: Conn) -> None:
+        """A connection set up on its socket (the pool's selector ran its handshake), made a
+        stream by ``upgrade(sock, timeout)`` and served on this thread until it closes. The
+        stream waits for each request with no deadline (``wait_readable``) and serves it
+        with ``frame_timeout_s`` on every receive and send."""
         try:
-            if self.security.secret is not None:
-                auth.server_handshake(conn, self.security, auth.DATA,
-                                      lambda e, _head: frame(DataReply(False, e.to_wire())))
-            conn.settimeout(None)
-        except (AuthFailed, OSError) as e:
+            c.sock = stream = upgrade(c.sock, self.frame_timeout_s)
+        except OSError as e:
             self._auth_failed(e)
-            c.state = None
         else:
-            self._opened(c)
-            while self._serve(c):
-                pass
-        with self._lock:
-            self._conns.discard(conn)
-        with contextlib.suppress(OSError):
-            conn.close()
-        self._closed(c)
+            keep = True
+            while keep and not self._stop.is_set():
+                try:
+                    stream.wait_readable()  # idle between requests: no deadline
+                except OSError:
+                    break
+                stream.settimeout(self.frame_timeout_s)  # each receive and send of a request: its deadline
+                keep = self._serve(c)
+        self.pool.close(c)
 
     def _handle_batch(self, req: DataRequest, unix: bool, out: list, w: Writer) -> int:
         """A batched ``claims`` (one reply, an error or None per item), ``written_all`` or

@@ -1,12 +1,14 @@
 """Every attack against every stream port, on real processes: the matrix an operator's
-attacker runs. Ports: the master's RPC port, a store node's data port (TCP and Unix) and
-its disk tier's read port (TCP and Unix). Attacks: no secret, a wrong secret, a role
+attacker runs. Ports: the master's RPC port, a store node's data port (TCP, Unix and,
+with the ``ucx`` extra, the UCX rendezvous port) and its disk tier's read port (TCP and
+Unix). Attacks: no secret, a wrong secret, a role
 credential of another cluster, a silent flood at the connection cap, a half-sent frame
 after authenticating, and (TCP ports) TLS against plain text and plain text against TLS.
 Each is refused with a typed error or a close within its deadline, and an honest peer is
 served on the same port afterwards. (The zmq control port: tests/test_auth.py.)"""
 from __future__ import annotations
 
+import importlib.util
 import socket
 import time
 
@@ -22,11 +24,12 @@ from tests.test_auth import WRONG, _closed, _descs, certs  # noqa: F401 - certs:
 
 CAP = 16
 FRAME_S = 2.0
+UCX = importlib.util.find_spec("ucxx") is not None  # the ucx extra (.ci/setup --test installs it)
 
 
 def _cfg(tmp, **security):
     return load_config(None, {"storenodes": [{"name": "node-0", "memory": "64MiB", "disk_dir": str(tmp / "disk"),
-                                              "disk_capacity": "64MiB"}],
+                                              "disk_capacity": "64MiB", "ucx": UCX}],
                               "master": {"replicas": 1},
                               "security": {"max_conns": CAP, "frame_timeout": f"{FRAME_S}s", **security}},
                        environ={})
@@ -48,10 +51,10 @@ def _ports(lc) -> dict[str, tuple[str, bytes]]:
     assert d.disk_addr and d.disk_path
     return {"master": (lc.master_addr, auth.RPC), "data-tcp": (d.data_addr, auth.DATA),
             "data-unix": (d.shm_path, auth.DATA), "disk-tcp": (d.disk_addr, auth.DATA),
-            "disk-unix": (d.disk_path, auth.DATA)}
+            "disk-unix": (d.disk_path, auth.DATA), "data-ucx": (d.ucx_addr, auth.DATA)}
 
 
-PORTS = ("master", "data-tcp", "data-unix", "disk-tcp", "disk-unix")
+PORTS = ("master", "data-tcp", "data-unix", "disk-tcp", "disk-unix") + (("data-ucx",) if UCX else ())
 TCP = ("master", "data-tcp", "disk-tcp")
 
 
@@ -68,7 +71,11 @@ def _honest(lc, port: str) -> None:
 
 
 def _raw(addr: str) -> socket.socket:
-    s = transport.connect(addr, 5.0)  # no TLS, no handshake
+    if addr.startswith("ucx://"):  # its rendezvous socket, where the handshake runs
+        host, port = addr[len("ucx://"):].rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), 5.0)
+    else:
+        s = transport.connect(addr, 5.0)  # no TLS, no handshake
     s.settimeout(auth.HANDSHAKE_S + FRAME_S + 10)
     return s
 
