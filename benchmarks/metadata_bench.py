@@ -7,7 +7,7 @@ in this process:
   without), ``exists`` and ``remove``: single-key calls and batches of 64;
 * the wire cost the RPC adds on top: msgpack encode of the reply (``lookup`` of 64 keys);
 * eviction time per object: the index is filled past the high watermark and
-  ``enforce_watermarks`` evicts down to the low one (LRU, every victim freed and announced);
+  ``eviction.enforce_watermarks`` evicts down to the low one (LRU, every victim freed and announced);
 * memory per object in the master (RSS growth while filling / N, after ``gc.collect``).
 
 ``--memory`` measures the index itself at each size, each figure in a fresh process and
@@ -132,7 +132,7 @@ def bench_index(n: int, ops_sample: int = 8192) -> dict:
     st.s = MasterSettings(high_watermark=min(1.0, max(frac, 1e-9)), low_watermark=max(frac, 1e-9) * 0.999,
                           lease_ttl_s=5.0)
     t0 = time.perf_counter()
-    evicted = st.enforce_watermarks(100.0)
+    evicted = st.eviction.enforce_watermarks(100.0)
     ev_s = time.perf_counter() - t0
     st.take_outbox()
     row["evicted"] = evicted

@@ -2,7 +2,7 @@
 registered node incarnation (its descriptor, allocator, LRU lists and generation
 counter), and :class:`DiskTier`, a node's disk tier as the master tracks it
 (master/tiers.py decides its demotions and promotions). Every part of the master state
-(master/state.py, eviction.py, placement.py, repair.py, reservations.py, tiers.py)
+(master/state.py, lru.py, eviction.py, placement.py, repair.py, reservations.py, tiers.py)
 reads them from here, so none imports the state back."""
 from __future__ import annotations
 
@@ -80,6 +80,18 @@ class Node:
         for lru in self.lru_lists():
             lru.pop(key, None)
         self.fixed.discard(key)
+
+    def release_quarantine(self, now: float) -> None:
+        """Give back to the allocator the quarantined ranges whose time (monotonic seconds)
+        has come."""
+        if self.quarantine and self.quarantine[0][0] <= now:
+            keep = []
+            for until, off, size in self.quarantine:
+                if until <= now:
+                    self.alloc.free(off, size)
+                else:
+                    keep.append((until, off, size))
+            self.quarantine = keep
 
     def usage(self) -> float:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0

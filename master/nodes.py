@@ -47,7 +47,7 @@ class _StoreNodes:
                 self._drop_sock(nid)
         for d, timeout_s in self.joins.due(self._screen(descs), self.state.nodes, now):
             self._ask_table(d, timeout_s)
-        self.state.repair_all()
+        self.state.repair.pump()
 
     def _screen(self, descs: dict[str, M.NodeDesc]) -> list[M.NodeDesc]:
         """The nodes of this master's wire version; others are logged once and not placed on."""
@@ -109,8 +109,8 @@ class _StoreNodes:
             with contextlib.suppress(KVPoolError, ValueError):  # one bad row costs that row
                 layout = r.layout if r.layout and layout_of(r.layout) is not None else None  # checked, kept encoded
                 if r.tier == M.DISK:  # a file of its disk tier (master/tiers.py)
-                    self.state.restore_disk_extent(d.node_id, r.key, r.size, r.gen, r.checksum, layout, now,
-                                                   r.replicas)
+                    self.state.tiers.restore_extent(d.node_id, r.key, r.size, r.gen, r.checksum, layout, now,
+                                                    r.replicas)
                     continue
                 self.state.restore_extent(d.node_id, r.key, r.offset, r.size, r.gen, r.checksum, layout, now,
                                           r.replicas)
@@ -176,7 +176,7 @@ class _StoreNodes:
                     if nid is not None:
                         self.state.tier_done(nid, done, rep.error, time.monotonic())
                     continue
-                self.state.repair_done(done, rep.error is None)
+                self.state.repair.done(done, rep.error is None)
 
     def _flush_urgent(self) -> None:
         """Send the queued notices now when any is not a commit (runs before replies leave):

@@ -9,6 +9,14 @@ if TYPE_CHECKING:
     from kvpool.master.members import Node
 
 
+def placeable(nodes: dict[str, Node], now: float) -> list[Node]:
+    """The nodes of the node table ``nodes`` new extents may go to at ``now`` (monotonic
+    seconds): not draining and not suspect (suspects, which a client failed to reach, only
+    when nothing else is left)."""
+    live = [n for n in nodes.values() if not n.draining and n.suspect_until <= now]
+    return live or [n for n in nodes.values() if not n.draining]
+
+
 def room(node: Node, high_watermark: float) -> float:
     """The bytes ``node`` has below ``high_watermark`` (a fraction of its capacity); at or
     below 0 once it is at or past the mark. The weight new objects are placed by."""

@@ -32,16 +32,26 @@ needs them (and may evict), so a put is short only when the cluster lacks nodes 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.master.allocator import align_up
 from kvpool.master.objects import COMMITTED, Obj
-from kvpool.master.placement import room
+from kvpool.master.placement import placeable, room
 from kvpool.master.repair import grant as _grant
 from kvpool.protocol import errors as E
 from kvpool.protocol.grants import grant_token
 from kvpool.protocol.keys import validate_key
 from kvpool.protocol.messages import ExtentEntry, ExtentRef, NodeCommit, NodeFree, Reservation, Reserved, ReservedPut
+
+if TYPE_CHECKING:
+    from kvpool.master.eviction import Eviction
+    from kvpool.master.layouts import Layouts
+    from kvpool.master.members import Node
+    from kvpool.master.repair import Repair
+    from kvpool.master.settings import MasterSettings
+    from kvpool.master.story import Story
 
 MAX_PER_CALL = 1024  # extents one Reserve may ask for
 MAX_BYTES_PER_CALL = 1 << 30  # bytes one Reserve may ask for
@@ -59,9 +69,30 @@ class Held:
     until: float
 
 
-class ReservationMixin:
+class Reservations:
     """Reserve, commit into and give back reserved extents (see the module docstring).
-    Needs the state's ``reserved`` dict and placement methods."""
+    Given the index ``objects`` (key -> committed Obj) and ``pending`` (key -> Obj being
+    written), the node table ``nodes`` (node id -> Node), the state's ``outbox`` (node id
+    -> notices), ``counters`` and ``story``, ``settings()`` (the state's current
+    :class:`~master.settings.MasterSettings`: ``put_timeout_s``, ``quarantine_s``, replica
+    count, watermarks, ``max_objects``), ``layouts`` (shared layout encodings), ``repair``
+    (queues an object placed short), ``eviction`` (watermarks and the index bound) and the
+    state's ``place(key, size, host_id, replicas, now, live, evict)`` (extents for one
+    object, as a put's), ``revoke_pending(obj, now, quarantine)`` (ends a silent writer's
+    put) and ``settle_waiting(obj, now)`` (applies a pin or holds that waited for the key).
+    :attr:`held`: reservation id -> :class:`Held`."""
+
+    def __init__(self, objects: dict[str, Obj], pending: dict[str, Obj], nodes: dict[str, Node],
+                 outbox: dict[str, list], counters: dict[str, int], story: Story,
+                 settings: Callable[[], MasterSettings], layouts: Layouts, repair: Repair, eviction: Eviction,
+                 place: Callable[..., list[ExtentRef]], revoke_pending: Callable[[Obj, float, bool], None],
+                 settle_waiting: Callable[[Obj, float], None]) -> None:
+        self.objects, self.pending, self.nodes, self.outbox = objects, pending, nodes, outbox
+        self.counters, self.story, self.settings, self.layouts = counters, story, settings, layouts
+        self.repair, self.eviction = repair, eviction
+        self._place, self._revoke_pending, self._settle_waiting = place, revoke_pending, settle_waiting
+        self.held: dict[int, Held] = {}  # reservation id -> extents reserved ahead
+        self._rid_pool: list[int] = []  # random reservation ids drawn ahead
 
     def reserve(self, size: int, count: int, host_id: str, replicas: int, now: float,
                 release: list[int] | None = None, ahead: int = 0) -> Reserved:
@@ -72,26 +103,27 @@ class ReservationMixin:
         nodes cannot take more: the reply's ``error`` says why none could be placed. Raises
         InvalidRequest for a size below 1, counts outside 0..MAX_PER_CALL in all or a call
         over MAX_BYTES_PER_CALL."""
+        s = self.settings()
         if release:
-            self.release_reservations(release, now)
+            self.release(release, now)
         n = count + ahead
         if n == 0:
-            return Reserved([], self.s.put_timeout_s, replicas or self.s.replicas)
+            return Reserved([], s.put_timeout_s, replicas or s.replicas)
         if (not 1 <= size or count < 0 or ahead < 0 or n > MAX_PER_CALL
                 or align_up(size) * n > MAX_BYTES_PER_CALL):
             raise E.InvalidRequest(f"reserve: {count} + {ahead} extents of {size} bytes; accepted: size >= 1, at "
                                    f"most {MAX_PER_CALL} extents and {MAX_BYTES_PER_CALL} bytes per call")
         if not 0 <= replicas <= 16:
             raise E.InvalidRequest(f"replicas must be between 1 and 16 (0 = cluster default), got {replicas}")
-        wanted = replicas or self.s.replicas
-        live = self._placeable(now)
+        wanted = replicas or s.replicas
+        live = placeable(self.nodes, now)
         out: list[Reservation] = []
-        until = now + self.s.put_timeout_s
+        until = now + s.put_timeout_s
         error = None
         if wanted == 1 and ahead > 1:  # one range for those ahead, cut into extents (same placement)
             for refs in self._ahead_in_ranges(size, host_id, now, live, ahead):
                 rid = self._res_id()
-                self.reserved[rid] = held = Held(size, refs, wanted, until)
+                self.held[rid] = held = Held(size, refs, wanted, until)
                 self._count_held(held, 1)
                 out.append(Reservation(rid, refs))
             n = count + ahead - len(out)
@@ -111,11 +143,11 @@ class ReservationMixin:
                     self.nodes[r.node_id].alloc.free(r.offset, r.size)
                 break
             rid = self._res_id()
-            self.reserved[rid] = held = Held(size, refs, wanted, until)
+            self.held[rid] = held = Held(size, refs, wanted, until)
             self._count_held(held, 1)
             out.append(Reservation(rid, refs))
         self.counters["reserved"] += len(out)
-        return Reserved(out, self.s.put_timeout_s, wanted, None if out else error)
+        return Reserved(out, s.put_timeout_s, wanted, None if out else error)
 
     def _res_id(self) -> int:
         """A fresh reservation id: 63 random bits from the OS, so that a client cannot commit
@@ -126,7 +158,7 @@ class ReservationMixin:
                 raw = os.urandom(8 * 512)
                 self._rid_pool = [int.from_bytes(raw[i:i + 8], "little") >> 1 for i in range(0, len(raw), 8)]
             rid = self._rid_pool.pop()
-            if rid and rid not in self.reserved:
+            if rid and rid not in self.held:
                 return rid
 
     def _ahead_in_ranges(self, size: int, host_id: str, now: float, live: list, k: int) -> list[list[ExtentRef]]:
@@ -139,9 +171,9 @@ class ReservationMixin:
         keeps nothing per extent, so each is freed on its own later. A node takes no more
         than fits within its share for reservations and under the high watermark; one
         whose range cannot be cut gives none (the caller places the rest one by one).
-        Grants as :meth:`_place`'s, for a fraction of the cost per extent."""
+        Grants as the state's ``place``, for a fraction of the cost per extent."""
         need = align_up(size)
-        hw = self.s.high_watermark
+        hw = self.settings().high_watermark
         fits = [nd for nd in live if nd.alloc.capacity >= need]
         if not fits:
             return []
@@ -161,14 +193,14 @@ class ReservationMixin:
                        int((hw * node.alloc.capacity - node.alloc.used) // need))
             if take <= 0:
                 continue
-            self._release_quarantine(node, now)
+            node.release_quarantine(now)
             base = node.alloc.alloc(need * take)
             if base is not None:
                 runs.append([[_grant(node, base + i * need, size, "")] for i in range(take)])
         slots = [((i + 0.5) / len(run), j, refs) for j, run in enumerate(runs) for i, refs in enumerate(run)]
         return [refs for _, _, refs in sorted(slots, key=lambda t: (t[0], t[1]))]
 
-    def put_reserved(self, items: list[ReservedPut], now: float) -> tuple[list, list[list[bytes]]]:
+    def put(self, items: list[ReservedPut], now: float) -> tuple[list, list[list[bytes]]]:
         """Commit objects written into reservations. Per item: None (committed; its keyed
         replica tokens in the second list), ``"exists"`` or ``"in_flight"`` (the key is stored
         or being written: nothing indexed, the reservation stays the writer's), or an
@@ -181,18 +213,18 @@ class ReservationMixin:
         for it in items:
             toks: list[bytes] = []
             try:
-                results.append(self._put_reserved_one(it, now, toks, rows))
+                results.append(self._put_one(it, now, toks, rows))
             except E.KVPoolError as e:
                 results.append(e.to_wire())
             tokens.append(toks)
         for node_id, r in rows.items():
             self.outbox[node_id].append(NodeCommit(r))
-        self.enforce_watermarks(now)
+        self.eviction.enforce_watermarks(now)
         return results, tokens
 
-    def _put_reserved_one(self, it: ReservedPut, now: float, toks: list[bytes], rows: dict[str, list]) -> str | None:
+    def _put_one(self, it: ReservedPut, now: float, toks: list[bytes], rows: dict[str, list]) -> str | None:
         key = validate_key(it.key)
-        held = self.reserved.get(it.res_id)
+        held = self.held.get(it.res_id)
         if held is None and (obj := self.objects.get(key)) is not None and obj.put_id == it.res_id:
             for r in obj.replicas:  # a repeat (the reply was lost): the same answer
                 if (node := self.nodes.get(r.node_id)) is not None:
@@ -214,15 +246,15 @@ class ReservationMixin:
             if p.writer_deadline > now:
                 return "in_flight"
             self._revoke_pending(p, now, quarantine=True)
-        cap = self.s.max_objects
+        cap = self.settings().max_objects
         if cap and len(self.objects) + len(self.pending) >= cap:
-            self._evict_count(len(self.objects) + len(self.pending) - cap + 1, now)
+            self.eviction.oldest(len(self.objects) + len(self.pending) - cap + 1, now)
             if len(self.objects) + len(self.pending) >= cap:
                 raise E.NoSpace(f"no room for {key!r}: the master holds {len(self.objects)} objects, its bound "
                                 f"master.max_objects = {cap}, and none can be evicted; remove or unpin objects, "
                                 "or raise master.max_objects", key=key, max_objects=cap)
-        del self.reserved[it.res_id]
-        layout = self._intern(it.wire_layout)
+        del self.held[it.res_id]
+        layout = self.layouts.intern(it.wire_layout)
         obj = Obj.new(key, held.size, it.checksum, layout, held.refs, COMMITTED, it.res_id, now, now,
                       replicas_wanted=held.wanted)
         self.objects[key] = obj
@@ -237,17 +269,16 @@ class ReservationMixin:
                                                               held.wanted))
         self.counters["puts_reserved"] += 1
         self.story.add(key, "stored", obj.node_ids())
-        if key in self.waiting_pins or key in self.waiting_holds:
-            self._settle_waiting(obj, now)
+        self._settle_waiting(obj, now)
         if len(held.refs) < held.wanted:
-            self._maybe_repair(obj)
+            self.repair.maybe_queue(obj)
         return None
 
-    def release_reservations(self, res_ids: list[int], now: float) -> None:
+    def release(self, res_ids: list[int], now: float) -> None:
         """Give reservations back (unknown ids are ignored): their extents are freed once the
         quarantine has passed, since their writer may still be copying."""
         for rid in res_ids:
-            held = self.reserved.pop(rid, None)
+            held = self.held.pop(rid, None)
             if held is not None:
                 self._free_reserved(held, now)
 
@@ -264,18 +295,19 @@ class ReservationMixin:
             if node is None:
                 continue
             self.outbox[r.node_id].append(NodeFree([(r.offset, r.gen)]))
-            node.quarantine.append((now + self.s.quarantine_s, r.offset, r.size))
+            node.quarantine.append((now + self.settings().quarantine_s, r.offset, r.size))
 
-    def expire_reservations(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         """Free the reservations whose time has passed (called from the state's tick)."""
-        for rid in [rid for rid, h in self.reserved.items() if h.until <= now]:
+        for rid in [rid for rid, h in self.held.items() if h.until <= now]:
             self.counters["reservations_expired"] += 1
-            self._free_reserved(self.reserved.pop(rid), now)
+            self._free_reserved(self.held.pop(rid), now)
 
-    def drop_reservations_on(self, node_id: str, now: float) -> None:
+    def drop_node(self, node_id: str, now: float) -> None:
         """``node_id`` left: its reservations go (the other replicas' extents are freed)."""
-        for rid in [rid for rid, h in self.reserved.items() if any(r.node_id == node_id for r in h.refs)]:
-            self._free_reserved(self.reserved.pop(rid), now)
+        for rid in [rid for rid, h in self.held.items() if any(r.node_id == node_id for r in h.refs)]:
+            self._free_reserved(self.held.pop(rid), now)
 
-    def reserved_bytes(self) -> int:
+    def held_bytes(self) -> int:
+        """Bytes reserved ahead of need on every node together."""
         return sum(n.reserved for n in self.nodes.values())

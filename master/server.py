@@ -469,14 +469,15 @@ class MasterServer(_EtcdThread, _StoreNodes):
 
     @_handles(M.PutReserved)
     def _put_reserved(self, req, st, now, role):
-        results, tokens = st.put_reserved(req.items, now)
+        results, tokens = st.reservations.put(req.items, now)
         r = req.refill
-        refill = None if r is None else st.reserve(r.size, r.count, r.host_id, r.replicas, now, r.release, r.ahead)
+        refill = None if r is None else st.reservations.reserve(r.size, r.count, r.host_id, r.replicas, now,
+                                                                r.release, r.ahead)
         return M.PutReservedReply(results, tokens, refill)
 
     @_handles(M.Reserve)
     def _reserve(self, req, st, now, role):
-        return st.reserve(req.size, req.count, req.host_id, req.replicas, now, req.release, req.ahead)
+        return st.reservations.reserve(req.size, req.count, req.host_id, req.replicas, now, req.release, req.ahead)
 
     @_handles(M.Lookup)
     def _lookup(self, req, st, now, role):
@@ -534,7 +535,7 @@ class MasterServer(_EtcdThread, _StoreNodes):
     @_handles(M.Evict)
     def _evict(self, req, st, now, role):
         open_ = [rid for rid, h in st.handoffs.items() if h.status == "open"] if req.force else []
-        report = st.evict(req.selector, req.dry_run, req.force, now)
+        report = st.eviction.admin(req.selector, req.dry_run, req.force, now)
         for rid in open_:  # a forced evict releases the hand-offs holding its objects: their records go
             if (h := st.handoffs.get(rid)) is None or h.status != "open":
                 self._etcd_forget(self.keys.handoff(rid))
@@ -542,7 +543,7 @@ class MasterServer(_EtcdThread, _StoreNodes):
 
     @_handles(M.Drain)
     def _drain(self, req, st, now, role):
-        return st.drain(req.node_id, req.undo)
+        return st.repair.drain(req.node_id, req.undo)
 
     @_handles(M.ReportDead)
     def _report_dead(self, req, st, now, role):

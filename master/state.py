@@ -2,21 +2,24 @@
 dask/distributed's ``worker_state_machine.py``).
 
 It owns the node table, one :class:`~master.allocator.RangeAllocator` per node segment,
-the object index (PENDING → COMMITTED), read leases, pins, hand-off holds, LRU eviction
-and hand-off records. Every method takes ``now`` explicitly so tests drive time: seconds
-on the master's monotonic clock (``time.monotonic()``), never a wall clock, so stepping
-the host's clock neither ends nor stretches a lease, pin, hold or deadline (wall-clock
-times shown to operators are converted at the edge, :meth:`MasterState.list_objects`).
-Messages that must reach store nodes (commit/free/copy notices) are appended to
-:attr:`MasterState.outbox` for the server to send.
+the object index (PENDING → COMMITTED), read leases and pins; its parts (see
+:class:`MasterState`) own re-replication, hand-off holds and records, disk tiers,
+eviction and reservations. Every method takes ``now`` explicitly so tests drive time:
+seconds on the master's monotonic clock (``time.monotonic()``), never a wall clock, so
+stepping the host's clock neither ends nor stretches a lease, pin, hold or deadline
+(wall-clock times shown to operators are converted at the edge,
+:meth:`MasterState.list_objects`). Messages that must reach store nodes
+(commit/free/copy notices) are appended to :attr:`MasterState.outbox` for the server to
+send.
 
-Eviction order is LRU per node (an ``OrderedDict`` moved-to-end on access), so choosing a
-victim is O(1) amortised regardless of index size; pinned and held objects leave the LRU.
-The index keeps each key once (the same str in :attr:`MasterState.objects` and the LRU
-lists) and each object as a lean :class:`~master.objects.Obj` naming nodes by number; a
-node's keys are its LRU lists plus a small ``fixed`` set (pending, held, hard-pinned), so
-no per-node key set is kept. ``max_objects`` bounds the index: a put past it evicts the
-least recently used object across nodes, or fails with NoSpace.
+Eviction order is LRU per node (an ``OrderedDict`` moved to the end on access,
+:mod:`master.lru`), so choosing a victim is O(1) amortised regardless of index size;
+pinned and held objects leave the LRU. The index keeps each key once (the same str in
+:attr:`MasterState.objects` and the LRU lists) and each object as a lean
+:class:`~master.objects.Obj` naming nodes by number; a node's keys are its LRU lists plus
+a small ``fixed`` set (pending, held, hard-pinned), so no per-node key set is kept.
+``max_objects`` bounds the index: a put past it evicts the least recently used object
+across nodes, or fails with NoSpace.
 """
 from __future__ import annotations
 
@@ -25,34 +28,32 @@ import math
 import os
 import random
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-
-import msgspec
+from collections.abc import Iterable
 
 from kvpool.master.allocator import RangeAllocator, align_up
-from kvpool.master.objects import COMMITTED, PENDING, Obj
-from kvpool.master.eviction import EvictionMixin
+from kvpool.master.eviction import Eviction, skip_reason
+from kvpool.master.frees import free_extent
 from kvpool.master.handoffs import Handoffs
-from kvpool.master.placement import spread
-from kvpool.master.repair import RepairMixin, commit_row, grant as _grant
-from kvpool.master.reservations import Held, ReservationMixin
-from kvpool.master.story import Story
-from kvpool.master.stats import StatsSnapshot
+from kvpool.master.layouts import Layouts
+from kvpool.master.lru import Lru
 from kvpool.master.members import Node
-from kvpool.master.tiers import TierMixin
+from kvpool.master.objects import COMMITTED, PENDING, Obj
+from kvpool.master.placement import placeable, spread
+from kvpool.master.repair import Repair, commit_row, grant as _grant
+from kvpool.master.reservations import Reservations
+from kvpool.master.settings import MasterSettings
+from kvpool.master.stats import StatsSnapshot
+from kvpool.master.story import Story
+from kvpool.master.tiers import Tiers
 from kvpool.protocol import errors as E
-from kvpool.protocol.config import MasterConfig
 from kvpool.protocol.errors import ErrorInfo
 from kvpool.protocol.keys import validate_key
-from kvpool.protocol.layout import NO_LAYOUT, LayoutSpec, layout_bytes, layout_of
-from kvpool.protocol.messages import (ClusterSettings, ClusterStats, ExtentRef, HandoffRecord, NodeCommit,
-                               NodeDesc, NodeFree, ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem,
-                               WIRE_VERSION)
+from kvpool.protocol.layout import LayoutSpec, layout_of
+from kvpool.protocol.messages import (ClusterStats, ExtentRef, HandoffRecord, NodeCommit, NodeDesc, NodeFree,
+                               ObjectInfo, ObjectMeta, PinRecord, PutGrant, PutItem, TierDone, WIRE_VERSION)
 
 MAX_REPLICAS = 16
 REVOKES_PER_TICK = 1024  # silent writers revoked per tick at most (a tick holds the request thread)
-LAYOUTS_KEPT = 4096  # distinct layout encodings the index shares at most
-LAYOUT_BYTES_KEPT = 64 << 20  # ... and their bytes at most
 DEPARTED_KEEP_S = 120.0  # how long a dropped node's memory may come back and be indexed again
 DEPARTED_MAX_KEYS = 200_000  # removals tracked per away node; past that it comes back empty
 # a drop's reason -> the story's event and its explanation (master/story.py)
@@ -64,20 +65,20 @@ _WHY = {"remove": "by a client's remove", "node_lost": "its last replica's store
         "above its high watermark"}
 
 
-class MasterSettings(ClusterSettings, frozen=True):
-    """Tunables in seconds and fractions (see ``protocol.config.MasterConfig``): the
-    cluster-wide ones kept in etcd (:class:`~protocol.messages.ClusterSettings`) plus this
-    process's own."""
-
-    suspect_s: float = 3.0  # how long a node reported dead is not placed on (its etcd TTL)
-    repair_rate: float = MasterConfig().repair_rate  # re-replication copies started per second (average)
-    repair_in_flight: int = MasterConfig().repair_in_flight  # re-replication copies in flight at most
-    max_objects: int = MasterConfig().max_objects  # objects in the index (committed + pending) at most; 0: no bound
-
-
-class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
+class MasterState:
     """All master decisions. Not thread-safe: the server calls it from one event loop.
-    ``seed``: of placement's random choices (:mod:`master.placement`); None: from the OS."""
+    ``settings``: its tunables (:attr:`s`; an operator's change replaces the object, so its
+    parts read it through ``lambda: self.s``); ``seed``: of placement's random choices
+    (:mod:`master.placement`); None: from the OS.
+
+    It owns the index and the node table and these parts, each given the collaborators it
+    uses: :attr:`layouts` (:class:`~master.layouts.Layouts`), :attr:`lru`
+    (:class:`~master.lru.Lru`, the nodes' LRU lists), :attr:`repair`
+    (:class:`~master.repair.Repair`), :attr:`hand` (:class:`~master.handoffs.Handoffs`),
+    :attr:`tiers` (:class:`~master.tiers.Tiers`, disk tiers), :attr:`eviction`
+    (:class:`~master.eviction.Eviction`) and :attr:`reservations`
+    (:class:`~master.reservations.Reservations`), built in that order: each may use the
+    ones before it, never one after."""
 
     def __init__(self, settings: MasterSettings, cluster: str = "default", seed: int | None = None) -> None:
         self.s = settings
@@ -85,7 +86,6 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         self.nodes: dict[str, Node] = {}
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
-        self.reserved: dict[int, Held] = {}  # reservation id -> extents reserved ahead (master/reservations.py)
         # pins and hand-off holds of objects that are away with a store node (it left, or was
         # not indexed at a rebuild): applied when the key is committed again or the node
         # brings the extent back; pins are forgotten (their etcd record deleted) after
@@ -93,7 +93,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         # key -> (record, soft pin ends or None for hard, forget after), both monotonic
         self.waiting_pins: dict[str, tuple[PinRecord, float | None, float]] = {}
         self.waiting_holds: dict[str, set[str]] = {}  # key -> hand-offs naming it
-        self.outbox: dict[str, list] = defaultdict(list)
+        self.outbox: dict[str, list] = defaultdict(list)  # node id -> notices; the parts share this dict
         # incarnations dropped from the index -> (forget after, keys dropped since): a node
         # that comes back with the same memory must not bring those keys back
         self.departed: dict[str, list] = {}  # incarnation -> [forget after, keys dropped since | None]
@@ -106,43 +106,21 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         self.leader_addr = ""
         self.refused: dict[str, int] = {}  # node id -> wire version, nodes of another kvpool version
         self._now = 0.0  # time of the latest event, for bookkeeping that has no `now` argument
-        self.hand = Handoffs(self.objects, self.waiting_holds, self.counters, self._lru_add, self._lru_remove,
-                             self._maybe_repair, lambda: self.s.max_handoff_ttl_s, lambda: self._now)
-        self.handoffs = self.hand.records  # request id -> Handoff (master/handoffs.py)
-        self._init_repair()
-        self.repair_timeout_s = 30.0
         self.rng = random.Random(seed)
-        self._layouts: dict[bytes, tuple[bytes, msgspec.Raw]] = {}  # layout encoding -> (shared copy, as a wire field)
-        self._layouts_bytes = 0
-        self._rid_pool: list[int] = []  # random reservation ids drawn ahead (master/reservations.py)
-        self._init_tiers()
-
-    def _intern(self, layout: LayoutSpec | bytes | msgspec.Raw | None) -> bytes | None:
-        """``layout``'s encoding (given as a LayoutSpec, its encoding, or a wire field's raw
-        msgpack), one shared object per distinct layout: objects of one model share a few.
-        The index keeps layouts encoded (a tenth of the memory of decoded ones; lookups and
-        node notices carry them as they are). At most :data:`LAYOUTS_KEPT` distinct
-        encodings and :data:`LAYOUT_BYTES_KEPT` bytes are shared; past that an object keeps
-        its own copy."""
-        if layout is None:
-            return None
-        b = layout.encode() if isinstance(layout, LayoutSpec) else layout_bytes(layout)
-        if b is None:
-            return None
-        got = self._layouts.get(b)
-        if got is not None:
-            return got[0]
-        if len(self._layouts) < LAYOUTS_KEPT and self._layouts_bytes + len(b) <= LAYOUT_BYTES_KEPT:
-            self._layouts[b] = (b, msgspec.Raw(b))
-            self._layouts_bytes += len(b)
-        return b
-
-    def _wire_layout(self, layout: bytes | None) -> msgspec.Raw:
-        """An object's layout as the raw msgpack of a reply field."""
-        if layout is None:
-            return NO_LAYOUT
-        got = self._layouts.get(layout)
-        return got[1] if got is not None else msgspec.Raw(layout)
+        settings_, clock = (lambda: self.s), (lambda: self._now)
+        objects, nodes, outbox, counters, story = self.objects, self.nodes, self.outbox, self.counters, self.story
+        self.layouts = Layouts()
+        self.lru = Lru(nodes, objects, self._drop)
+        self.repair = Repair(objects, nodes, outbox, counters, story, settings_, clock, self.lru, self.rng)
+        self.hand = Handoffs(objects, self.waiting_holds, counters, self.lru.add, self.lru.remove,
+                             self.repair.maybe_queue, lambda: self.s.max_handoff_ttl_s, clock)
+        self.handoffs = self.hand.records  # request id -> Handoff (master/handoffs.py)
+        self.tiers = Tiers(objects, self.pending, nodes, outbox, counters, story, settings_, self.departed,
+                           self.layouts, self.lru, self.repair, self._drop, self.report_corrupt, self._settle_waiting)
+        self.eviction = Eviction(nodes, objects, settings_, self.lru, self.tiers, self.hand, self._drop)
+        self.reservations = Reservations(objects, self.pending, nodes, outbox, counters, story, settings_,
+                                         self.layouts, self.repair, self.eviction, self._place,
+                                         self._revoke_pending, self._settle_waiting)
 
     # ---- hand-offs (master/handoffs.py) -------------------------------------------------
 
@@ -177,9 +155,9 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         away = self.departed.pop(desc.incarnation, None)
         if away is not None:  # the same memory is back (its etcd lease lapsed in an etcd stall)
             node.gone = away[1]
-        self._tier_node_up(node)
+        self.tiers.node_up(node)
         self.counters["node_joins"] += 1
-        self._unpark()  # a new place for what could not be re-replicated
+        self.repair.unpark()  # a new place for what could not be re-replicated
 
     def node_down(self, node_id: str, now: float) -> list[str]:
         """The node's etcd key lapsed or its data plane failed: drop its replicas at once.
@@ -204,10 +182,10 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
                 lost.append(key)
             else:
                 self.story.add(key, "replica lost", node_id)
-                self._maybe_repair(obj)
-        self._cancel_repairs(node_id)
-        self.drop_reservations_on(node_id, now)
-        self._tier_node_down(node)
+                self.repair.maybe_queue(obj)
+        self.repair.cancel(node_id)
+        self.reservations.drop_node(node_id, now)
+        self.tiers.node_down(node)
         # after the drops above: what the node alone held may come back with it
         self.departed[node.desc.incarnation] = [now + DEPARTED_KEEP_S, set()]
         return lost
@@ -245,12 +223,18 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         if len(obj.replicas) == 1:
             self._drop(obj, reason="corrupt")
             return
-        self._lru_remove(obj)
+        self.lru.remove(obj)
         obj.replicas = [r for r in obj.replicas if r != bad[0]]
         self.nodes[node_id].drop_key(key)
-        self._free_extent(bad[0])
-        self._lru_add(obj)
-        self._maybe_repair(obj)
+        free_extent(self.nodes, self.outbox, bad[0])
+        self.lru.add(obj)
+        self.repair.maybe_queue(obj)
+
+    def tier_done(self, node_id: str, done: TierDone, error: ErrorInfo | None, now: float) -> None:
+        """A store node answered a demotion or promotion (``error``: it failed): the event of
+        ``now`` (monotonic seconds), handed to :meth:`Tiers.done <master.tiers.Tiers.done>`."""
+        self._now = now
+        self.tiers.done(node_id, done, error, now)
 
     def gens_above(self, node_id: str, gen: int) -> None:
         """Rebuild after failover: grant only generations above ``gen`` on this node."""
@@ -274,7 +258,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         node.next_gen = itertools.count(max(gen + 1, next(node.next_gen)))
         obj = self.objects.get(key)
         if obj is None:
-            obj = Obj.new(key, size, checksum, self._intern(layout), [ref], COMMITTED, 0, now, now,
+            obj = Obj.new(key, size, checksum, self.layouts.intern(layout), [ref], COMMITTED, 0, now, now,
                           replicas_wanted=replicas or self.s.replicas)
             self.objects[key] = obj
         elif obj.checksum == checksum and obj.size == size and (
@@ -282,25 +266,27 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             obj.replicas = [*obj.replicas, ref]
             obj.replicas_wanted = max(obj.replicas_wanted, replicas)
         else:  # other bytes under the key, or a copy more than wanted (re-replicated while this node was away)
-            self._free_extent(ref)
+            free_extent(self.nodes, self.outbox, ref)
             return
         node.fixed.add(key)
-        self._lru_add(obj)
+        self.lru.add(obj)
         self._settle_waiting(obj, now)
         if len(obj.replicas) < obj.replicas_wanted:
-            self._maybe_repair(obj)  # skipped when it is due if other nodes' tables brought the rest
+            self.repair.maybe_queue(obj)  # skipped when it is due if other nodes' tables brought the rest
 
     def _settle_waiting(self, obj: Obj, now: float) -> None:
-        """``obj`` is committed under a key whose pin or holds were waiting (see
-        :attr:`waiting_pins`): apply them when the record names these bytes, else the pin
+        """``obj`` is committed: when a pin or holds were waiting for its key (see
+        :attr:`waiting_pins`), apply them if the record names these bytes, else the pin
         record is stale (reported through :meth:`take_unpinned`)."""
+        if obj.key not in self.waiting_pins and obj.key not in self.waiting_holds:
+            return
         holds = self.waiting_holds.pop(obj.key, None)
         if holds:
             open_ = {r for r in holds if (h := self.handoffs.get(r)) is not None and h.status == "open"}
             if open_:
-                self._lru_remove(obj)
+                self.lru.remove(obj)
                 obj.add_holds(open_)
-                self._lru_add(obj)
+                self.lru.add(obj)
         waiting = self.waiting_pins.pop(obj.key, None)
         if waiting is not None and not self._restore_pin(waiting[0], waiting[1], now):
             self.unpinned.append(obj.key)
@@ -313,7 +299,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             raise E.InvalidRequest(f"replicas must be between 1 and {MAX_REPLICAS} (0 = cluster default "
                                    f"{self.s.replicas}), got {replicas}")
         out: list[PutGrant | ErrorInfo] = []
-        live = self._placeable(now)  # once per batch: membership does not change within a call
+        live = placeable(self.nodes, now)  # once per batch: membership does not change within a call
         for it in items:
             try:
                 out.append(self._put_start_one(it, host_id, replicas or self.s.replicas, now, live))
@@ -335,7 +321,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             raise E.InvalidRequest(f"object {key!r}: negative size {it.size}", key=key)
         cap = self.s.max_objects
         if cap and len(self.objects) + len(self.pending) >= cap:
-            self._evict_count(len(self.objects) + len(self.pending) - cap + 1, now)
+            self.eviction.oldest(len(self.objects) + len(self.pending) - cap + 1, now)
             if len(self.objects) + len(self.pending) >= cap:
                 raise E.NoSpace(
                     f"no room for {key!r}: the master holds {len(self.objects)} objects and {len(self.pending)} "
@@ -344,29 +330,19 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
                     "lapse, or raise master.max_objects", key=key, max_objects=cap)
         refs = self._place(key, it.size, host_id, replicas, now, live)
         put_id = next(self._put_ids)
-        obj = Obj.new(key, it.size, it.checksum, self._intern(it.wire_layout), refs, PENDING, put_id, now, now,
+        obj = Obj.new(key, it.size, it.checksum, self.layouts.intern(it.wire_layout), refs, PENDING, put_id, now, now,
                       writer_deadline=now + self.s.put_timeout_s, replicas_wanted=replicas)
         self.pending[key] = obj
         for r in refs:
             self.nodes[r.node_id].fixed.add(key)
         return PutGrant(key, "write", put_id, list(refs), replicas)
 
-    def _placeable(self, now: float) -> list[Node]:
-        """Nodes new extents may go to: not draining and not suspect (suspects — a client
-        failed to reach them — only when nothing else is left)."""
-        live = [n for n in self.nodes.values() if not n.draining and n.suspect_until <= now]
-        return live or [n for n in self.nodes.values() if not n.draining]
-
-    def _spread(self, nodes: list[Node], rank: Callable[[Node], object]) -> list[Node]:
-        """``nodes`` in placement order (:func:`master.placement.spread`)."""
-        return spread(nodes, rank, self.s.high_watermark, self.rng)
-
     def _place(self, key: str, size: int, host_id: str, replicas: int, now: float,
                live: list[Node] | None = None, evict: bool = True) -> list[ExtentRef]:
         """Extents for one object (see :meth:`_alloc_on` for ``evict``). Raises NoSpace or
         ObjectTooLarge."""
         if live is None:
-            live = self._placeable(now)
+            live = placeable(self.nodes, now)
         if not live:
             draining = sum(n.draining for n in self.nodes.values())
             refused = (f", {len(self.refused)} of another kvpool version ({', '.join(sorted(self.refused))}: "
@@ -383,7 +359,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
                 key=key, size=size, largest=biggest)
         # writer's host first, then at random weighted by room (master/placement.py); distinct hosts preferred
         if len(fits) > 1:
-            fits = self._spread(fits, lambda n: n.desc.host_id != host_id)
+            fits = spread(fits, lambda n: n.desc.host_id != host_id, self.s.high_watermark, self.rng)
         want = min(replicas, len(fits))
         if want == 1:
             chosen = fits[:1]
@@ -419,7 +395,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         """An offset for ``size`` bytes on ``node``, evicting on failure; with ``evict`` False
         only from free memory that stays under the high watermark (extents reserved ahead
         of need must not push out data)."""
-        self._release_quarantine(node, now)
+        node.release_quarantine(now)
         if not evict:
             if node.alloc.used + align_up(max(size, 1)) > self.s.high_watermark * node.alloc.capacity:
                 return None
@@ -427,8 +403,8 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         off = node.alloc.alloc(size)
         if off is None:
             # evict on allocation failure, then retry once
-            self._evict_node(node, target_used=None, need=align_up(max(size, 1)), now=now,
-                             reason="alloc")
+            self.eviction.evict_node(node, target_used=None, need=align_up(max(size, 1)), now=now,
+                                     reason="alloc")
             off = node.alloc.alloc(size)
         return off
 
@@ -460,13 +436,13 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             for r in obj.replicas:
                 self.outbox[r.node_id].append(NodeCommit([commit_row(obj, r)]))
             self.story.add(key, "stored", obj.node_ids())
-            self._lru_add(obj)
+            self.lru.add(obj)
             if key in self.waiting_pins or key in self.waiting_holds:
                 self._settle_waiting(obj, now)
             if len(obj.replicas) < obj.replicas_wanted:  # fewer nodes could take it than it asked for
-                self._maybe_repair(obj)
+                self.repair.maybe_queue(obj)
             out.append(None)
-        self.enforce_watermarks(now)
+        self.eviction.enforce_watermarks(now)
         return out
 
     def put_revoke(self, keys: list[str], put_ids: list[int], now: float) -> list[ErrorInfo | None]:
@@ -496,16 +472,6 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             else:
                 node.alloc.free(r.offset, r.size)
 
-    def _release_quarantine(self, node: Node, now: float) -> None:
-        if node.quarantine and node.quarantine[0][0] <= now:
-            keep = []
-            for until, off, size in node.quarantine:
-                if until <= now:
-                    node.alloc.free(off, size)
-                else:
-                    keep.append((until, off, size))
-            node.quarantine = keep
-
     # ---- reads --------------------------------------------------------------------------
 
     def lookup(self, keys: list[str], lease: bool, now: float) -> list[ObjectInfo | ErrorInfo]:
@@ -513,8 +479,8 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         ttl = self.s.lease_ttl_s if lease else 0.0
         until = now + ttl
         # with disk tiers (master/tiers.py), LRU order spans both, and reads may promote
-        touch = self._touch_tiered if self.disk_nodes else self._touch
-        tiered = lease and self.disk_nodes
+        touch = self.lru.touch_tiered if self.lru.disk_nodes else self.lru.touch
+        tiered = lease and self.lru.disk_nodes
         for key in keys:
             obj = self.objects.get(key)
             if lease:  # a read; lease-free lookups are metadata queries and are not counted
@@ -533,8 +499,8 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
                     obj.lease_until = until  # one float per call, shared by its objects
             size, checksum, refs = obj.read_view()
             if tiered:
-                self._disk_access(obj, refs, now)
-            out.append(ObjectInfo(key, size, checksum, self._wire_layout(obj.layout), refs, ttl))
+                self.tiers.read(obj, refs, now)
+            out.append(ObjectInfo(key, size, checksum, self.layouts.wire(obj.layout), refs, ttl))
         return out
 
     def release_leases(self, keys: list[str], now: float) -> None:
@@ -550,18 +516,6 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         """Existence without a lease and without touching LRU order."""
         return [k in self.objects for k in keys]
 
-    def _touch(self, obj: Obj, now: float) -> None:
-        obj.last_access = now
-        kind = obj.evictable_kind()
-        if kind == "none":
-            return
-        for nid in obj.node_ids():
-            node = self.nodes.get(nid)
-            if node is not None:
-                lru = node.soft_lru if kind == "soft" else node.lru
-                if obj.key in lru:
-                    lru.move_to_end(obj.key)
-
     # ---- removal and eviction -----------------------------------------------------------
 
     def remove(self, keys: list[str], force: bool, now: float) -> list[ErrorInfo | None]:
@@ -571,7 +525,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             if obj is None:
                 out.append(E.NotFound(f"key {key!r} is not stored", key=key).to_wire())
                 continue
-            why = self._skip_reason(obj, now)
+            why = skip_reason(obj, now)
             if why and not force:
                 err = (E.HasLease(f"{key!r} has a live read lease; retry after it lapses "
                                   f"({self.s.lease_ttl_s:g}s) or force it (kvpool rm --force; force=True)", key=key)
@@ -601,24 +555,14 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             self.unpinned.append(obj.key)
         if away and obj.holds:
             self.waiting_holds.setdefault(obj.key, set()).update(obj.holds)
-        self._lru_remove(obj)
+        self.lru.remove(obj)
         for r in obj.replicas:
-            self._free_extent(r)
+            free_extent(self.nodes, self.outbox, r)
             node = self.nodes.get(r.node_id)
             if node is not None:
                 node.drop_key(obj.key)
         self.counters[f"evictions_{reason}"] += 1
         self.story.add(obj.key, _GONE.get(reason, "evicted"), _WHY.get(reason, reason))
-
-    def _free_extent(self, r: ExtentRef) -> None:
-        if r.tier:  # a disk file (master/tiers.py)
-            self._free_disk_extent(r)
-            return
-        node = self.nodes.get(r.node_id)
-        if node is None:
-            return
-        node.alloc.free(r.offset, r.size)
-        self.outbox[r.node_id].append(NodeFree([(r.offset, r.gen)]))
 
     # ---- pins ---------------------------------------------------------------------------
 
@@ -634,12 +578,12 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         self._now = now
         self.check_pin(key, ttl_s)
         obj = self._get(key)
-        self._lru_remove(obj)
+        self.lru.remove(obj)
         obj.pin = "hard" if ttl_s is None else "soft"
         obj.pin_until = 0.0 if ttl_s is None else now + ttl_s
         self.story.add(key, "pinned", "hard" if ttl_s is None else f"soft, {ttl_s:g}s")
-        self._lru_add(obj)
-        self._maybe_repair(obj)
+        self.lru.add(obj)
+        self.repair.maybe_queue(obj)
 
     def check_unpin(self, key: str) -> None:
         """Raises NotFound unless ``key`` is stored or has a pin waiting for its node."""
@@ -651,10 +595,10 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         if self.waiting_pins.pop(key, None) is not None and key not in self.objects:
             return
         obj = self._get(key)
-        self._lru_remove(obj)
+        self.lru.remove(obj)
         obj.pin, obj.pin_until = "", 0.0
         self.story.add(key, "unpinned")
-        self._lru_add(obj)
+        self.lru.add(obj)
 
     def _get(self, key: str) -> Obj:
         obj = self.objects.get(key)
@@ -672,8 +616,8 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         late = (o for o in self.pending.values() if o.writer_deadline <= now)  # oldest first
         for obj in list(itertools.islice(late, REVOKES_PER_TICK)):  # the rest on the next ticks
             self._revoke_pending(obj, now, quarantine=True)
-        if self.reserved:
-            self.expire_reservations(now)
+        if self.reservations.held:
+            self.reservations.expire(now)
         for inc in [i for i, (until, _) in self.departed.items() if until <= now]:
             del self.departed[inc]
         for key in [k for k, (_, until, forget) in self.waiting_pins.items()
@@ -682,10 +626,8 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
             self.unpinned.append(key)
         self._now = now
         for node in self.nodes.values():
-            self._release_quarantine(node, now)
-        for key in [k for k, (_, t0, _, _) in self.repairs.items() if now - t0 > self.repair_timeout_s]:
-            self.counters["repairs_timed_out"] += 1
-            self.repair_done(key, ok=False)
+            node.release_quarantine(now)
+        self.repair.expire(now)
         expired = []
         for h in self.handoffs.values():
             if h.status == "open" and h.deadline <= now:
@@ -695,10 +637,10 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         for rid in [r for r, h in self.handoffs.items()
                     if h.status != "open" and h.deadline + 3600 <= now]:
             del self.handoffs[rid]
-        self.enforce_watermarks(now)
-        if self.disk_nodes:
-            self._tier_tick(now)
-        self.pump_repairs(now)
+        self.eviction.enforce_watermarks(now)
+        if self.lru.disk_nodes:
+            self.tiers.tick(now)
+        self.repair.pump(now)
         return expired
 
     # ---- introspection ------------------------------------------------------------------
@@ -715,7 +657,7 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         for o in self.objects.values():
             if o.key.startswith(prefix):
                 pin = o.pin if (o.pin != "soft" or o.pin_until > now) else ""
-                tiers = [_TIER_NAMES[t] for _, t in o.tiers()] if self.disk_nodes else []
+                tiers = [_TIER_NAMES[t] for _, t in o.tiers()] if self.lru.disk_nodes else []
                 out.append(ObjectMeta(o.key, o.size, layout_of(o.layout).kind if o.layout else "raw",
                                       o.node_ids(), o.created + to_wall, o.last_access + to_wall,
                                       o.lease_until > now, pin, bool(o.holds), o.replicas_wanted,
@@ -777,7 +719,10 @@ class MasterState(RepairMixin, EvictionMixin, ReservationMixin, TierMixin):
         return out
 
     def take_outbox(self) -> dict[str, list]:
-        out, self.outbox = self.outbox, defaultdict(list)
+        """The notices queued so far (node id -> messages); the outbox is empty after (the
+        same dict, which the parts append to)."""
+        out = defaultdict(list, self.outbox)
+        self.outbox.clear()
         return out
 
 

@@ -43,7 +43,8 @@ class StatsSnapshot:
         head = (state.leader_addr, state.cluster, len(state.objects), len(state.pending), s.high_watermark,
                 s.low_watermark)
         extra = {"counters": dict(state.counters), "refused": dict(state.refused),
-                 "repairs_in_flight": len(state.repairs), "reserved_bytes": state.reserved_bytes()}
+                 "repairs_in_flight": len(state.repair.in_flight),
+                 "reserved_bytes": state.reservations.held_bytes()}
         return cls(list(state.objects.values()), nodes, head, extra)
 
     def finish(self, **more) -> ClusterStats:

@@ -1,6 +1,7 @@
 """Tiers in the master state: store nodes' disk tiers under their memory (DESIGN.md §12).
 
-A mixin of :class:`master.state.MasterState`; no I/O (notices go out through the outbox).
+:class:`Tiers` is a part owned by :class:`master.state.MasterState` (its ``tiers``); no I/O
+(notices go out through the outbox).
 A node that publishes a disk tier (``NodeDesc.disk_capacity``) gets a :class:`DiskTier`
 record: capacity, watermarks, bytes used, and LRU lists of its disk-resident objects
 (plain and soft-pinned, as for memory; held and hard-pinned objects stay in the node's
@@ -8,12 +9,12 @@ record: capacity, watermarks, bytes used, and LRU lists of its disk-resident obj
 is a memory extent or a disk file (``ExtentRef.tier``), never both in the index.
 
 **Demotion** (memory → disk). Where the memory watermark would evict a replica on a node
-with a disk tier, it demotes it instead (:meth:`TierMixin._demote_node`): least recently
+with a disk tier, it demotes it instead (:meth:`Tiers.demote`): least recently
 used first (plain, then soft-pinned), unleased, and never a held or hard-pinned object (a
 pin or hold keeps an object where it is, in memory or on disk). The master sends
 :class:`~protocol.messages.NodeDemote` and keeps the memory replica, valid and readable,
 until the node answers that the file is durable; only then does the replica become a
-disk replica and its memory extent freed (:meth:`TierMixin._demote_done`). A demotion is
+disk replica and its memory extent freed (:meth:`Tiers._demote_done`). A demotion is
 given up (the file deleted, the object left in memory) when the object was read meanwhile
 (its last access is later than the demotion's start: it is warm again, and a reader may
 hold a lease on the memory extent), pinned or held since, removed, or replaced. At most
@@ -39,20 +40,30 @@ the memory extent replaces the disk replica; the file is deleted then, or, while
 lease on the object is live (its reader may be reading the file), when the lease lapses.
 
 **Restarts.** A node's extent table lists its disk files as DISK rows; they are indexed
-like memory rows (:meth:`TierMixin.restore_disk_extent`), so a restarted node, or a whole
+like memory rows (:meth:`Tiers.restore_extent`), so a restarted node, or a whole
 cluster, brings back what its disk tiers hold. Keys removed or evicted while the node was
 away (within ``DEPARTED_KEEP_S``) are not brought back, also when the node restarted.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvpool.master.allocator import align_up
+from kvpool.master.frees import free_disk_file
 from kvpool.master.members import DiskTier, Node
 from kvpool.master.objects import COMMITTED, Obj, disk_ref
 from kvpool.master.repair import grant
 from kvpool.protocol.errors import ErrorInfo
 from kvpool.protocol.layout import LayoutSpec
-from kvpool.protocol.messages import DISK, MEMORY, ExtentRef, NodeDemote, NodeDiskFree, NodeFree, NodePromote, TierDone
+from kvpool.protocol.messages import MEMORY, ExtentRef, NodeDemote, NodeFree, NodePromote, TierDone
+
+if TYPE_CHECKING:
+    from kvpool.master.layouts import Layouts
+    from kvpool.master.lru import Lru
+    from kvpool.master.repair import Repair
+    from kvpool.master.settings import MasterSettings
+    from kvpool.master.story import Story
 
 
 DEMOTE_IN_FLIGHT = 32  # demotions in flight per node, at most (the node queues up to 256)
@@ -66,11 +77,28 @@ DISK_READS_MAX = 100_000  # disk-resident keys whose reads are counted (the olde
 _MOVE_ERRORS = ("stale_extent", "checksum_mismatch", "stale_term", "not_leader", "invalid_request")
 
 
-class TierMixin:
-    """Demotion, promotion and the disk tiers' eviction (see the module docstring)."""
+class Tiers:
+    """Demotion, promotion and the disk tiers' eviction (see the module docstring). Given
+    the index ``objects`` (key -> Obj) and ``pending`` (keys being written), the node table
+    ``nodes`` (node id -> Node), the state's ``outbox`` (node id -> notices), ``counters``
+    and ``story``, ``settings()`` (the state's current
+    :class:`~master.settings.MasterSettings`: memory watermarks), ``departed`` (the state's
+    incarnations away: incarnation -> [forget after, keys dropped since]), ``layouts``
+    (shared layout encodings), ``lru`` (the LRU lists; this part counts its
+    :attr:`~master.lru.Lru.disk_nodes`), ``repair`` (queues an object short of replicas),
+    ``drop(obj, reason)`` (forgets an evicted object), ``report_corrupt(key, node_id, gen,
+    incarnation)`` (drops a replica that failed) and ``settle_waiting(obj, now)`` (applies
+    a pin or holds that waited for the object's key)."""
 
-    def _init_tiers(self) -> None:
-        self.disk_nodes = 0  # nodes with a disk tier: 0 keeps every hook off the memory-only path
+    def __init__(self, objects: dict[str, Obj], pending: dict[str, Obj], nodes: dict[str, Node],
+                 outbox: dict[str, list], counters: dict[str, int], story: Story,
+                 settings: Callable[[], MasterSettings], departed: dict[str, list], layouts: Layouts, lru: Lru,
+                 repair: Repair, drop: Callable[[Obj, str], None], report_corrupt: Callable[..., None],
+                 settle_waiting: Callable[[Obj, float], None]) -> None:
+        self.objects, self.pending, self.nodes, self.outbox = objects, pending, nodes, outbox
+        self.counters, self.story, self.settings, self.departed = counters, story, settings, departed
+        self.layouts, self.lru, self.repair = layouts, lru, repair
+        self._drop, self._report_corrupt, self._settle_waiting = drop, report_corrupt, settle_waiting
         # (node id, key) -> (memory replica, started (monotonic), object)
         self.demotions: dict[tuple[str, str], tuple[ExtentRef, float, Obj]] = {}
         # (node id, key) -> (memory extent granted, disk replica, object, started (monotonic))
@@ -80,70 +108,33 @@ class TierMixin:
 
     # ---- membership -----------------------------------------------------------------------
 
-    def _tier_node_up(self, node: Node) -> None:
+    def node_up(self, node: Node) -> None:
+        """``node`` joined: a disk tier record if it publishes one."""
         d = node.desc
         if d.disk_capacity <= 0:
             return
         node.disk = DiskTier(d.disk_capacity, d.disk_high_watermark or 0.95, d.disk_low_watermark or 0.90)
-        self.disk_nodes += 1
+        self.lru.disk_nodes += 1
         old = self._last_inc.pop(d.node_id, None)
         dep = self.departed.get(old) if old is not None else None
         if dep is not None and old != d.incarnation:  # restarted: its files come back, its memory does not
             node.disk.gone = dep[1]
 
-    def _tier_node_down(self, node: Node) -> None:
+    def node_down(self, node: Node) -> None:
+        """``node`` left: its moves in flight are forgotten."""
         nid = node.node_id
         self._last_inc[nid] = node.desc.incarnation
         if node.disk is None:
             return
-        self.disk_nodes -= 1
+        self.lru.disk_nodes -= 1
         for k in [k for k in self.demotions if k[0] == nid]:
             del self.demotions[k]
         for k in [k for k in self.promotions if k[0] == nid]:
             del self.promotions[k]
 
-    # ---- LRU lists across tiers -------------------------------------------------------------
-
-    def _lru_add_tiered(self, obj: Obj) -> None:
-        """:meth:`EvictionMixin._lru_add` with each replica in its own tier's lists."""
-        kind, key = obj.evictable_kind(), obj.key
-        for nid, tier in obj.tiers():
-            node = self.nodes.get(nid)
-            if node is None:
-                continue
-            node.drop_key(key)
-            if kind == "none":
-                node.fixed.add(key)
-                continue
-            d = node.disk
-            home = d if tier == DISK and d is not None else node
-            (home.soft_lru if kind == "soft" else home.lru)[key] = None
-
-    def _lru_remove_tiered(self, obj: Obj) -> None:
-        key = obj.key
-        for nid in obj.node_ids():
-            node = self.nodes.get(nid)
-            if node is None:
-                continue
-            if any(lru.pop(key, 0) is None for lru in node.lru_lists()):  # it was in one of them
-                node.fixed.add(key)
-
-    def _touch_tiered(self, obj: Obj, now: float) -> None:
-        """``MasterState._touch`` with both tiers' LRU lists."""
-        obj.last_access = now
-        key = obj.key
-        for nid in obj.node_ids():
-            node = self.nodes.get(nid)
-            if node is None:
-                continue
-            for lru in node.lru_lists():
-                if key in lru:
-                    lru.move_to_end(key)
-                    break
-
     # ---- demotion ---------------------------------------------------------------------------
 
-    def _demote_node(self, node: Node, target_used: int, now: float) -> int:
+    def demote(self, node: Node, target_used: int, now: float) -> int:
         """Demote (or, where the disk cannot take them, evict) LRU objects on ``node`` until
         its memory used, less the demotions in flight, is at most ``target_used`` bytes.
         Returns the objects demoted or evicted."""
@@ -163,11 +154,11 @@ class TierMixin:
                     continue
                 ref = next((r for r in obj.replicas if r.node_id == nid and r.tier == MEMORY), None)
                 if ref is None:  # not in memory here after all: back to the lists its replicas belong in
-                    self._lru_add(obj)
+                    self.lru.add(obj)
                     continue
                 n += 1
                 if not self._disk_room(node, ref.size, now):
-                    self._drop(obj, reason="watermark")  # the disk cannot take it: evicted as without one
+                    self._drop(obj, "watermark")  # the disk cannot take it: evicted as without one
                     continue
                 node.fixed.add(key)  # out of the LRU lists while it moves (see _demote_done)
                 self.demotions[(nid, key)] = (ref, now, obj)
@@ -198,22 +189,22 @@ class TierMixin:
         """Evict LRU disk objects of ``node`` (plain, then soft-pinned; leased ones skipped)
         until its disk used is at most ``target_used`` bytes; returns how many went."""
         d = node.disk
-        return self._evict_lrus((d.lru, d.soft_lru), lambda: d.used <= target_used, now, "disk")
+        return self.lru.evict((d.lru, d.soft_lru), lambda: d.used <= target_used, now, "disk")
 
-    def tier_done(self, node_id: str, done: TierDone, error: ErrorInfo | None, now: float) -> None:
-        """A store node answered a demotion or promotion (``error``: it failed)."""
-        self._now = now
-        if done.op == "demote":
-            self._demote_done(node_id, done, error, now)
-        elif done.op == "promote":
-            self._promote_done(node_id, done, error, now)
+    def done(self, node_id: str, answer: TierDone, error: ErrorInfo | None, now: float) -> None:
+        """A store node answered a demotion or promotion (``error``: it failed) at ``now``
+        (monotonic seconds)."""
+        if answer.op == "demote":
+            self._demote_done(node_id, answer, error, now)
+        elif answer.op == "promote":
+            self._promote_done(node_id, answer, error, now)
 
     def _demote_done(self, node_id: str, done: TierDone, error: ErrorInfo | None, now: float) -> None:
         node = self.nodes.get(node_id)
         job = self.demotions.get((node_id, done.key))
         if job is None or job[0].gen != done.gen or node is None:  # not ours (any more): its file is not wanted
             if error is None and node is not None and node.disk is not None and done.disk_id:
-                self._disk_free(node_id, done.disk_id)
+                free_disk_file(self.outbox, node_id, done.disk_id)
             return
         del self.demotions[(node_id, done.key)]
         ref, t0, obj = job
@@ -226,15 +217,15 @@ class TierMixin:
             if error.code not in _MOVE_ERRORS:  # the disk's fault (I/O, full, overloaded): evict meanwhile
                 d.paused_until = now + TIER_RETRY_S
             if current:
-                self._lru_add(obj)
+                self.lru.add(obj)
             return
         if not current or obj.last_access > t0 or obj.lease_until > now or obj.evictable_kind() == "none":
-            self._disk_free(node_id, done.disk_id)  # warm again, pinned, held, removed or replaced
+            free_disk_file(self.outbox, node_id, done.disk_id)  # warm again, pinned, held, removed or replaced
             self.counters["demotions_aborted"] += 1
             if current:
-                self._lru_add(obj)
+                self.lru.add(obj)
             return
-        self._lru_remove(obj)
+        self.lru.remove(obj)
         obj.replicas = [disk_ref(node.desc, obj.size, done.disk_id) if r == ref else r for r in obj.replicas]
         node.alloc.free(ref.offset, ref.size)
         self.outbox[node_id].append(NodeFree([(ref.offset, ref.gen)]))
@@ -245,15 +236,15 @@ class TierMixin:
         self.counters["demoted_bytes"] += obj.size
         self.story.add(obj.key, "demoted to disk", node_id)
         self._disk_reads.pop(obj.key, None)
-        self._lru_add(obj)
+        self.lru.add(obj)
         if d.used > d.high * d.capacity:
             self._evict_disk(node, int(d.low * d.capacity), now)
-        if node.usage() > self.s.high_watermark:  # room for the next demotions in flight
-            self._demote_node(node, int(self.s.low_watermark * node.alloc.capacity), now)
+        if node.usage() > self.settings().high_watermark:  # room for the next demotions in flight
+            self.demote(node, int(self.settings().low_watermark * node.alloc.capacity), now)
 
     # ---- promotion ---------------------------------------------------------------------------
 
-    def _disk_access(self, obj: Obj, refs: list[ExtentRef], now: float) -> None:
+    def read(self, obj: Obj, refs: list[ExtentRef], now: float) -> None:
         """A read of ``obj`` (``refs``: its replicas): count it when every replica is on disk,
         and promote the object at its PROMOTE_AFTER-th such read."""
         if not refs or not all(r.tier for r in refs):
@@ -276,9 +267,9 @@ class TierMixin:
             node = self.nodes.get(ref.node_id)
             if (node is None or node.disk is None or node.draining or node.desc.incarnation != ref.incarnation
                     or (ref.node_id, key) in self.promotions or node.disk.promoting >= PROMOTE_IN_FLIGHT
-                    or node.alloc.used + need > self.s.high_watermark * node.alloc.capacity):
+                    or node.alloc.used + need > self.settings().high_watermark * node.alloc.capacity):
                 continue
-            self._release_quarantine(node, now)
+            node.release_quarantine(now)
             off = node.alloc.alloc(size)
             if off is None:
                 continue
@@ -305,9 +296,9 @@ class TierMixin:
             if error is not None:
                 self.counters["promotions_failed"] += 1
                 if error.code == "stale_extent" and current:  # the file is gone or damaged: so is the replica
-                    self.report_corrupt(obj.key, node_id, dref.gen, dref.incarnation)
+                    self._report_corrupt(obj.key, node_id, dref.gen, dref.incarnation)
             return
-        self._lru_remove(obj)
+        self.lru.remove(obj)
         mem = ExtentRef(dst.node_id, dst.incarnation, dst.data_addr, dst.shm_path, dst.host_id, dst.offset,
                         dst.size, dst.gen, b"", dst.ucx_addr)
         obj.replicas = [mem if r == dref else r for r in obj.replicas]
@@ -316,34 +307,18 @@ class TierMixin:
             d.retire.append((obj.lease_until, dref.gen, dref.size))
         else:
             d.used -= dref.size
-            self._disk_free(node_id, dref.gen)
+            free_disk_file(self.outbox, node_id, dref.gen)
         d.promotions += 1
         d.promotion_s += done.seconds
         self.counters["promotions"] += 1
         self.counters["promoted_bytes"] += obj.size
         self.story.add(obj.key, "promoted to memory", node_id)
-        self._lru_add(obj)
+        self.lru.add(obj)
 
-    # ---- frees, restore, periodic ---------------------------------------------------------
+    # ---- restore, periodic ------------------------------------------------------------------
 
-    def _disk_free(self, node_id: str, disk_id: int) -> None:
-        """Send the node a delete of its file ``disk_id`` (consecutive ones in one notice)."""
-        box = self.outbox[node_id]
-        if box and type(box[-1]) is NodeDiskFree:
-            box[-1].ids.append(disk_id)
-        else:
-            box.append(NodeDiskFree([disk_id]))
-
-    def _free_disk_extent(self, r: ExtentRef) -> None:
-        """A disk replica is dropped: its bytes leave the tier's count, its file goes."""
-        node = self.nodes.get(r.node_id)
-        if node is None or node.disk is None or node.desc.incarnation != r.incarnation:
-            return
-        node.disk.used -= r.size
-        self._disk_free(r.node_id, r.gen)
-
-    def restore_disk_extent(self, node_id: str, key: str, size: int, disk_id: int, checksum: int,
-                            layout: bytes | LayoutSpec | None, now: float, replicas: int = 0) -> None:
+    def restore_extent(self, node_id: str, key: str, size: int, disk_id: int, checksum: int,
+                       layout: bytes | LayoutSpec | None, now: float, replicas: int = 0) -> None:
         """A node's extent table lists file ``disk_id`` (a DISK row): index it as a disk
         replica (a restart, or a failover rebuild), unless its key is being written again,
         was removed or evicted while the node was away, already has a replica on this node,
@@ -353,29 +328,29 @@ class TierMixin:
         if d is None:
             return  # a node that publishes no disk tier: nothing to index (its files stay)
         if (key in self.pending or node.gone is None or key in node.gone or d.gone is None or key in d.gone):
-            self._disk_free(node_id, disk_id)
+            free_disk_file(self.outbox, node_id, disk_id)
             return
         ref = disk_ref(node.desc, size, disk_id)
         obj = self.objects.get(key)
         if obj is None:
-            obj = Obj.new(key, size, checksum, self._intern(layout), [ref], COMMITTED, 0, now, now,
-                          replicas_wanted=replicas or self.s.replicas)
+            obj = Obj.new(key, size, checksum, self.layouts.intern(layout), [ref], COMMITTED, 0, now, now,
+                          replicas_wanted=replicas or self.settings().replicas)
             self.objects[key] = obj
         elif (obj.checksum == checksum and obj.size == size and node_id not in obj.node_ids()
               and len(obj.replicas) < max(obj.replicas_wanted, replicas)):
             obj.replicas = [*obj.replicas, ref]
             obj.replicas_wanted = max(obj.replicas_wanted, replicas)
         else:
-            self._disk_free(node_id, disk_id)
+            free_disk_file(self.outbox, node_id, disk_id)
             return
         d.used += size
         node.fixed.add(key)
-        self._lru_add(obj)
+        self.lru.add(obj)
         self._settle_waiting(obj, now)
         if len(obj.replicas) < obj.replicas_wanted:
-            self._maybe_repair(obj)
+            self.repair.maybe_queue(obj)
 
-    def _tier_tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:
         """Count moves unanswered for TIER_TIMEOUT_S as failed; delete promoted files whose
         readers' leases lapsed; keep disk tiers under their high watermarks."""
         late = ErrorInfo("timeout", f"no answer within {TIER_TIMEOUT_S:g}s")
@@ -394,7 +369,7 @@ class TierMixin:
                 for until, disk_id, size in d.retire:
                     if until <= now:
                         d.used -= size
-                        self._disk_free(node.node_id, disk_id)
+                        free_disk_file(self.outbox, node.node_id, disk_id)
                     else:
                         keep.append((until, disk_id, size))
                 d.retire = keep

@@ -106,8 +106,8 @@ def test_node_key_lists_stay_exact_through_random_operations():
             st.node_up(NodeDesc("n2", f"inc2-{step}", "tcp://127.0.0.1:1002", "", "", "h2", 2 * MiB), now)
         else:
             st.tick(now)
-            for key in list(st.repairs):
-                st.repair_done(key, ok=rnd.random() < 0.8)
+            for key in list(st.repair.in_flight):
+                st.repair.done(key, ok=rnd.random() < 0.8)
         st.take_outbox()
         if step % 50 == 0:
             check_node_keys(st)

@@ -33,8 +33,8 @@ def copies(st):
 def finish(st, now):
     """Complete every copy in flight (as the store nodes would), at ``now``."""
     st._now = now
-    for key in list(st.repairs):
-        st.repair_done(key, True)
+    for key in list(st.repair.in_flight):
+        st.repair.done(key, True)
 
 
 def test_placement_spreads_by_room_and_keeps_the_writers_host_first():
@@ -76,7 +76,7 @@ def test_every_short_object_is_repaired_at_a_bounded_rate_held_and_pinned_first(
     while st.stats().under_replicated:
         now += 0.25
         st.tick(now)
-        assert len(st.repairs) <= 4  # in flight
+        assert len(st.repair.in_flight) <= 4  # in flight
         started += len(copies(st))
         assert started <= 10 + 10 * (now - 1.0)  # per second, after one second's burst
         finish(st, now)
@@ -108,14 +108,14 @@ def test_a_failed_copy_is_retried_later_and_plain_copies_never_pass_the_high_wat
     st.node_down(sorted(src)[1], 1.0)
     st.tick(1.0)
     (c,) = copies(st)
-    st.repair_done("a", False)
+    st.repair.done("a", False)
     assert st.counters["repairs_failed"] == 1
     st.tick(1.5)
     assert copies(st) == []  # parked ...
     st.tick(1.0 + REPAIR_RETRY_S)
     (c,) = copies(st)  # ... and tried again
     assert c.dst.node_id == spare
-    st.repair_done("a", False)
+    st.repair.done("a", False)
     st.nodes[spare].alloc.alloc(58 * MiB)  # 58 + 1 MiB of 64: past the 0.90 high watermark
     st.tick(1.0 + 3 * REPAIR_RETRY_S)
     assert copies(st) == [] and st.stats().under_replicated == 1
@@ -143,17 +143,17 @@ def test_a_long_backlog_is_looked_at_a_bounded_amount_per_tick():
         put(st, f"k{i}", 4096)
     st.node_down("n1", 1.0)  # nowhere to copy to
     st.tick(1.1)
-    assert len(st._repair_back) >= 2000 - 2 * 256 and st.repairs == {}
+    assert len(st.repair._back) >= 2000 - 2 * 256 and st.repair.in_flight == {}
     now = 1.1
-    while st._repair_back:
+    while st.repair._back:
         now += 0.25
         st.tick(now)
-    assert len(st._repair_no_node) == 2000
+    assert len(st.repair._no_node) == 2000
     st.tick(now + 2 * REPAIR_RETRY_S)  # waiting for a node, not for time
-    assert not st._repair_back and st.repairs == {}
+    assert not st.repair._back and st.repair.in_flight == {}
     st.node_up(desc(2), now + 11)
     st.tick(now + 11)
-    assert len(st.repairs) == 256  # at most REPAIR_SCAN looked at per pump
+    assert len(st.repair.in_flight) == 256  # at most REPAIR_SCAN looked at per pump
 
 
 def test_a_copy_that_lands_after_the_node_came_back_with_its_own_is_freed():
@@ -166,7 +166,7 @@ def test_a_copy_that_lands_after_the_node_came_back_with_its_own_is_freed():
     st.node_up(desc(int(away.node_id[1:])), 1.5)
     st.restore_extent(away.node_id, "a", away.offset, away.size, away.gen, 1, None, 1.5, replicas=2)
     st.take_outbox()
-    st.repair_done("a", True)
+    st.repair.done("a", True)
     assert sorted(r.node_id for r in st.objects["a"].replicas) == sorted(
         {"n0", "n1", "n2"} - {c.dst.node_id})
     assert NodeFree([(c.dst.offset, c.dst.gen)]) in st.take_outbox()[c.dst.node_id]
@@ -183,7 +183,7 @@ def test_copies_of_a_node_that_leaves_are_cancelled_and_queued_again_at_once():
     st.node_down(c.dst.node_id, 1.1)  # the receiving node goes too: its copy will never finish
     (c2,) = copies(st)  # queued again at once, not after the 30 s repair timeout
     assert c2.dst.node_id not in (c.dst.node_id, holders[0]) and st.counters["repairs_cancelled"] == 1
-    st.repair_done("a", True)
+    st.repair.done("a", True)
     assert len(st.objects["a"].replicas) == 2
 
 

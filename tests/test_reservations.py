@@ -27,66 +27,66 @@ def make(nodes=2, cap=10 * MiB, **kw):
 
 def test_reserve_places_keyless_grants_and_commit_indexes_the_object():
     st = make()
-    got = st.reserve(MiB, 3, "h0", 0, now=0.0)
+    got = st.reservations.reserve(MiB, 3, "h0", 0, now=0.0)
     assert len(got.reservations) == 3 and got.ttl_s == st.s.put_timeout_s and got.error is None
     r = got.reservations[0].replicas[0]
     assert r.host_id == "h0"  # the writer's host first, as for a put
     assert check_token(KEYS[r.node_id], r.incarnation, r.offset, r.size, r.gen, "", r.token)  # names no key
     assert st.nodes["n0"].alloc.used == 3 * MiB  # reserved bytes are used memory
-    res, toks = st.put_reserved([ReservedPut("a", got.reservations[0].res_id, MiB, 77)], 0.1)
+    res, toks = st.reservations.put([ReservedPut("a", got.reservations[0].res_id, MiB, 77)], 0.1)
     assert res == [None] and len(toks[0]) == 1
     assert check_token(KEYS[r.node_id], r.incarnation, r.offset, r.size, r.gen, "a", toks[0][0])  # keyed now
     info = st.lookup(["a"], True, 0.2)[0]
     assert info.checksum == 77 and info.replicas[0].offset == r.offset
     out = st.take_outbox()
     assert any(isinstance(m, NodeCommit) and m.rows[0].key == "a" for m in out["n0"])
-    assert len(st.reserved) == 2 and st.counters["puts_reserved"] == 1
+    assert len(st.reservations.held) == 2 and st.counters["puts_reserved"] == 1
 
 
 def test_commit_repeat_is_idempotent_and_an_unknown_reservation_is_revoked():
     st = make()
-    rid = st.reserve(MiB, 1, "h0", 0, 0.0).reservations[0].res_id
-    first = st.put_reserved([ReservedPut("a", rid, MiB, 5)], 0.1)
+    rid = st.reservations.reserve(MiB, 1, "h0", 0, 0.0).reservations[0].res_id
+    first = st.reservations.put([ReservedPut("a", rid, MiB, 5)], 0.1)
     assert first[0] == [None]
-    assert st.put_reserved([ReservedPut("a", rid, MiB, 5)], 0.2) == first  # the reply was lost: same answer
-    res, toks = st.put_reserved([ReservedPut("b", rid, MiB, 5), ReservedPut("c", 12345, MiB, 5)], 0.3)
+    assert st.reservations.put([ReservedPut("a", rid, MiB, 5)], 0.2) == first  # the reply was lost: same answer
+    res, toks = st.reservations.put([ReservedPut("b", rid, MiB, 5), ReservedPut("c", 12345, MiB, 5)], 0.3)
     assert [e.code for e in res] == ["put_revoked", "put_revoked"] and toks == [[], []]
 
 
 def test_existing_key_keeps_the_reservation_and_a_wrong_size_is_refused():
     st = make()
-    rid = st.reserve(MiB, 1, "h0", 0, 0.0).reservations[0].res_id
+    rid = st.reservations.reserve(MiB, 1, "h0", 0, 0.0).reservations[0].res_id
     g = st.put_start([PutItem("a", MiB, 1)], "h0", 0, 0.0)[0]
-    assert st.put_reserved([ReservedPut("a", rid, MiB, 5)], 0.1)[0] == ["in_flight"]
+    assert st.reservations.put([ReservedPut("a", rid, MiB, 5)], 0.1)[0] == ["in_flight"]
     st.put_end(["a"], [g.put_id], 0.1)
-    assert st.put_reserved([ReservedPut("a", rid, MiB, 5)], 0.2)[0] == ["exists"]
-    res = st.put_reserved([ReservedPut("b", rid, MiB - 1, 5)], 0.3)[0]
+    assert st.reservations.put([ReservedPut("a", rid, MiB, 5)], 0.2)[0] == ["exists"]
+    res = st.reservations.put([ReservedPut("b", rid, MiB - 1, 5)], 0.3)[0]
     assert res[0].code == "invalid_request"
-    assert rid in st.reserved  # still the writer's: the next object goes there
-    assert st.put_reserved([ReservedPut("b", rid, MiB, 5)], 0.4)[0] == [None]
+    assert rid in st.reservations.held  # still the writer's: the next object goes there
+    assert st.reservations.put([ReservedPut("b", rid, MiB, 5)], 0.4)[0] == [None]
 
 
 def test_expired_or_given_back_reservations_are_freed_after_quarantine():
     st = make(nodes=1, put_timeout_s=1.0, quarantine_s=2.0)
-    got = st.reserve(MiB, 2, "h0", 0, 0.0)
+    got = st.reservations.reserve(MiB, 2, "h0", 0, 0.0)
     a, b = (r.res_id for r in got.reservations)
-    st.release_reservations([a, 999], 0.5)  # an unknown id is ignored
+    st.reservations.release([a, 999], 0.5)  # an unknown id is ignored
     st.tick(1.5)  # b expired
-    assert not st.reserved
+    assert not st.reservations.held
     frees = [m for m in st.take_outbox()["n0"] if isinstance(m, NodeFree)]
     assert len(frees) == 2  # the node raises the floor: a late write of either is refused
     assert st.nodes["n0"].alloc.used == 2 * MiB  # quarantined: its writer may still be copying
     st.tick(4.0)
     assert st.nodes["n0"].alloc.used == 0
-    assert st.put_reserved([ReservedPut("x", b, MiB, 1)], 4.0)[0][0].code == "put_revoked"
+    assert st.reservations.put([ReservedPut("x", b, MiB, 1)], 4.0)[0][0].code == "put_revoked"
 
 
 def test_node_death_drops_its_reservations():
     st = make(nodes=2)
-    got = st.reserve(MiB, 4, "h0", 2, 0.0)
+    got = st.reservations.reserve(MiB, 4, "h0", 2, 0.0)
     assert all(len(r.replicas) == 2 for r in got.reservations)
     st.node_down("n1", 1.0)
-    assert not st.reserved
+    assert not st.reservations.held
     assert st.nodes["n0"].alloc.used == 4 * MiB  # the surviving replicas' extents: quarantined, then free
     st.tick(100.0)
     assert st.nodes["n0"].alloc.used == 0
@@ -97,38 +97,38 @@ def test_reservations_ahead_take_only_free_memory_under_the_high_watermark():
     for i in range(7):
         put_id = st.put_start([PutItem(f"d{i}", MiB, 1)], "h0", 0, 0.0)[0].put_id
         st.put_end([f"d{i}"], [put_id], 0.0)
-    got = st.reserve(MiB, 0, "h0", 0, 0.0, ahead=5)
+    got = st.reservations.reserve(MiB, 0, "h0", 0, 0.0, ahead=5)
     assert len(got.reservations) == 1 and len(st.objects) == 7  # 8 MiB = the watermark; nothing evicted
-    got = st.reserve(MiB, 2, "h0", 0, 0.0, ahead=3)
+    got = st.reservations.reserve(MiB, 2, "h0", 0, 0.0, ahead=3)
     assert len(got.reservations) == 2  # needed now: placed as a put (may evict); none ahead past the mark
     st = make(nodes=1, cap=32 * MiB)
-    assert len(st.reserve(MiB, 0, "h0", 0, 0.0, ahead=5).reservations) == 2  # 1/16 of the segment
+    assert len(st.reservations.reserve(MiB, 0, "h0", 0, 0.0, ahead=5).reservations) == 2  # 1/16 of the segment
     assert st.stats().nodes[0].reserved == 2 * MiB == st.stats().reserved_bytes
 
 
 def test_reserve_bounds_and_partial_grants():
     st = make(nodes=1, cap=4 * MiB)
     with pytest.raises(E.InvalidRequest):
-        st.reserve(0, 1, "h0", 0, 0.0)
+        st.reservations.reserve(0, 1, "h0", 0, 0.0)
     with pytest.raises(E.InvalidRequest):
-        st.reserve(1, MAX_PER_CALL + 1, "h0", 0, 0.0)
+        st.reservations.reserve(1, MAX_PER_CALL + 1, "h0", 0, 0.0)
     with pytest.raises(E.InvalidRequest):
-        st.reserve(64 * MiB, 32, "h0", 0, 0.0)  # over the bytes one call may ask for
-    got = st.reserve(MiB, 10, "h0", 0, 0.0)
+        st.reservations.reserve(64 * MiB, 32, "h0", 0, 0.0)  # over the bytes one call may ask for
+    got = st.reservations.reserve(MiB, 10, "h0", 0, 0.0)
     assert len(got.reservations) == 4  # what fits; the writer puts the rest the long way
-    none = st.reserve(MiB, 1, "h0", 0, 0.0)
+    none = st.reservations.reserve(MiB, 1, "h0", 0, 0.0)
     assert none.reservations == [] and none.error.code == "no_space"
-    assert st.reserve(8 * MiB, 1, "h0", 0, 0.0).error.code == "object_too_large"
+    assert st.reservations.reserve(8 * MiB, 1, "h0", 0, 0.0).error.code == "object_too_large"
 
 
 def test_max_objects_bound_applies_to_reserved_puts():
     st = make(nodes=1, max_objects=1)
-    rids = [r.res_id for r in st.reserve(MiB, 2, "h0", 0, 0.0).reservations]
-    assert st.put_reserved([ReservedPut("a", rids[0], MiB, 1)], 0.0)[0] == [None]
+    rids = [r.res_id for r in st.reservations.reserve(MiB, 2, "h0", 0, 0.0).reservations]
+    assert st.reservations.put([ReservedPut("a", rids[0], MiB, 1)], 0.0)[0] == [None]
     st.lookup(["a"], True, 0.0)  # leased: cannot be evicted
-    res = st.put_reserved([ReservedPut("b", rids[1], MiB, 1)], 0.1)[0]
-    assert isinstance(res[0], ErrorInfo) and res[0].code == "no_space" and rids[1] in st.reserved
-    assert st.put_reserved([ReservedPut("b", rids[1], MiB, 1)], 10.0)[0] == [None]  # lease over: a is evicted
+    res = st.reservations.put([ReservedPut("b", rids[1], MiB, 1)], 0.1)[0]
+    assert isinstance(res[0], ErrorInfo) and res[0].code == "no_space" and rids[1] in st.reservations.held
+    assert st.reservations.put([ReservedPut("b", rids[1], MiB, 1)], 10.0)[0] == [None]  # lease over: a is evicted
     assert "a" not in st.objects
 
 
@@ -171,13 +171,13 @@ def test_reservations_ahead_spread_over_the_writers_nodes_in_turn():
     for i in range(2):  # both on the writer's host
         st.node_up(NodeDesc(f"n{i}", f"inc{i}", f"tcp://127.0.0.1:{1000 + i}", "", "", "h0", 64 * MiB,
                             grant_key=KEYS[f"n{i}"]), 0.0)
-    got = st.reserve(64 << 10, 0, "h0", 0, 0.0, ahead=8)
+    got = st.reservations.reserve(64 << 10, 0, "h0", 0, 0.0, ahead=8)
     nodes = [r.replicas[0].node_id for r in got.reservations]
     assert len(nodes) == 8 and all(a != b for a, b in zip(nodes, nodes[1:]))  # consecutive puts alternate
     offs = sorted(r.replicas[0].offset for r in got.reservations if r.replicas[0].node_id == "n0")
     assert offs == [offs[0] + i * (64 << 10) for i in range(4)]  # one range per node, cut into extents
     for r in got.reservations:  # each extent is freed on its own
-        st.release_reservations([r.res_id], 0.0)
+        st.reservations.release([r.res_id], 0.0)
     st.tick(100.0)
     assert all(n.alloc.used == 0 and n.reserved == 0 for n in st.nodes.values())
 
@@ -191,7 +191,7 @@ def test_reservations_ahead_follow_each_nodes_room_not_an_even_split():
                             grant_key=KEYS[f"n{i}"]), 0.0)
     for i in (0, 1):
         assert st.nodes[f"n{i}"].alloc.alloc(32 * MiB) is not None  # half full
-    got = st.reserve(64 << 10, 0, "h0", 0, 0.0, ahead=60)
+    got = st.reservations.reserve(64 << 10, 0, "h0", 0, 0.0, ahead=60)
     per = [r.replicas[0].node_id for r in got.reservations]
     share = {n: per.count(n) for n in ("n0", "n1", "n2")}
     assert len(per) == 60 and share["n0"] + share["n1"] + share["n2"] == 60

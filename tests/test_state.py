@@ -100,7 +100,7 @@ def test_pins():
     put(st, "soft")
     st.pin("hard", None, 0.0)
     st.pin("soft", 100.0, 0.0)
-    rep = st.evict(EvictSelector(all=True), dry_run=False, force=False, now=1.0)
+    rep = st.eviction.admin(EvictSelector(all=True), dry_run=False, force=False, now=1.0)
     assert rep.removed == 0 and rep.skipped_pinned == 2
     # soft pins go last under pressure: fill until only soft-pinned can go
     for i in range(8):
@@ -117,14 +117,14 @@ def test_admin_evict_selectors_and_dry_run():
     st = make()
     put(st, "ns/llama/0:f/aa", now=0.0)
     put(st, "ns/qwen/0:f/bb", now=100.0)
-    rep = st.evict(EvictSelector(model="llama"), True, False, 101.0)
+    rep = st.eviction.admin(EvictSelector(model="llama"), True, False, 101.0)
     assert rep.removed == 1 and rep.dry_run and "ns/llama/0:f/aa" in st.objects
-    rep = st.evict(EvictSelector(older_than_s=50.0), False, False, 101.0)
+    rep = st.eviction.admin(EvictSelector(older_than_s=50.0), False, False, 101.0)
     assert rep.keys == ["ns/llama/0:f/aa"] and "ns/llama/0:f/aa" not in st.objects
     with pytest.raises(E.InvalidRequest, match="exactly one"):
-        st.evict(EvictSelector(prefix="a", all=True), False, False, 0.0)
+        st.eviction.admin(EvictSelector(prefix="a", all=True), False, False, 0.0)
     with pytest.raises(E.InvalidRequest, match="no such live node"):
-        st.evict(EvictSelector(node="zz"), False, False, 0.0)
+        st.eviction.admin(EvictSelector(node="zz"), False, False, 0.0)
 
 
 def test_stuck_writer_is_revoked_and_key_retaken():
@@ -167,17 +167,17 @@ def test_handoff_hold_ack_release_expire_and_repair():
     st.handoff_publish(rec, 0.0)
     assert st.handoff_publish(rec, 0.0) == rec  # idempotent
     assert st.stats().held_bytes == 4 * MiB
-    rep = st.evict(EvictSelector(all=True), False, False, 1.0)
+    rep = st.eviction.admin(EvictSelector(all=True), False, False, 1.0)
     assert rep.skipped_held == 2 and rep.removed == 0
     # a node holding a held replica dies: repair is queued to restore 2 replicas
     victim = st.objects["b0"].replicas[0].node_id
     st.take_outbox()
     st.node_down(victim, 2.0)
-    st.repair_all()
+    st.repair.pump()
     copies = [m for msgs in st.take_outbox().values() for m in msgs if isinstance(m, NodeCopy)]
     assert {c.key for c in copies} == {"b0", "b1"} or {c.key for c in copies} <= {"b0", "b1"}
     for c in copies:
-        st.repair_done(c.key, True)
+        st.repair.done(c.key, True)
         assert len(st.objects[c.key].replicas) == 2
     assert st.handoff_claim("r1", 3.0) == rec
     assert st.handoff_finish("r1", "acked") and not st.handoff_finish("r1", "acked")
@@ -248,14 +248,14 @@ def test_drain_moves_pinned_objects_off():
     put(st, "plain", host="h0")
     st.pin("pinned", None, 0.0)
     st.take_outbox()
-    st.drain("n0")
+    st.repair.drain("n0")
     copies = [m for m in st.take_outbox()["n0"] if isinstance(m, NodeCopy)]
     assert [c.key for c in copies] == ["pinned"] and copies[0].dst.node_id == "n1"
-    st.repair_done("pinned", True)
+    st.repair.done("pinned", True)
     assert [r.node_id for r in st.objects["pinned"].replicas] == ["n1"]
     assert st.put_start([PutItem("new", MiB, 1)], "h0", 0, 1.0)[0].replicas[0].node_id == "n1"
     with pytest.raises(E.InvalidRequest):
-        st.drain("zz")
+        st.repair.drain("zz")
 
 
 def test_bad_replicas_ttls_and_selectors_are_refused():
@@ -271,7 +271,7 @@ def test_bad_replicas_ttls_and_selectors_are_refused():
     with pytest.raises(E.InvalidRequest, match="finite"):
         st.pin("a", float("nan"), 0.0)
     with pytest.raises(E.InvalidRequest, match="--all"):
-        st.evict(EvictSelector(prefix=""), False, False, 0.0)
+        st.eviction.admin(EvictSelector(prefix=""), False, False, 0.0)
     with pytest.raises(E.InvalidRequest, match="limit"):
         st.list_objects("", 0, 0.0)
 
@@ -319,11 +319,11 @@ def test_stuck_repair_times_out_and_frees_its_extent():
     put(st, "p", replicas=1, host="h0")
     st.objects["p"].replicas_wanted = 2
     st.pin("p", None, 0.0)
-    assert "p" in st.repairs
-    dst = st.repairs["p"][0]
+    assert "p" in st.repair.in_flight
+    dst = st.repair.in_flight["p"][0]
     used = st.nodes[dst.node_id].alloc.used
     st.tick(31.0)
-    assert "p" not in st.repairs and st.nodes[dst.node_id].alloc.used == used - MiB
+    assert "p" not in st.repair.in_flight and st.nodes[dst.node_id].alloc.used == used - MiB
     assert st.counters["repairs_timed_out"] == 1
 
 
@@ -394,7 +394,7 @@ def test_pins_restore_from_records_and_report_dropped_pinned_keys():
     assert st.restore_pin(PinRecord("gone", 0.0, MiB, 1), 10.0) is False  # the soft pin has no time left
     assert st.list_objects("", 10, 10.0) and {m.key: m.pin for m in st.list_objects("", 10, 10.0)} == {
         "hard": "hard", "soft": "soft", "gone": ""}
-    assert st.evict(EvictSelector(all=True), False, False, 20.0).skipped_pinned == 2
+    assert st.eviction.admin(EvictSelector(all=True), False, False, 20.0).skipped_pinned == 2
     assert st.take_unpinned() == []
     st.remove(["hard"], True, 20.0)  # a forced remove of a pinned object: its record must go
     assert st.take_unpinned() == ["hard"] and st.take_unpinned() == []

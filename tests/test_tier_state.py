@@ -37,7 +37,7 @@ def sent(st, typ, node="n0"):
 def answer_demotions(st, now, node="n0", error=None, first_id=1):
     """Answer every demotion in flight on ``node`` as the node would; returns the disk ids given."""
     ids = []
-    for i, ((nid, key), (ref, _, _)) in enumerate([j for j in st.demotions.items() if j[0][0] == node]):
+    for i, ((nid, key), (ref, _, _)) in enumerate([j for j in st.tiers.demotions.items() if j[0][0] == node]):
         ids.append(first_id + i)
         st.tier_done(node, TierDone("demote", key, ref.gen, first_id + i, 0.01), error, now)
     st.take_outbox()
@@ -71,7 +71,7 @@ def test_watermark_demotes_instead_of_evicting_and_keeps_the_replica_until_confi
     for i in range(10):
         put(st2, f"k{i}", now=float(i))
     st2.take_outbox()
-    st2.tier_done("n0", TierDone("demote", "k0", st2.demotions[("n0", "k0")][0].gen, 5, 0.0), None, 20.0)
+    st2.tier_done("n0", TierDone("demote", "k0", st2.tiers.demotions[("n0", "k0")][0].gen, 5, 0.0), None, 20.0)
     out = st2.take_outbox()["n0"]
     assert any(isinstance(m, NodeFree) for m in out)
 
@@ -82,15 +82,15 @@ def test_a_demotion_of_an_object_read_leased_or_pinned_meanwhile_is_given_up():
         put(st, f"k{i}", now=float(i))
     st.take_outbox()
     st.pin("k1", None, 10.0)  # hard pin while in flight: it stays in memory
-    gen0 = st.demotions[("n0", "k0")][0].gen
-    gen1 = st.demotions[("n0", "k1")][0].gen
+    gen0 = st.tiers.demotions[("n0", "k0")][0].gen
+    gen1 = st.tiers.demotions[("n0", "k1")][0].gen
     st.tier_done("n0", TierDone("demote", "k1", gen1, 3, 0.0), None, 11.0)
     assert tiers(st, "k1") == [("n0", MEMORY)]
     assert [m.ids for m in sent(st, NodeDiskFree)] == [[3]]
     st.take_outbox()
     # an answer that names another extent generation is not this demotion: its file goes
     st.tier_done("n0", TierDone("demote", "k0", gen0 + 99, 4, 0.0), None, 11.0)
-    assert [m.ids for m in sent(st, NodeDiskFree)] == [[4]] and ("n0", "k0") in st.demotions
+    assert [m.ids for m in sent(st, NodeDiskFree)] == [[4]] and ("n0", "k0") in st.tiers.demotions
 
 
 def test_a_failed_demotion_leaves_memory_as_it_was_and_falls_back_to_eviction():
@@ -173,8 +173,8 @@ def test_a_failed_promotion_frees_its_extent_and_a_missing_file_drops_the_replic
 
 def test_restore_indexes_disk_rows_once_per_node_and_skips_keys_removed_while_away():
     st = make(nodes=1)
-    st.restore_disk_extent("n0", "a", MiB, 5, 7, None, 1.0, 1)
-    st.restore_disk_extent("n0", "a", MiB, 6, 7, None, 1.0, 2)  # a second copy on the same node: freed
+    st.tiers.restore_extent("n0", "a", MiB, 5, 7, None, 1.0, 1)
+    st.tiers.restore_extent("n0", "a", MiB, 6, 7, None, 1.0, 2)  # a second copy on the same node: freed
     assert tiers(st, "a") == [("n0", DISK)] and st.nodes["n0"].disk.used == MiB
     assert [m.ids for m in sent(st, NodeDiskFree)] == [[6]]
     st.take_outbox()
@@ -185,8 +185,8 @@ def test_restore_indexes_disk_rows_once_per_node_and_skips_keys_removed_while_aw
     put(st, "a", now=3.0)
     assert st.remove(["a"], False, 4.0) == [None]
     st.node_up(desc(0, inc="inc0-new"), 5.0)
-    st.restore_disk_extent("n0", "a", MiB, 5, 7, None, 5.0, 1)
-    st.restore_disk_extent("n0", "b", MiB, 9, 8, None, 5.0, 1)
+    st.tiers.restore_extent("n0", "a", MiB, 5, 7, None, 5.0, 1)
+    st.tiers.restore_extent("n0", "b", MiB, 9, 8, None, 5.0, 1)
     assert "a" not in st.objects and tiers(st, "b") == [("n0", DISK)]
     assert [m.ids for m in sent(st, NodeDiskFree)] == [[5]]
 
@@ -199,22 +199,22 @@ def test_node_death_with_moves_in_flight_and_disk_objects_in_stats_and_ls():
     answer_demotions(st, 10.0)
     put(st, "k10", now=11.0)
     put(st, "k11", now=11.0)
-    assert st.demotions
+    assert st.tiers.demotions
     s = st.stats()
     n = s.nodes[0]
     assert (n.disk_objects, n.objects, n.demotions, s.disk_objects) == (2, 10, 2, 2)
-    assert n.disk_used == 2 * MiB and n.tier_moves == len(st.demotions)
+    assert n.disk_used == 2 * MiB and n.tier_moves == len(st.tiers.demotions)
     rows = {r.key: r for r in st.list_objects("", 100, 12.0)}
     assert rows["k0"].tiers == ["disk"] and rows["k10"].tiers == ["memory"]
     st.node_down("n0", 12.0)
-    assert not st.demotions and st.disk_nodes == 0 and not st.objects
+    assert not st.tiers.demotions and st.lru.disk_nodes == 0 and not st.objects
 
 
 def test_without_a_disk_tier_nothing_changes():
     st = make(disk=0)
     for i in range(10):
         put(st, f"k{i}", now=float(i))
-    assert st.disk_nodes == 0 and not sent(st, NodeDemote)
+    assert st.lru.disk_nodes == 0 and not sent(st, NodeDemote)
     assert st.counters["evictions_watermark"] == 2
     assert st.list_objects("", 10, 11.0)[0].tiers == []
 
@@ -224,9 +224,9 @@ def test_an_unanswered_move_times_out_and_its_late_answer_is_cleaned_up():
     for i in range(10):
         put(st, f"k{i}", now=float(i))
     st.take_outbox()
-    gen = st.demotions[("n0", "k0")][0].gen
+    gen = st.tiers.demotions[("n0", "k0")][0].gen
     st.tick(100.0)  # no answer within TIER_TIMEOUT_S
-    assert not st.demotions and st.counters["demotions_failed"] == 2
+    assert not st.tiers.demotions and st.counters["demotions_failed"] == 2
     assert tiers(st, "k0") == [("n0", MEMORY)] and st.nodes["n0"].disk.jobs == 0
     st.take_outbox()
     st.tier_done("n0", TierDone("demote", "k0", gen, 42), None, 101.0)  # the lost answer arrives after all
