@@ -111,7 +111,8 @@ def master(config: ConfigOpt = None, etcd: EtcdOpt = None, cluster: ClusterOpt =
     """Run one master (several may run; one leads through etcd election). Settings: the `master` and `security`
     sections of --config (defaults: protocol/config.py MasterConfig, SecurityConfig), each flag overriding its
     key."""
-    from kvpool.master.server import MasterServerSettings, main as run_master
+    from kvpool.master.server import main as run_master
+    from kvpool.master.server_settings import MasterServerSettings
 
     def go() -> None:
         run_master(MasterServerSettings.from_config(process_config(config, cluster, etcd, log_level, overrides)))

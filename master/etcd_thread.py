@@ -1,4 +1,5 @@
-"""The master's etcd thread (asyncio, aetcd), mixed into :class:`master.server.MasterServer`.
+"""The master's etcd thread (asyncio, aetcd): :class:`EtcdThread`, a part owned by
+:class:`master.server.MasterServer` (its ``etcd``).
 
 It campaigns for leadership (create-if-absent on the ``leader`` key under a kept-alive
 lease). On winning it reads what the RPC thread needs to lead (the published nodes, their
@@ -6,44 +7,120 @@ extent tables asked in parallel on the join workers, the hand-off and pin record
 cluster settings) and hands it over as one ``lead`` event; while leading it polls ``nodes/``
 for membership every ``membership_poll_s`` (``nodes`` events) and compacts etcd's history;
 when the leadership ends it hands over ``step_down`` and deletes the ``leader`` key only if
-it is still its own. Also the RPC thread's door to etcd: :meth:`_EtcdThread._etcd_submit`
-starts a coroutine there (the durable writes, :mod:`master.durable`) and
-:meth:`_EtcdThread._etcd_forget` deletes a record, retried until etcd answers.
+it is still its own. Also the RPC thread's door to etcd: :meth:`EtcdThread.submit` starts a
+coroutine there (the durable writes, :mod:`master.durable`, and the record deletes).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
+from collections.abc import Callable, Coroutine
 
 import msgspec
 
 from kvpool.master.cluster_settings import _settings_of
-from kvpool.master.joins import Table, fetch_table
+from kvpool.master.joins import Table
 from kvpool.master.records import decode_records
+from kvpool.master.server_settings import MasterServerSettings
 from kvpool.protocol import messages as M
 from kvpool.protocol.errors import EtcdFull, EtcdUnavailable, KVPoolError
-from kvpool.protocol.etcd import Etcd, LeaseClock, kept_alive
+from kvpool.protocol.etcd import Etcd, Keys, LeaseClock, kept_alive
 
 log = logging.getLogger("kvpool.master")
 
 
-class _EtcdThread:
-    """The etcd thread of a :class:`~master.server.MasterServer` (mixed into it; talks to the
-    RPC thread through its ``events`` deque, ``stop``, ``loop``, ``etcd`` and ``etcd_ok``)."""
+class EtcdThread:
+    """The etcd client of one master and the thread it runs on.
 
-    def _etcd_main(self) -> None:
+    Given: ``s`` (etcd endpoints and credentials, ``node_ttl_s`` for the leadership lease,
+    ``membership_poll_s``, ``join_timeout_s``, the compaction settings, the flags that seed
+    the cluster settings, the cluster secret that keys write grants), ``keys`` (the
+    cluster's etcd keys), ``rpc_addr`` (what the ``leader`` key names while this master
+    leads), ``stop`` (set to end the thread; this part sets it on a fatal error),
+    ``post(event)`` (hands an event tuple to the RPC thread: ``("lead", nodes, handoffs,
+    pins, settings, tables, term, clock)``, ``("nodes", nodes)``, ``("step_down",)``),
+    ``fetch(desc, timeout_s, term)`` (asks a node for its extent table on a join worker: a
+    concurrent Future of a :class:`~master.joins.Table`) and ``saw_leader(addr)`` (the
+    leader's RPC address, "" when none, as read while campaigning).
+
+    Owns: the thread, its event loop ``loop`` and connected ``client`` (None until
+    connected), ``ok`` (False while the last membership poll failed: etcd is down),
+    ``fatal`` (the error that ended the thread, else None) and the event that gives the
+    current leadership up (:meth:`give_up_lead`).
+    """
+
+    def __init__(self, s: MasterServerSettings, keys: Keys, rpc_addr: str, stop: threading.Event,
+                 post: Callable[[tuple], None],
+                 fetch: Callable[[M.NodeDesc, float, int], concurrent.futures.Future],
+                 saw_leader: Callable[[str], None]) -> None:
+        self.s, self.keys, self.rpc_addr, self.stop = s, keys, rpc_addr, stop
+        self.post, self.fetch, self.saw_leader = post, fetch, saw_leader
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.client: Etcd | None = None
+        self.ok = True
+        self.fatal: KVPoolError | None = None
+        self._lost: asyncio.Event | None = None  # set to give the leadership up (a node saw a newer term)
+        self._thread: threading.Thread | None = None
+
+    # ---- the RPC thread's side ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="etcd", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def running(self) -> bool:
+        """The thread is alive and its event loop started."""
+        return self._thread is not None and self._thread.is_alive() and self.loop is not None
+
+    def responsive(self, timeout_s: float) -> bool:
+        """The event loop runs a callback within ``timeout_s`` seconds (any thread)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.loop.call_soon_threadsafe(fut.set_result, None)
         try:
-            asyncio.run(self._etcd_async())
+            fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def connected(self) -> bool:
+        return self.loop is not None and self.client is not None
+
+    def give_up_lead(self) -> None:
+        """End the current leadership (the campaign then starts again as a standby)."""
+        lost, loop = self._lost, self.loop
+        if lost is not None and loop is not None:
+            loop.call_soon_threadsafe(lost.set)
+
+    def submit(self, coro_fn: Callable[[Etcd], Coroutine], what: str, check: bool = True) -> concurrent.futures.Future:
+        """Start ``coro_fn(client)`` on the etcd thread; its concurrent Future. Raises
+        EtcdUnavailable at once when etcd is known to be down (``check``) or not connected;
+        ``what`` names the records in that error."""
+        if not self.connected() or (check and not self.ok):
+            raise EtcdUnavailable(f"etcd is unavailable; {what} need etcd. Check the etcd endpoint (`kvpool "
+                                  "status` still works), then retry")
+        return asyncio.run_coroutine_threadsafe(coro_fn(self.client), self.loop)
+
+    # ---- the etcd thread ---------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
         except KVPoolError as e:  # logged once, by main(), when run() raises it again
             self.fatal = e
             self.stop.set()
 
-    async def _etcd_async(self) -> None:
+    async def _run(self) -> None:
         self.loop = asyncio.get_running_loop()
         async with Etcd(self.s.etcd, auth=self.s.etcd_auth) as etcd:
-            self.etcd = etcd
+            self.client = etcd
             print(f"KVPOOL_READY master {self.rpc_addr}", flush=True)
             told = 0.0
             while not self.stop.is_set():
@@ -74,7 +151,7 @@ class _EtcdThread:
                         break
                     continue  # gone again at once (our lease lapsed): campaign on
                 cur = await etcd.get(self.keys.leader)
-                self.leader_addr = cur.decode() if cur else ""
+                self.saw_leader(cur.decode() if cur else "")
                 await asyncio.sleep(self.s.membership_poll_s)
             else:
                 return
@@ -90,19 +167,19 @@ class _EtcdThread:
                     await etcd.put(self.keys.config, settings)
                 except Exception as e:  # noqa: BLE001 - the next leader writes them
                     log.warning("master: could not record the cluster settings in etcd (%s)", e)
-            self.events.append(("lead", nodes, handoffs, pins, settings, tables, term, clock))
+            self.post(("lead", nodes, handoffs, pins, settings, tables, term, clock))
             compactor = asyncio.create_task(self._compact_history(etcd))
             try:
                 while not self.stop.is_set() and not lost.is_set():
                     await asyncio.sleep(self.s.membership_poll_s)
                     try:
-                        self.events.append(("nodes", await self._read_nodes(etcd)))
-                        self.etcd_ok = True
+                        self.post(("nodes", await self._read_nodes(etcd)))
+                        self.ok = True
                     except Exception:
-                        self.etcd_ok = False  # etcd unavailable: membership changes wait (DESIGN.md §8)
+                        self.ok = False  # etcd unavailable: membership changes wait (DESIGN.md §8)
             finally:
                 compactor.cancel()
-                self.events.append(("step_down",))
+                self.post(("step_down",))
                 if not lost.is_set():  # only our own key: a successor's must stay
                     with contextlib.suppress(Exception):
                         await etcd.delete_if_created(self.keys.leader, term)
@@ -112,9 +189,8 @@ class _EtcdThread:
         the join workers, each within ``join_timeout_s`` (node id -> table, or the error), as
         leader of ``term``."""
         ask = [d for d in descs.values() if d.wire == M.WIRE_VERSION]
-        got = await asyncio.gather(*(asyncio.wrap_future(self._join_pool.submit(
-            fetch_table, self.ctx, d, self.s.join_timeout_s, self.stop, term)) for d in ask),
-            return_exceptions=True)
+        got = await asyncio.gather(*(asyncio.wrap_future(self.fetch(d, self.s.join_timeout_s, term)) for d in ask),
+                                   return_exceptions=True)
         return {d.node_id: r for d, r in zip(ask, got)}
 
     async def _compact_history(self, etcd: Etcd) -> None:
@@ -149,27 +225,3 @@ class _EtcdThread:
                     d = msgspec.structs.replace(d, grant_key=self.s.security.grant_key(d.incarnation))
                 out[d.node_id] = d
         return out
-
-    def _etcd_forget(self, key: str) -> None:
-        """Delete an etcd record, after any write to it still in flight; a delete etcd
-        refuses is retried once etcd answers again, so no stale pin or hand-off record stays."""
-        async def delete(e: Etcd) -> None:
-            try:
-                await e.delete(key)
-            except Exception:  # noqa: BLE001 - any failure: try again later
-                self.events.append(("forget_failed", key))
-
-        if self.durable.after(key, delete, "etcd records"):
-            return
-        try:
-            self._etcd_submit(delete, "etcd records", False)
-        except EtcdUnavailable:
-            self._forget_retry.add(key)
-
-    def _etcd_submit(self, coro_fn, what: str, check: bool = True):
-        """Start ``coro_fn(etcd)`` on the etcd thread; its concurrent Future. Raises
-        EtcdUnavailable at once when etcd is known to be down (``check``) or not connected."""
-        if self.loop is None or self.etcd is None or (check and not self.etcd_ok):
-            raise EtcdUnavailable(f"etcd is unavailable; {what} need etcd. Check the etcd endpoint (`kvpool "
-                                  "status` still works), then retry")
-        return asyncio.run_coroutine_threadsafe(coro_fn(self.etcd), self.loop)

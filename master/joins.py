@@ -13,7 +13,7 @@ under an address nobody answers at; so the RPC thread never waits for it:
   master retries each node, there is no herd to spread). A node is forgotten when it is
   no longer published, so a dead node stops costing anything when its lease lapses.
 
-The master applies a fetched table on its RPC thread (:meth:`MasterServer._joined`); until
+The master applies a fetched table on its RPC thread (:meth:`~master.nodes.StoreNodes._joined`); until
 then the node is not in the state's node table and takes no placements.
 """
 from __future__ import annotations

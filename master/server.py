@@ -32,14 +32,17 @@ leader. And a leader whose lease was not renewed for half its TTL acknowledges n
 stdout line ``KVPOOL_READY master <rpc_addr>``; ``KVPOOL_LEADER master <rpc_addr>``
 follows when it leads.
 
-This module holds the settings, the process (threads, health checks), the RPC loop and
-request dispatch; :class:`MasterServer`'s other parts live beside it: the etcd thread
-(:mod:`master.etcd_thread`), the store nodes' membership, joins and notices
-(:mod:`master.nodes`) and the cluster settings record (:mod:`master.cluster_settings`).
+This module holds the process (threads, health checks), the RPC loop, the leadership
+events and request dispatch. :class:`MasterServer` creates and owns its parts, which live
+beside it: the settings (:mod:`master.server_settings`), the etcd thread
+(:class:`~master.etcd_thread.EtcdThread`), the store nodes' membership, joins and notices
+(:class:`~master.nodes.StoreNodes`), the client connections
+(:class:`~master.clients.ClientConns`), the durable etcd writes
+(:class:`~master.durable.DurableWrites`) and the cluster settings record
+(:class:`~master.cluster_settings.ClusterSettingsPart`).
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import os
@@ -50,7 +53,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -59,72 +61,22 @@ from kvpool.master.batches import PER_KEY_ERRORS, SLICE, SLICED, SlicedBatch
 from kvpool.master.clients import ClientConns
 from kvpool.master.cluster_settings import ClusterSettingsPart, _settings_of
 from kvpool.master.durable import DurableWrites, Pending
-from kvpool.master.etcd_thread import _EtcdThread
+from kvpool.master.etcd_thread import EtcdThread
 from kvpool.master.fencing import Fence
 from kvpool.master.metrics import Metrics
-from kvpool.master.nodes import NOTICE_DELAY_S, _StoreNodes
-from kvpool.master.state import MasterSettings, MasterState
+from kvpool.master.nodes import StoreNodes
+from kvpool.master.server_settings import MasterServerSettings
+from kvpool.master.state import MasterState
 from kvpool.master.stats import StatsWalks
 from kvpool.protocol import messages as M
 from kvpool.protocol import rpcwire, transport
-from kvpool.protocol.auth import OPEN, Security, curve_client_keys
-from kvpool.protocol.config import ClusterConfig, MasterConfig, SecurityConfig
-from kvpool.protocol.errors import (ConfigError, Forbidden, InvalidRequest, KVPoolError, LeaderFenced, NotFound,
-                                    NotLeader, ReplyTooLarge)
-from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys
+from kvpool.protocol.auth import curve_client_keys
+from kvpool.protocol.errors import (EtcdUnavailable, Forbidden, InvalidRequest, KVPoolError, LeaderFenced,
+                                    NotFound, NotLeader, ReplyTooLarge)
+from kvpool.protocol.etcd import Etcd, Keys
 
-_JOIN = MasterConfig().join_settings()  # (timeout, backoff, backoff max) in seconds
 HEALTH_STALL_S = 10.0  # /healthz fails when the RPC loop has not turned for this long (seconds)
 log = logging.getLogger("kvpool.master")
-
-
-@dataclass(frozen=True)
-class MasterServerSettings:
-    """One master process's settings (seconds where ``_s``); defaults: those of
-    :class:`~protocol.config.MasterConfig` (build it with :meth:`from_config`)."""
-
-    etcd: str
-    cluster: str = ClusterConfig().cluster
-    host: str = MasterConfig().host
-    rpc_port: int = MasterConfig().rpc_port
-    metrics_port: int | None = MasterConfig().metrics_port
-    membership_poll_s: float = MasterConfig().membership_poll
-    node_ttl_s: float = MasterConfig().node_ttl
-    state: MasterSettings = field(default_factory=MasterSettings)
-    # while leading, compact etcd's history every this many seconds (0 = never) to the current
-    # revision minus ``etcd_compaction_retention`` revisions
-    etcd_compaction_interval_s: float = MasterConfig().etcd_compaction_interval
-    etcd_compaction_retention: int = MasterConfig().etcd_compaction_retention
-    # asking a joining store node for its extent table: deadline of a first attempt, and the
-    # wait before the next after a failure, each doubled per further failure up to
-    # join_backoff_max_s (seconds; defaults: MasterConfig's join_* keys)
-    join_timeout_s: float = _JOIN[0]
-    join_backoff_s: float = _JOIN[1]
-    join_backoff_max_s: float = _JOIN[2]
-    # the cluster secret and TLS (protocol/auth.py), and the client connections served at once
-    security: Security = OPEN
-    max_conns: int = SecurityConfig().max_conns
-    frame_timeout_s: float = SecurityConfig().frame_timeout
-    advertise: str | None = MasterConfig().advertise  # published host (protocol/transport.py advertise_host)
-    etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
-
-    @classmethod
-    def from_config(cls, cfg: ClusterConfig) -> "MasterServerSettings":
-        """The settings of one master of ``cfg`` (a tree :func:`~protocol.config.load_config`
-        validated), whose ``etcd.endpoint`` must be set: a master never starts etcd. Raises
-        ConfigError."""
-        m, eps = cfg.master, cfg.etcd.endpoints()
-        if not eps:
-            raise ConfigError("no etcd endpoint: pass --etcd http://host:port or set etcd.endpoint in the --config "
-                              "file (a master does not start etcd; `kvpool up` does)", key="etcd.endpoint")
-        st = MasterSettings(m.replicas, m.lease_ttl, m.put_timeout, m.quarantine, m.high_watermark, m.low_watermark,
-                            m.max_handoff_ttl, suspect_s=m.node_ttl, repair_rate=m.repair_rate,
-                            repair_in_flight=m.repair_in_flight, max_objects=m.max_objects)
-        return cls(",".join(eps), cfg.cluster, m.host, m.rpc_port, m.metrics_port, m.membership_poll,
-                   m.node_ttl, st, m.etcd_compaction_interval, m.etcd_compaction_retention,
-                   *m.join_settings(), security=Security.for_server(cfg.security, "this master"),
-                   max_conns=cfg.security.max_conns, frame_timeout_s=cfg.security.frame_timeout,
-                   advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd))
 
 
 def _typed(e: Exception, op: str) -> KVPoolError:
@@ -149,7 +101,17 @@ def _handles(*types: type) -> Callable:
     return register
 
 
-class MasterServer(_EtcdThread, _StoreNodes):
+class MasterServer:
+    """One master process: its RPC thread (the loop, request dispatch, leadership events)
+    and its parts, each created here and given what it uses: ``conns``
+    (:class:`~master.clients.ClientConns`), ``nodes`` (:class:`~master.nodes.StoreNodes`),
+    ``etcd`` (:class:`~master.etcd_thread.EtcdThread`), ``durable``
+    (:class:`~master.durable.DurableWrites`), ``settings``
+    (:class:`~master.cluster_settings.ClusterSettingsPart`), ``stats``
+    (:class:`~master.stats.StatsWalks`) and ``metrics``. ``events``: what other threads hand
+    the RPC thread (etcd's ``lead``, ``nodes`` and ``step_down``; ``("run", fn)`` and
+    ``("call", fn, future)`` to run ``fn`` there)."""
+
     def __init__(self, s: MasterServerSettings) -> None:
         self.s = s
         self.keys = Keys(s.cluster)
@@ -159,23 +121,15 @@ class MasterServer(_EtcdThread, _StoreNodes):
         self.leader_addr = ""
         self.term = 0  # this master's leader term while it leads (protocol/terms.py)
         self.fence = Fence()  # when to stop acknowledging (master/fencing.py)
-        self._lost: asyncio.Event | None = None  # set to give the leadership up (a node saw a newer term)
         self.ctx = zmq.Context()
         if s.security.secret is not None:  # every DEALER to a store node is a CURVE client (protocol/auth.py)
             spk, pk, sk = curve_client_keys(s.security)
             self.ctx.setsockopt(zmq.CURVE_SERVERKEY, spk)
             self.ctx.setsockopt(zmq.CURVE_PUBLICKEY, pk)
             self.ctx.setsockopt(zmq.CURVE_SECRETKEY, sk)
-        self.node_socks: dict[str, tuple[str, zmq.Socket]] = {}
-        self.events: deque = deque()  # etcd thread -> RPC thread (append/popleft are atomic)
+        self.events: deque = deque()  # other threads -> RPC thread (append/popleft are atomic)
         self.stop = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.fatal: KVPoolError | None = None
-        self.etcd_ok = True
-        self.etcd: Etcd | None = None
         self.rpc_beat = time.monotonic()  # last turn of the RPC loop (/healthz)
-        self._outbox_since = 0.0  # when the oldest notice to a store node was queued (master/nodes.py)
-        self._notices_seen: dict[str, int] = {}  # master/nodes.py _flush_urgent
         public = transport.advertise_host(s.host, s.advertise, "master.advertise")  # before binding: ConfigError
         listeners = [transport.listen(f"tcp://{transport.host_port(s.host, s.rpc_port)}")]
         # what clients dial and the leader key holds: the advertised host, the bound port
@@ -194,43 +148,42 @@ class MasterServer(_EtcdThread, _StoreNodes):
                                                                          transport.default_host_id(),
                                                                          M.WIRE_VERSION)))))
         self.poller = zmq.Poller()  # the RPC thread's one poller: client connections and node sockets
-        self.conns = ClientConns(listeners, self.poller, self._handle, self._flush_urgent, s.security, s.max_conns,
-                                 s.frame_timeout_s)
+        call_soon = self._call_soon
+        self.nodes = StoreNodes(s, self.ctx, self.poller, self.stop, call_soon, lambda: self.state,
+                                lambda: self.term, lambda: self.leading, self.fence, self._depose)
+        self.conns = ClientConns(listeners, self.poller, self._handle, self.nodes.flush_urgent, s.security,
+                                 s.max_conns, s.frame_timeout_s)
         self.metrics.refusals = self.conns.refusals
+        self.etcd = EtcdThread(s, self.keys, self.rpc_addr, self.stop, self.events.append, self.nodes.fetch,
+                               self._saw_leader)
         self._forget_retry: set[str] = set()  # etcd deletes to retry once etcd answers
-        self.durable = DurableWrites(self._etcd_submit, self._answer, lambda key: self._forget_retry.add(key))
+        self.durable = DurableWrites(self.etcd.submit, self._answer, lambda key: self._forget_retry.add(key))
         self.settings = ClusterSettingsPart(lambda: self.state, self.durable, self.keys)  # master/cluster_settings.py
-        self.joins = self._join_queue()
-        self._descs: dict[str, M.NodeDesc] = {}  # the store nodes published in etcd, as last polled
-        self._join_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="join")
         # Stats are walked on a thread of their own, from snapshots the RPC thread takes (master/stats.py)
-        self.stats = StatsWalks(lambda fn: self.events.append(("run", fn)), self._answer,
+        self.stats = StatsWalks(call_soon, self._answer,
                                 lambda: (self.state.stats_snapshot(),
-                                         {"joining": self.joins.waiting(time.monotonic())}))
+                                         {"joining": self.nodes.waiting(time.monotonic())}))
 
     # ---- process ------------------------------------------------------------------------
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
-        etcd_thread = self._etcd_thread = threading.Thread(target=self._etcd_main, name="etcd", daemon=True)
         if self.s.metrics_port is not None:
             url = self.metrics.serve(self.s.host, self.s.metrics_port, self.healthz, self.readyz)
             print(f"KVPOOL_METRICS master {url}", flush=True)
-        etcd_thread.start()
+        self.etcd.start()
         try:
             self._rpc_loop()
         finally:
             self.stop.set()
-            etcd_thread.join(10)
-            self._join_pool.shutdown(wait=True, cancel_futures=True)  # fetches see ``stop`` within 0.1 s
+            self.etcd.join(10)
+            self.nodes.close()
             self.stats.close()
-            for _, sock in self.node_socks.values():
-                sock.close(0)
             self.conns.close_all()
             self.ctx.term()
-        if self.fatal is not None:
-            raise self.fatal
+        if self.etcd.fatal is not None:
+            raise self.etcd.fatal
 
     # ---- health (the ops HTTP server's threads) ------------------------------------------
 
@@ -242,23 +195,19 @@ class MasterServer(_EtcdThread, _StoreNodes):
         stalled = time.monotonic() - self.rpc_beat
         if stalled > HEALTH_STALL_S:
             return False, f"the RPC loop has not turned for {stalled:.1f}s"
-        if not self._etcd_thread.is_alive() or self.loop is None:
+        if not self.etcd.running():
             return False, "the etcd thread is not running"
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.loop.call_soon_threadsafe(fut.set_result, None)
-        try:
-            fut.result(timeout=2.0)
-        except concurrent.futures.TimeoutError:
+        if not self.etcd.responsive(2.0):
             return False, "the etcd thread's event loop did not answer within 2s"
         return True, "leader" if self.leading else "standby"
 
     def readyz(self) -> tuple[bool, str]:
         """Ready: etcd answers (a read of the ``leader`` key within 2 s) and this master leads,
         or is a standby that knows the leader. ``(ok, detail or reason)``."""
-        if self.loop is None or self.etcd is None:
+        if not self.etcd.connected():
             return False, "not connected to etcd yet"
         try:
-            cur = asyncio.run_coroutine_threadsafe(self.etcd.get(self.keys.leader), self.loop).result(timeout=2.0)
+            cur = self.etcd.submit(lambda e: e.get(self.keys.leader), "readiness checks", False).result(timeout=2.0)
         except Exception as e:  # noqa: BLE001 - etcd down, slow or refusing: not ready
             return False, f"etcd did not answer ({type(e).__name__}: {e})"
         leader = cur.decode(errors="replace") if cur else ""
@@ -279,9 +228,27 @@ class MasterServer(_EtcdThread, _StoreNodes):
             return
         self.fence.deposed = True
         log.warning("master: deposed (%s); stepping down", why)
-        lost, loop = self._lost, self.loop
-        if lost is not None and loop is not None:
-            loop.call_soon_threadsafe(lost.set)
+        self.etcd.give_up_lead()
+
+    def _saw_leader(self, addr: str) -> None:
+        """The etcd thread read the ``leader`` key while campaigning: ``addr`` leads ("" none)."""
+        self.leader_addr = addr
+
+    def _forget(self, key: str) -> None:
+        """Delete an etcd record, after any write to it still in flight; a delete etcd
+        refuses is retried once etcd answers again, so no stale pin or hand-off record stays."""
+        async def delete(e: Etcd) -> None:
+            try:
+                await e.delete(key)
+            except Exception:  # noqa: BLE001 - any failure: try again later
+                self._call_soon(lambda: self._forget_retry.add(key))
+
+        if self.durable.after(key, delete, "etcd records"):
+            return
+        try:
+            self.etcd.submit(delete, "etcd records", False)
+        except EtcdUnavailable:
+            self._forget_retry.add(key)
 
     # ---- RPC thread ---------------------------------------------------------------------
 
@@ -292,15 +259,16 @@ class MasterServer(_EtcdThread, _StoreNodes):
             self.rpc_beat = time.monotonic()  # /healthz: the loop turns
             served = set()
             wait = 0 if conns.busy else 5 if self.durable or self.stats.walking else 50
-            if self.state.outbox:  # notices wait at most NOTICE_DELAY_S (master/nodes.py)
-                wait = min(wait, max(0, int((self._outbox_since + NOTICE_DELAY_S - time.monotonic()) * 1000) + 1))
+            due = self.nodes.notice_wait_ms()  # notices wait at most NOTICE_DELAY_S (master/nodes.py)
+            if due is not None:
+                wait = min(wait, due)
             for sock, ev in self.poller.poll(wait):
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
                     c = conns.on_event(sock, ev)
                     if c is not None:
                         served.add(c)
                 else:
-                    self._node_reply(sock)
+                    self.nodes.on_reply(sock)
             conns.work_busy(served)  # requests left over from their last turn
             if self.durable:
                 self.durable.advance()
@@ -309,15 +277,15 @@ class MasterServer(_EtcdThread, _StoreNodes):
                 next_tick = time.monotonic() + self.s.membership_poll_s
                 expired = self.state.tick(time.monotonic())
                 for rid in expired:
-                    self._etcd_forget(self.keys.handoff(rid))
-                if self._forget_retry and self.etcd_ok:
+                    self._forget(self.keys.handoff(rid))
+                if self._forget_retry and self.etcd.ok:
                     keys, self._forget_retry = self._forget_retry, set()
                     for key in keys:
-                        self._etcd_forget(key)
+                        self._forget(key)
             for key in self.state.take_unpinned():  # pinned objects removed, evicted or lost
-                self._etcd_forget(self.keys.pin(key))
-            self._flush_urgent()
-            self._flush_due()
+                self._forget(self.keys.pin(key))
+            self.nodes.flush_urgent()
+            self.nodes.flush_due()
 
     def _answer(self, d: Pending, result, error: KVPoolError | None) -> None:
         """Send a durable write's answer to the client that asked (if it still listens)."""
@@ -328,6 +296,10 @@ class MasterServer(_EtcdThread, _StoreNodes):
         reply = (M.Reply(error=error.to_wire(), term=self.term) if error is not None
                  else M.Reply(msgspec.Raw(M.encode(result)), term=self.term))
         self.conns.answer(d.client, d.rid, M.encode(reply))
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the RPC thread between two polls (from any thread)."""
+        self.events.append(("run", fn))
 
     def _on_rpc_thread(self, fn, timeout_s: float = 5.0):
         """Run ``fn()`` on the RPC thread between two polls and return its result (for
@@ -351,28 +323,24 @@ class MasterServer(_EtcdThread, _StoreNodes):
                         fut.set_result(fn())
                     except Exception as e:  # noqa: BLE001 - handed to the caller
                         fut.set_exception(e)
-            elif kind == "run":  # posted by a helper thread (a finished stats walk)
+            elif kind == "run":  # posted by another thread (a finished stats walk, a join, a failed delete)
                 ev[1]()
-            elif kind == "forget_failed":
-                self._forget_retry.add(ev[1])
-            elif kind == "joined":
-                self._joined(*ev[1:])
             elif kind == "lead":
                 self.state = MasterState(self.s.state, self.s.cluster)
                 self.state.leader_addr = self.rpc_addr
                 self.metrics.state = self.state
-                self.joins = self._join_queue()  # answers to the previous leadership's asks are dropped
                 self.term = ev[6]
                 self.fence.lead(self.term, ev[7])
                 self.settings.adopt(ev[4])
-                self._rebuild(ev[1], ev[2], ev[3], ev[5])
+                for key in self.nodes.rebuild(ev[1], ev[2], ev[3], ev[5]):  # stale pin records
+                    self._forget(self.keys.pin(key))
                 self.leading, self.leader_addr = True, self.rpc_addr
                 log.info("master: leading with term %d", self.term)
                 print(f"KVPOOL_LEADER master {self.rpc_addr}", flush=True)
             elif kind == "step_down":
                 self.leading, self.term, self.leader_addr = False, 0, ""  # the campaign reads the new one
             elif kind == "nodes" and self.leading:
-                self._membership(ev[1])
+                self.nodes.membership(ev[1])
 
     def _handle(self, body: bytes, role: str = "cluster") -> bytes | Pending | SlicedBatch:
         """One request of a peer acting in ``role`` → its encoded Reply (a typed error for
@@ -530,7 +498,7 @@ class MasterServer(_EtcdThread, _StoreNodes):
             return st.pin(k, ttl, time.monotonic())  # counted from when the record landed
 
         return self.durable.write(key, lambda e: e.put(key, val), "pins", pin_same,
-                                  undo=lambda: self._etcd_forget(key))
+                                  undo=lambda: self._forget(key))
 
     @_handles(M.Evict)
     def _evict(self, req, st, now, role):
@@ -538,7 +506,7 @@ class MasterServer(_EtcdThread, _StoreNodes):
         report = st.eviction.admin(req.selector, req.dry_run, req.force, now)
         for rid in open_:  # a forced evict releases the hand-offs holding its objects: their records go
             if (h := st.handoffs.get(rid)) is None or h.status != "open":
-                self._etcd_forget(self.keys.handoff(rid))
+                self._forget(self.keys.handoff(rid))
         return report
 
     @_handles(M.Drain)
@@ -574,7 +542,7 @@ class MasterServer(_EtcdThread, _StoreNodes):
     @_handles(M.HandoffAck, M.HandoffRelease)
     def _handoff_finish(self, req, st, now, role):
         if st.handoff_finish(req.request_id, "acked" if type(req) is M.HandoffAck else "released", now):
-            self._etcd_forget(self.keys.handoff(req.request_id))
+            self._forget(self.keys.handoff(req.request_id))
         return None
 
 
