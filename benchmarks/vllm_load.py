@@ -11,7 +11,7 @@ max over the rounds for the rates and the ratio, all from this run:
 
 * ``loader_gbps``: bytes B loaded / the time its loader thread was busy (each batch of
   load jobs: fetch + checksum + scatter into the KV cache), timed around
-  ``KVPoolWorker._load_batch`` and ``_load_layers`` in this process;
+  ``WorkerLoads._load_batch`` and ``_load_layers`` (connector/vllm_loads.py) in this process;
 * ``fetch_s`` and ``scatter_s``: the parts of that busy time spent fetching (into the KV
   cache's pages themselves for this host cache) and scattering staged blocks into the
   cache (device caches, or ``KVPOOL_BENCH_STAGED=1``: loads staged as before, for an A/B);
@@ -138,6 +138,7 @@ def main() -> None:
     from kvpool.protocol.config import load_config
     from tiny_model import build_tiny_llama, prompt_ids
 
+    import kvpool.connector.vllm_loads as loads_mod
     import kvpool.connector.vllm_worker as worker_mod
 
     busy = [0.0]
@@ -162,8 +163,9 @@ def main() -> None:
         def staged(self, kv_caches):
             register(self, kv_caches)
             self.page_runs = [None] * len(self.groups)
-            self._alloc_arena()
+            self.loads.registered(self.caches, self.layer_pos, self.page_runs, self.pin)
         W.register_kv_caches = staged
+    W = loads_mod.WorkerLoads
     W._load_batch, W._load_layers = timed(W._load_batch), timed(W._load_layers)
     W._fetch, W._scatter_layer = timed(W._fetch, "fetch"), timed(W._scatter_layer, "scatter")
     tmp = tempfile.mkdtemp(prefix="kvpool-vllm-load-")

@@ -405,7 +405,7 @@ class KVPoolClient:
                     if isinstance(op.error, NodeUnavailable)}
             for nid, inc in dead.items():
                 self.rpc.call(M.ReportDead(nid, inc))  # the master stops placing there for a while
-                self.data.forget_node(nid)
+                self.data.segmaps.forget(nid)
         if commit_keys:
             committed: dict[str, list[WriteOp]] = defaultdict(list)
             for j, e in zip(commit_j, self.rpc.call(M.PutEnd(commit_keys, commit_ids, commit_sums))):
@@ -453,7 +453,7 @@ class KVPoolClient:
         its own connection per node, so a node's lanes are distinct streams."""
         units = []
         for ops in by_node.values():
-            if self.data.uses_shm(ops[0].ref):
+            if self.data.segmaps.uses_shm(ops[0].ref):
                 if max(op.ref.size for op in ops) < _INLINE_BYTES:
                     fn(ops)
                 else:

@@ -11,11 +11,11 @@ Paths, chosen per replica (``transport="auto"``):
   landed catches that torn read. A put is **one copy** (caller buffer → segment), hashed
   as it goes, unless the client hashed the buffer while waiting for ``put_start``
   (objects up to 4 MiB) or a helper thread hashes it beside one GIL-free ``memcpy``
-  (bigger ones, :meth:`DataPlane._hash_aside`); the checksum reaches the master with
+  (bigger ones, :meth:`ShmCopies.hash_aside <connector.shmcopy.ShmCopies.hash_aside>`); the checksum reaches the master with
   ``put_end``. Plus a small ``written`` notice; a batch's notices go out in one send
   before the copies, so the node's round trip overlaps them. Big copies without a hash release the GIL (numpy), so the second
   replica of a put and the per-node threads of a batch copy in parallel; copies hit by 4K
-  aliasing are bounced (see :meth:`DataPlane._copy_out`).
+  aliasing are bounced (see :meth:`ShmCopies.copy_out <connector.shmcopy.ShmCopies.copy_out>`).
 * **same host, Unix socket** (``transport="unix"``, or when the segment cannot be mapped)
   and **network** (``tcp``): one pipelined stream per node per thread. Reads: every
   request frame of the batch in one send, replies parsed through a 256 KiB buffer, and
@@ -47,31 +47,28 @@ No per-byte Python work on any path. Every byte range is bounds-checked against 
 master's grant (the ExtentRef). Errors: :class:`~protocol.errors.NodeUnavailable` (node
 dead/unreachable), :class:`~protocol.errors.StaleExtent` (extent freed or node restarted).
 
-This module holds the ops and :class:`DataPlane` with its write and read paths; the
-DataPlane's other parts live beside it: connections (:mod:`connector.datastream`), the
-same-host segment mapping (:mod:`connector.segmap`), shared-memory copies
-(:mod:`connector.shmcopy`) and CUDA tensors (:mod:`connector.dma`).
+This module holds :class:`DataPlane` with its write and read paths (the ops are in
+:mod:`connector.ops`); the parts it owns live beside it: connections
+(:class:`~connector.datastream.Connections`), the same-host segment mappings
+(:class:`~connector.segmap.SegmentMaps`), shared-memory copies
+(:class:`~connector.shmcopy.ShmCopies`), CUDA tensors (:class:`~connector.dma.CudaDirect`)
+and claims held across calls (:class:`~connector.claims.SharedClaims`).
 """
 from __future__ import annotations
 
 import contextlib
-import mmap
 import socket
-import threading
-import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from kvpool.connector.claims import _SharedClaims
+from kvpool.connector.claims import SharedClaims
 from kvpool.connector.ops import ReadOp, WriteOp
-from kvpool.connector.datastream import ReplicaDeadline, _Connections, _Stream, _wait_bytes, close_stream, readable
-from kvpool.connector.dma import _CudaDirect, _stage
+from kvpool.connector.datastream import Connections, ReplicaDeadline, _wait_bytes, readable
+from kvpool.connector.dma import CudaDirect, _stage
 from kvpool.connector.scatter_out import ScatterOut
-from kvpool.connector.parking import Parking
-from kvpool.connector.segmap import _SegmentMaps
-from kvpool.connector.shmcopy import _CHUNK, _gone, _ShmCopies
+from kvpool.connector.segmap import SegmentMaps
+from kvpool.connector.shmcopy import _CHUNK, _gone, ShmCopies
 from kvpool.protocol import copyhash
 from kvpool.protocol.auth import Security, resolve
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, sendv
@@ -88,15 +85,26 @@ _RELEASE_S = 0.5  # seconds the release of unanswered claims may wait to be sent
 _READ_OP = ("read", "dread")  # by ExtentRef.tier: a memory extent, a disk-tier file (storenode/disk_reads.py)
 
 
-class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClaims):
+class DataPlane:
     """Thread-safe: connections are per thread; shared-memory maps are shared.
 
     ``transport_mode``: ``auto``/``shm`` (shared memory on the same host, else TCP),
     ``unix`` (the node's Unix socket on the same host, else TCP), ``tcp`` (always TCP),
     ``ucx`` (the node's ``ucx://`` address when it serves one — store nodes started with
     ``--ucx`` — else as ``unix``). Raises ConfigError for any other mode.
-    ``cuda_direct``: move CUDA tensors by DMA to and from registered shared mappings
-    (else they stage through pinned host memory on every path).
+    ``io_timeout_s``: seconds any wait on a node may take unless a call's deadline says
+    otherwise. ``cuda_direct``: move CUDA tensors by DMA to and from registered shared
+    mappings (else they stage through pinned host memory on every path). ``security``: TLS
+    and the cluster-secret handshake on every stream. ``spin_s``: seconds a node's reply
+    is polled for before the wait sleeps (:mod:`protocol.spin`).
+
+    Its parts, each given what it uses: ``conns`` (:class:`~connector.datastream.
+    Connections`: the per-thread streams), ``segmaps`` (:class:`~connector.segmap.
+    SegmentMaps`: same-host segment mappings), ``shm`` (:class:`~connector.shmcopy.
+    ShmCopies`: copies through those mappings, and the put hasher thread), ``cuda``
+    (:class:`~connector.dma.CudaDirect`: DMA between CUDA tensors and the mappings) and
+    ``claims`` (:class:`~connector.claims.SharedClaims`: claims held across calls). This
+    class holds the write and read paths that route each op to them.
     """
 
     MODES = ("auto", "shm", "unix", "tcp", "ucx")
@@ -107,27 +115,15 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             raise ConfigError(f"transport {transport_mode!r}; accepted: {', '.join(self.MODES)}", key="transport")
         self.host_id = host_id
         self.mode = transport_mode
-        self.security = resolve(security)  # TLS and the cluster-secret handshake on every stream
         self.io_timeout_s = io_timeout_s
-        self.spin = Spinner(spin_s)  # a node's reply is polled for before the wait sleeps (protocol/spin.py)
-        self._local = threading.local()
-        self._maps: dict[str, memoryview | None] = {}
-        self._bases: dict[str, int] = {}
-        self._map_lock = threading.Lock()
-        self._all_conns: weakref.WeakSet[_Stream] = weakref.WeakSet()  # live threads' streams
-        self._parking = Parking(dict.items, close_stream)  # finished threads'
-        self._mmaps: dict[str, mmap.mmap] = {}
-        self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
-        self._map_retry: dict[str, float] = {}  # incarnation -> when to ask again for a mapping not answered
-        self._proven: dict[str, bool] = {}  # incarnation -> its node proved to share this host (same_host)
-        self._pidfds: dict[str, int | None] = {}  # incarnation -> pidfd of its node's process (segmap.node_alive)
-        self._told_remote: set[str] = set()  # node ids warned about: same host id, not provably this host
-        self.redials = 0  # stale streams (opened to an earlier incarnation of a node) replaced, all threads
-        self.cuda_direct = cuda_direct
-        self._pins = None  # connector.device_buffer.PinnedWindows, made on the first CUDA tensor
-        self._hasher: ThreadPoolExecutor | None = None  # see _hash_aside
-        self._hasher_free = threading.Lock()
-        self._init_claims()
+        self.spin = Spinner(spin_s)
+        security = resolve(security)
+        self.conns = Connections(io_timeout_s, security)
+        self.segmaps = SegmentMaps(host_id, transport_mode, io_timeout_s, security)
+        self.shm = ShmCopies(self.segmaps.segment, self.segmaps.extent_address)
+        self.cuda = CudaDirect(self.segmaps, self.shm, cuda_direct)
+        self.segmaps.before_unmap = self.cuda.unmapping  # a mapping's CUDA registration goes before it
+        self.claims = SharedClaims(self.conns, io_timeout_s, self.spin)
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -150,19 +146,20 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
 
         ``held``: the same-host ops' extents are claimed already, on the shared claim stream
         (reserved extents, :mod:`connector.claims`): they are copied without a claim, and
-        their claims outlive this call (:meth:`end_held` ends them)."""
+        their claims outlive this call (``claims.end`` ends them)."""
+        uses_shm, segment, copies = self.segmaps.uses_shm, self.segmaps.segment, self.shm
         shm, net, dma = [], [], []
         for op in ops:
-            local = self.uses_shm(op.ref)
+            local = uses_shm(op.ref)
             if not isinstance(op.data, memoryview):  # a CUDA tensor
-                if local and self._direct(op.ref, op.data):
+                if local and self.cuda.direct(op.ref, op.data):
                     dma.append(op)
                 elif not _stage(op, True):
                     continue
             (shm if local else net).append(op)
         for op in shm:
             r = op.ref
-            seg = self._segment(r)
+            seg = segment(r)
             if seg is None:
                 op.error = _gone(r)
             elif r.offset < 0 or r.offset + r.size > len(seg) or len(op.data) != r.size:
@@ -177,11 +174,11 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         try:
             host = [op for op in claimed if isinstance(op.data, memoryview)]
             if copyhash.NATIVE and len(host) > 1:  # one GIL-free call for the whole batch
-                self._write_shm_many(host)
+                copies.write_many(host)
             else:
                 for op in host:
-                    self._write_shm(op)
-            self._dma(dma, into_segment=True)
+                    copies.write(op)
+            self.cuda.dma(dma, into_segment=True)
         finally:
             if not held:
                 self._end_claims(claim[0] if claim else "", claimed)
@@ -192,14 +189,15 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         """Fail the same-host ``ops`` (copied into a mapping, without their node) whose node
         is gone by now: the mapping outlives the node, so only this check, made after the
         copy, lets a commit count the replica (DESIGN.md §5). One pidfd ``poll`` per node
-        (:meth:`node_alive`); a ``ping`` round trip where the node's process is unknown."""
+        (:meth:`SegmentMaps.node_alive <connector.segmap.SegmentMaps.node_alive>`); a ``ping``
+        round trip where the node's process is unknown."""
         by_inc: dict[str, list[WriteOp]] = {}
         for op in ops:
             if op.error is None:
                 by_inc.setdefault(op.ref.incarnation, []).append(op)
         for group in by_inc.values():
             r = group[0].ref
-            alive = self.node_alive(r)
+            alive = self.segmaps.node_alive(r)
             if alive is None:
                 alive = self._ping(r, deadline)
             if not alive:
@@ -214,14 +212,14 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         it answered within ``deadline`` (default ``io_timeout_s``)."""
         addr = r.shm_path
         try:
-            s = self._conn(addr, deadline.timeout_s if deadline is not None else None, incarnation=r.incarnation)
+            s = self.conns.stream(addr, deadline.timeout_s if deadline is not None else None, incarnation=r.incarnation)
             s.sock.settimeout(deadline.timeout_s if deadline is not None else self.io_timeout_s)
             sendv(s.sock, [frame(DataRequest("ping", r.incarnation))])
             ok = s.reply().ok
             s.sock.settimeout(self.io_timeout_s)
             return ok
         except (OSError, KVPoolError):
-            self._drop(addr)
+            self.conns.drop(addr)
             return False
 
     def _end_claims(self, addr: str, ops: Sequence[WriteOp]) -> None:
@@ -229,11 +227,11 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         if not ops:
             return
         try:
-            s = self._conn(addr, incarnation=ops[0].ref.incarnation)
+            s = self.conns.stream(addr, incarnation=ops[0].ref.incarnation)
             sendv(s.sock, [_written(ops)])
         except (OSError, KVPoolError):
             # the node keeps the claims until this process exits (storenode/writers.py)
-            self._drop(addr)
+            self.conns.drop(addr)
 
     def _send_writes(self, ops: Sequence[WriteOp], notice: bool, deadline: ReplicaDeadline | None = None):
         """Send the ``write`` (header + payload) or ``claim`` frames (``notice``) of ``ops``
@@ -244,7 +242,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             return None
         addr = ops[0].ref.shm_path if notice else self._stream_addr(ops[0].ref)
         try:
-            s = self._conn(addr, deadline.timeout_s if deadline is not None else None,
+            s = self.conns.stream(addr, deadline.timeout_s if deadline is not None else None,
                            incarnation=ops[0].ref.incarnation)
             if deadline is not None:
                 s.sock.settimeout(deadline.timeout_s)
@@ -258,7 +256,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                 if not notice and op.checksum is None and r.size <= _CHUNK:
                     after.append(op)  # one piece: hashed once sent, while the node takes it in
                 stream_hash = not notice and op.checksum is None and r.size > _CHUNK
-                aside = self._hash_aside(op.data) if stream_hash and r.size >= _NET_ASIDE_MIN else None
+                aside = self.shm.hash_aside(op.data) if stream_hash and r.size >= _NET_ASIDE_MIN else None
                 bufs.append(frame(DataRequest("claim" if notice else "write", r.incarnation, r.offset, r.size,
                                               r.gen, op.key, op.checksum or 0, op.layout, r.token)))
                 if aside is not None:  # hashed on the helper while the kernel copies it
@@ -277,7 +275,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                 op.checksum = fut.result()
             return addr, s, ops
         except (OSError, KVPoolError) as e:
-            self._stream_failed(addr, ops, e, "write")
+            self.conns.failed(addr, ops, e, "write")
             return None
 
     def commit(self, ops: Sequence[WriteOp]) -> None:
@@ -286,17 +284,17 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         the master dies before its own notice leaves (a failover rebuilds from those tables).
         Best effort, no reply: the master's notice is the primary path."""
         r0 = ops[0].ref
-        addr = r0.shm_path if self.uses_shm(r0) else self._stream_addr(r0)
+        addr = r0.shm_path if self.segmaps.uses_shm(r0) else self._stream_addr(r0)
         try:
             # no connection from this thread yet (the writes ran in pool threads): do not let an
             # unreachable node hold up a put that is already acknowledged
-            s = self._conn(addr, connect_timeout_s=min(self.io_timeout_s, _COMMIT_CONNECT_S),
+            s = self.conns.stream(addr, connect_timeout_s=min(self.io_timeout_s, _COMMIT_CONNECT_S),
                            incarnation=r0.incarnation)
             sendv(s.sock, [b"".join(frame(DataRequest("commit", op.ref.incarnation, op.ref.offset, op.ref.size,
                                                       op.ref.gen, op.key, op.checksum or 0, op.layout, op.ref.token,
                                                       replicas=op.replicas)) for op in ops)])
         except (OSError, KVPoolError):
-            self._drop(addr)
+            self.conns.drop(addr)
 
     def _finish_writes(self, pending, deadline: ReplicaDeadline | None = None, claims: bool = False) -> None:
         """Read the replies of :meth:`_send_writes`' frames into the ops' errors. ``claims``:
@@ -323,7 +321,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                 with contextlib.suppress(OSError):
                     s.sock.settimeout(_RELEASE_S)
                     sendv(s.sock, [_written(ops)])
-            self._stream_failed(addr, ops, e, "write")
+            self.conns.failed(addr, ops, e, "write")
 
     # ---- reads --------------------------------------------------------------------------
 
@@ -332,12 +330,13 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         (and ``op.digest`` when it was asked for). ``deadline``: how long a network read may
         wait on the node (:class:`ReplicaDeadline`; default: ``io_timeout_s``); shared-memory
         copies do not wait on the node and ignore it."""
+        uses_shm, copies = self.segmaps.uses_shm, self.shm
         net, dma = [], []
         for op in ops:
-            local = self.uses_shm(op.ref)
+            local = uses_shm(op.ref)
             if type(op.out) is ScatterOut:  # pages: copied straight in from a mapped segment, else staged
                 if local:
-                    self._copy_scatter(op)
+                    copies.copy_scatter(op)
                     continue
                 try:
                     op.out = op.out.host(op.ref.size)
@@ -345,16 +344,16 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
                     op.error = e
                     continue
             elif not isinstance(op.out, memoryview):  # a CUDA tensor
-                if local and self._direct(op.ref, op.out):
+                if local and self.cuda.direct(op.ref, op.out):
                     dma.append(op)
                     continue
                 if not _stage(op, False):
                     continue
             if local:
-                self._copy_out(op)
+                copies.copy_out(op)
             else:
                 net.append(op)
-        self._dma(dma, into_segment=False)
+        self.cuda.dma(dma, into_segment=False)
         if net:
             self.finish_reads(self.start_reads(net, deadline))
 
@@ -366,7 +365,7 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
         every op failed, when the requests could not go out."""
         addr = self._stream_addr(net[0].ref)
         try:
-            s = self._conn(addr, deadline.timeout_s if deadline is not None else None,
+            s = self.conns.stream(addr, deadline.timeout_s if deadline is not None else None,
                            incarnation=net[0].ref.incarnation)
             for op in net:
                 if len(op.out) < op.ref.size:
@@ -375,14 +374,14 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             sendv(s.sock, [b"".join([frame(DataRequest(_READ_OP[op.ref.tier], op.ref.incarnation, op.ref.offset,
                                                         op.ref.size, op.ref.gen)) for op in net])])
         except (OSError, KVPoolError) as e:  # the stream is dropped
-            self._stream_failed(addr, net, e, "read")
+            self.conns.failed(addr, net, e, "read")
             return None
         return addr, s, net, deadline
 
     def abandon_reads(self, pending: tuple | None) -> None:
         """Drop the stream of :meth:`start_reads` whose replies will not be read."""
         if pending is not None:
-            self._drop(pending[0])
+            self.conns.drop(pending[0])
 
     def finish_reads(self, pending: tuple | None) -> None:
         """Receive the replies of :meth:`start_reads` into the ops' ``out`` (and ``digest``),
@@ -412,19 +411,22 @@ class DataPlane(_Connections, _SegmentMaps, _ShmCopies, _CudaDirect, _SharedClai
             if deadline is not None:
                 s.sock.settimeout(self.io_timeout_s)
         except (OSError, KVPoolError) as e:  # the stream is dropped: a reply may still be on its way
-            self._stream_failed(addr, net, e, "read")
+            self.conns.failed(addr, net, e, "read")
+
+    def _stream_addr(self, ref: ExtentRef) -> str:
+        """The address a stream to ``ref``'s node dials: its ``ucx://`` address in ``ucx``
+        mode (when it serves one), its Unix socket when it proved to share this host, else
+        its data address."""
+        if self.mode == "ucx" and ref.ucx_addr:
+            return ref.ucx_addr
+        if self.segmaps.same_host(ref):
+            return ref.shm_path  # same host without shm: the node's Unix socket
+        return ref.data_addr
 
     def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=False)
-        self._parking.close()
-        with self._map_lock:
-            for s in list(self._all_conns):
-                close_stream(s)
-            self._all_conns.clear()
-            for inc in list(self._maps):
-                self._unmap(inc)
-            self._node_inc.clear()
+        self.shm.close()
+        self.conns.close()
+        self.segmaps.close()
 
 
 def _written(ops: Sequence[WriteOp]) -> bytes:

@@ -1,6 +1,7 @@
-"""Connections of the data plane (:class:`connector.dataclient.DataPlane`): one pipelined
-stream per store node per thread, dialled on first use and redialled when it was opened to
-an earlier incarnation of the node; its buffered reply reader, which receives
+"""Connections of the data plane (:class:`connector.dataclient.DataPlane`):
+:class:`Connections` keeps one pipelined stream per store node per thread, dialled on first
+use and redialled when it was opened to an earlier incarnation of the node; a stream's
+buffered reply reader (:class:`_Stream`), which receives
 payloads straight into the caller's buffer (through a bounce buffer when that buffer is
 misaligned); and how long a network read may wait on a node (:class:`ReplicaDeadline`,
 :func:`readable`)."""
@@ -8,16 +9,18 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 import msgspec
 
-from kvpool.connector.parking import held
+from kvpool.connector.parking import Parking, held
 from kvpool.connector.shmcopy import _CHUNK, _PAGE, _address, _misaligned
 from kvpool.protocol import transport
+from kvpool.protocol.auth import Security
 from kvpool.protocol.dataplane import DataReply, FrameReader
 from kvpool.protocol.errors import InvalidRequest, NodeUnavailable
-from kvpool.protocol.messages import ExtentRef
 
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
 _REDIAL_S = 2.0  # seconds a redial of a stale connection (to a restarted node's old instance) may take
@@ -128,28 +131,55 @@ def close_stream(s: _Stream) -> None:
         pass
 
 
-class _Connections:
-    """The per-thread streams of a :class:`~connector.dataclient.DataPlane` (mixed into it;
-    uses its ``_local``, ``_parking``, ``_map_lock``, ``_all_conns``, ``io_timeout_s``,
-    ``security`` and ``redials``)."""
+class Connections:
+    """The per-thread streams of a :class:`~connector.dataclient.DataPlane`: one stream per
+    node address per thread (:meth:`stream`), parked when its thread ends and taken up by
+    the next thread that dials that address (:class:`~connector.parking.Parking`), and every
+    stream it ever dialled, for :meth:`close` (the shared claim streams of
+    :class:`~connector.claims.SharedClaims` are dialled here too, with :meth:`dial`).
 
-    def _conns(self) -> dict[str, _Stream]:
+    Given ``io_timeout_s`` (seconds: the default connect timeout and every socket's
+    timeout) and ``security`` (TLS and the cluster-secret handshake of every stream).
+    ``redials`` counts the stale streams (opened to an earlier incarnation of a node)
+    replaced, all threads."""
+
+    def __init__(self, io_timeout_s: float, security: Security) -> None:
+        self.io_timeout_s = io_timeout_s
+        self.security = security
+        self.redials = 0
+        self._local = threading.local()
+        self._parking = Parking(dict.items, close_stream)  # finished threads' streams
+        self._all: weakref.WeakSet[_Stream] = weakref.WeakSet()  # live threads' streams
+        self._lock = threading.Lock()  # guards ``_all``
+
+    def thread_streams(self) -> dict[str, _Stream]:
+        """This thread's streams by address."""
         c = held(self._local, "conns")
         if c is None:  # a thread's streams are parked when it ends (connector/parking.py)
             c = self._parking.hold(self._local, "conns", {})
         return c
 
-    def _conn(self, addr: str, connect_timeout_s: float | None = None, incarnation: str = "") -> _Stream:
+    def dial(self, addr: str, connect_timeout_s: float, incarnation: str = "") -> _Stream:
+        """A new stream to ``addr`` (connected within ``connect_timeout_s``), closed by
+        :meth:`close` at the latest. Raises OSError or KVPoolError when the dial fails."""
+        sock = transport.connect(addr, connect_timeout_s, self.security)
+        sock.settimeout(self.io_timeout_s)
+        s = _Stream(sock, incarnation)
+        with self._lock:
+            self._all.add(s)
+        return s
+
+    def stream(self, addr: str, connect_timeout_s: float | None = None, incarnation: str = "") -> _Stream:
         """This thread's stream to ``addr``, dialled within ``connect_timeout_s`` (default
         ``io_timeout_s``) when it has none. Given the node ``incarnation`` the caller's
         grant names, a stream opened to another one (the node restarted at the same address,
         as a Unix socket path is: its old instance is gone) is stale: it is closed and
         redialled once, within ``min(io_timeout_s, 2 s)``, so that the new instance is never
         taken for dead because of it. Raises OSError or KVPoolError when the dial fails."""
-        conns = self._conns()
+        conns = self.thread_streams()
         s = conns.get(addr)
         if s is not None and incarnation and s.incarnation != incarnation:
-            self._drop(addr)
+            self.drop(addr)
             s = None
             connect_timeout_s = min(connect_timeout_s or self.io_timeout_s, _REDIAL_S)
             self.redials += 1
@@ -159,32 +189,35 @@ class _Connections:
                 close_stream(s)
                 s = None
             if s is None:
-                sock = transport.connect(addr, connect_timeout_s or self.io_timeout_s, self.security)
-                sock.settimeout(self.io_timeout_s)
-                s = _Stream(sock, incarnation)
-                with self._map_lock:
-                    self._all_conns.add(s)
+                s = self.dial(addr, connect_timeout_s or self.io_timeout_s, incarnation)
             conns[addr] = s
         return s
 
-    def _drop(self, addr: str) -> None:
-        s = self._conns().pop(addr, None)
+    def drop(self, addr: str) -> None:
+        """Close this thread's stream to ``addr``, if any."""
+        s = self.thread_streams().pop(addr, None)
         if s is not None:
             close_stream(s)
 
-    def _stream_addr(self, ref: ExtentRef) -> str:
-        if self.mode == "ucx" and ref.ucx_addr:
-            return ref.ucx_addr
-        if self.same_host(ref):
-            return ref.shm_path  # same host without shm: the node's Unix socket
-        return ref.data_addr
-
-    def _stream_failed(self, addr: str, ops: Sequence, e: Exception, doing: str) -> None:
+    def failed(self, addr: str, ops: Sequence, e: Exception, doing: str) -> None:
         """The stream to ``addr`` broke: drop it and fail every op not failed yet with
         NodeUnavailable (or ``e`` itself when it is one)."""
-        self._drop(addr)
+        self.drop(addr)
         err = e if isinstance(e, NodeUnavailable) else NodeUnavailable(
             f"store node {ops[0].ref.node_id} failed during {doing}: {e}", node=ops[0].ref.node_id)
         for op in ops:
             if op.error is None:
                 op.error = err
+
+    def all_streams(self) -> list[_Stream]:
+        """Every stream dialled here and not collected yet (all threads, claim streams too)."""
+        with self._lock:
+            return list(self._all)
+
+    def close(self) -> None:
+        """Close every stream, parked or in use."""
+        self._parking.close()
+        with self._lock:
+            for s in list(self._all):
+                close_stream(s)
+            self._all.clear()

@@ -16,7 +16,8 @@ pages and costs time in proportion to the window, hence windows registered once 
 use. Each window is its own registration, and one copy must stay inside one: a copy
 across a window edge fails with ``cudaErrorInvalidValue``, so copies are split at window
 edges (:func:`window_pieces`). Any CUDA error in a direct transfer sends that mapping back
-to staging for good and redoes the transfer staged (see ``DataPlane._dma_failed``).
+to staging for good and redoes the transfer staged (see ``CudaDirect._dma_failed`` in
+connector/dma.py).
 """
 from __future__ import annotations
 

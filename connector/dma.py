@@ -1,4 +1,5 @@
-"""CUDA tensors on the data plane (:class:`connector.dataclient.DataPlane`): one DMA copy
+"""CUDA tensors on the data plane (:class:`connector.dataclient.DataPlane`), moved by
+:class:`CudaDirect`: one DMA copy
 between a tensor and a same-host extent whose mapping is registered with CUDA, the checksum
 hashed from the segment's host bytes after the DMA; staging through pinned host memory when
 a mapping cannot be registered, when CUDA refuses a direct copy, or off the shared-memory
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -15,41 +17,62 @@ from kvpool.connector.shmcopy import _gone
 from kvpool.protocol.errors import InvalidRequest, KVPoolError
 from kvpool.protocol.messages import ExtentRef
 
+if TYPE_CHECKING:
+    from kvpool.connector.segmap import SegmentMaps
+    from kvpool.connector.shmcopy import ShmCopies
+
 log = logging.getLogger("kvpool.data")
 
 
-class _CudaDirect:
-    """The DMA path of a :class:`~connector.dataclient.DataPlane` (mixed into it; uses its
-    ``cuda_direct``, ``_maps``, ``_map_lock`` and ``_pins``, and its shared-memory copies for
-    the staged redo)."""
+class CudaDirect:
+    """The DMA path of a :class:`~connector.dataclient.DataPlane`: moves bytes between CUDA
+    tensors and extents of the segments ``segmaps`` (a :class:`~connector.segmap.SegmentMaps`)
+    maps, under its ``lock``. Owns ``pins`` (:class:`~connector.device_buffer.PinnedWindows`:
+    which 64 MiB windows of each mapping are registered with CUDA, made on the first CUDA
+    tensor; :meth:`unmapping` drops a mapping's windows before it goes). ``enabled``: direct
+    transfers are on (else every CUDA tensor stages through pinned host memory). ``shm``
+    (:class:`~connector.shmcopy.ShmCopies`) redoes a failed DMA staged."""
 
-    def _direct(self, ref: ExtentRef, buf) -> bool:
+    def __init__(self, segmaps: SegmentMaps, shm: ShmCopies, enabled: bool = True) -> None:
+        self.segmaps = segmaps
+        self.shm = shm
+        self.enabled = enabled
+        self.pins = None  # connector.device_buffer.PinnedWindows, made on the first CUDA tensor
+
+    def unmapping(self, incarnation: str, base: int | None) -> None:
+        """``incarnation``'s mapping (first byte at ``base``) is about to go: its CUDA
+        registration goes first. Caller holds ``segmaps.lock``."""
+        if self.pins is not None:
+            self.pins.drop(incarnation, base)
+
+    def direct(self, ref: ExtentRef, buf) -> bool:
         """True when ``ref`` (a mapped extent) and the CUDA buffer ``buf`` can exchange bytes
         by DMA: direct transfers are on, the extent fits the mapping, and the mapping's
         windows that the extent spans are registered with CUDA (registered here on first
         use; a refusal makes this mapping stage from then on). True also takes a hold on the
-        registration, which :meth:`_dma` gives back."""
-        if not self.cuda_direct or not buf.flat.is_cuda:
+        registration, which :meth:`dma` gives back."""
+        if not self.enabled or not buf.flat.is_cuda:
             return False
-        seg = self._segment(ref)
+        maps = self.segmaps
+        seg = maps.segment(ref)
         if seg is None or ref.offset < 0 or ref.offset + ref.size > len(seg):
             return False  # the staged path reports the bad extent
-        with self._map_lock:
-            if self._maps.get(ref.incarnation) is not seg:
+        with maps.lock:
+            if maps.maps.get(ref.incarnation) is not seg:
                 return False  # unmapped meanwhile
-            if self._pins is None:
+            if self.pins is None:
                 from kvpool.connector.device_buffer import PinnedWindows
 
-                self._pins = PinnedWindows()
-            if not self._pins.ready(ref.incarnation, ref.offset, ref.size):
-                base = self._extent_address(ref) - ref.offset
-                if not self._pins.ensure(ref.incarnation, base, len(seg), ref.offset, ref.size):
+                self.pins = PinnedWindows()
+            if not self.pins.ready(ref.incarnation, ref.offset, ref.size):
+                base = maps.extent_address(ref) - ref.offset
+                if not self.pins.ensure(ref.incarnation, base, len(seg), ref.offset, ref.size):
                     return False
-            self._pins.acquire(ref.incarnation)
+            self.pins.acquire(ref.incarnation)
             return True
 
-    def _dma(self, ops: Sequence, into_segment: bool) -> None:
-        """Direct transfers between registered extents and CUDA tensors (ops :meth:`_direct`
+    def dma(self, ops: Sequence, into_segment: bool) -> None:
+        """Direct transfers between registered extents and CUDA tensors (ops :meth:`direct`
         accepted; their holds are given back here). Every copy is queued on its tensor's
         stream (the caller's, see :class:`~connector.device_buffer.DeviceBuffer`), split at
         registration windows; then the streams are synchronised and each extent is hashed
@@ -62,6 +85,7 @@ class _CudaDirect:
 
         from kvpool.connector.device_buffer import window_pieces
 
+        maps = self.segmaps
         held, streams, hashed = [], {}, []
         try:
             try:
@@ -75,7 +99,7 @@ class _CudaDirect:
                                                   f"{r.size}-byte extent")
                         continue
                     try:
-                        src = self._maps[r.incarnation][r.offset:r.offset + r.size]
+                        src = maps.maps[r.incarnation][r.offset:r.offset + r.size]
                     except (KeyError, TypeError, ValueError):  # unmapped by another thread meanwhile
                         op.error = _gone(r)
                         continue
@@ -107,9 +131,9 @@ class _CudaDirect:
                     # (hashing during the DMA could read the old bytes before the copy did)
                     op.digest = xxhash.xxh3_64_intdigest(src)
         finally:
-            with self._map_lock:  # after every copy ended, before the slices in ``held`` go
+            with maps.lock:  # after every copy ended, before the slices in ``held`` go
                 for op in ops:
-                    self._pins.release(op.ref.incarnation)
+                    self.pins.release(op.ref.incarnation)
 
     def _dma_failed(self, ops: Sequence, into_segment: bool, e: Exception, used) -> None:
         """A direct copy failed: stage these mappings from now on and redo ``ops`` through
@@ -120,16 +144,16 @@ class _CudaDirect:
         for buf in used:  # copies queued before the failure end before the redo
             with contextlib.suppress(RuntimeError):
                 buf.sync()
-        with self._map_lock:
+        with self.segmaps.lock:
             for op in ops:
-                self._pins.refuse(op.ref.incarnation)
+                self.pins.refuse(op.ref.incarnation)
         for op in ops:
             if op.error is not None or not _stage(op, into_segment):
                 continue
             if into_segment:
-                self._write_shm(op)
+                self.shm.write(op)
             else:
-                self._copy_out(op)
+                self.shm.copy_out(op)
 
 
 

@@ -123,7 +123,7 @@ class ReplicaReads:
         self._read_hedged(alt)
 
     def _read_hedged(self, ops: list[ReplicaRead]) -> None:
-        if self.timeout_s is None or self.data.uses_shm(ops[0].ref):
+        if self.timeout_s is None or self.data.segmaps.uses_shm(ops[0].ref):
             self.data.read(ops)
             return
         hedges: list[Future] = []

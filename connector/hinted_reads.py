@@ -42,6 +42,7 @@ class HintedReads:
 
     def __init__(self, data, replica_reads, release: Callable[[list, float], None]) -> None:
         self.data = data
+        self._uses_shm = data.segmaps.uses_shm  # ref -> copied through a same-host mapping
         self.replica_reads = replica_reads
         self._release = release
         self.where: dict[str, M.ExtentRef] = {}  # key -> a network replica, token stripped
@@ -53,7 +54,7 @@ class HintedReads:
     def remember(self, key: str, ref: M.ExtentRef) -> None:
         """``key`` lives at ``ref``, a network replica (same-host ones and big objects are
         skipped; the caller skips keys that also have a same-host replica)."""
-        if ref.size > HINT_MAX_BYTES or ref.tier or self.data.uses_shm(ref):
+        if ref.size > HINT_MAX_BYTES or ref.tier or self._uses_shm(ref):
             return  # (a disk replica is not read ahead: a wasted read would cost disk I/O)
         where = self.where
         where.pop(key, None)  # re-inserted last: the oldest-first eviction forgets cold keys
@@ -122,7 +123,7 @@ class HintedReads:
         """Whether the lookup's ``info`` lets a read of ``ref`` stand (before its bytes are
         checked); a key whose location went stale is forgotten."""
         if (type(info) is not M.ObjectInfo or ref not in info.replicas
-                or any(self.data.uses_shm(r) for r in info.replicas)):  # a copy here beats any network read
+                or any(self._uses_shm(r) for r in info.replicas)):  # a copy here beats any network read
             self.where.pop(key, None)
             return False
         if want_layout is not None and want_layout != info.layout:

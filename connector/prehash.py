@@ -3,7 +3,8 @@ or the same-host node's claims): a buffer hashed then is afterwards copied or se
 without hashing (a shared-memory copy is one GIL-free ``memcpy``), so most of the hash
 leaves the put's critical path (``benchmarks/RESULTS.md``, "the put's hash off its
 critical path"). Buffers over :data:`PREHASH_MAX` are hashed beside their copy instead
-(:meth:`DataPlane._hash_aside`): hashing them here would outlast the wait."""
+(:meth:`ShmCopies.hash_aside <connector.shmcopy.ShmCopies.hash_aside>`): hashing them
+here would outlast the wait."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableMapping, Sequence

@@ -223,8 +223,9 @@ class ReservedPuts:
         hand), the others go to the pool. None is claimed yet (see :meth:`_claim`)."""
         term = self.rpc.term
         use_by = t_sent + got.ttl_s * 0.5
+        uses_shm = self.data.segmaps.uses_shm
         slots = [Slot(r, size, replicas, got.replicas_wanted, term, use_by,
-                      claimed=not any(self.data.uses_shm(x) for x in r.replicas)) for r in got.reservations]
+                      claimed=not any(uses_shm(x) for x in r.replicas)) for r in got.reservations]
         self._res_pool.add(slots[keep:])
         self._start_reaper()
         return slots[:keep]
@@ -234,16 +235,17 @@ class ReservedPuts:
         refused (or unanswered), whose other claims are ended. Sets ``claimed`` on the rest.
         ``meanwhile()``: work done once, while the first node answers."""
         local: dict[str, list[tuple[int, M.ExtentRef]]] = defaultdict(list)
+        uses_shm = self.data.segmaps.uses_shm
         for i, s in enumerate(slots):
             for r in s.res.replicas:
-                if self.data.uses_shm(r):
+                if uses_shm(r):
                     local[r.node_id].append((i, r))
         if self._ends_n:
             self.flush_ends()  # our own ended claims first: a range freed since may come back to us
         timeout = self._write_deadline.timeout_s if self._write_deadline is not None else self.data.io_timeout_s
         bad: set[int] = set()
-        verdicts = self.data.claim_held_many({nid: [r for _, r in pairs] for nid, pairs in local.items()}, timeout,
-                                             meanwhile)
+        verdicts = self.data.claims.claim_many({nid: [r for _, r in pairs] for nid, pairs in local.items()},
+                                               timeout, meanwhile)
         for nid, pairs in local.items():
             for (i, r), err in zip(pairs, verdicts[nid]):
                 slots[i].local.append(r)  # refused too: a late verdict of an unanswered claim ends with written
@@ -305,7 +307,7 @@ class ReservedPuts:
             ends, self._ends = self._ends, defaultdict(lambda: ([], []))
             self._ends_n, self._ends_since = 0, 0.0
         for done, copies in ends.values():
-            self.data.end_held(done, copies)
+            self.data.claims.end(done, copies)
 
     def _give_back_dead(self, now: float | None = None) -> None:
         dead = self._res_pool.take_dead(now)

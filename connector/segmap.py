@@ -1,12 +1,12 @@
-"""Same-host segment mapping of the data plane (:class:`connector.dataclient.DataPlane`):
-the ``map`` handshake over a node's Unix socket, which hands over the node's segment memfd
+"""Same-host segment mapping of the data plane (:class:`connector.dataclient.DataPlane`),
+held by :class:`SegmentMaps`: the ``map`` handshake over a node's Unix socket, which hands over the node's segment memfd
 (SCM_RIGHTS) and proves the node shares this host; the mappings per node incarnation, their
 retry after a node that did not answer, and unmapping a dead or restarted node's segment.
 
 The handshake also names the node's process (``SO_PEERCRED``), held as a pidfd, which
 refers to that one process (no pid-reuse race): a same-host write copies into the mapping
 without the node, and the mapping outlives the node, so a copy that returned proves
-nothing about the node. :meth:`_SegmentMaps.node_alive` asks the pidfd whether the
+nothing about the node. :meth:`SegmentMaps.node_alive` asks the pidfd whether the
 process still runs, after the copy and before the commit: an acknowledgement never counts
 a replica on a node that died before it (DESIGN.md §5)."""
 from __future__ import annotations
@@ -18,10 +18,13 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
+from collections.abc import Callable
 
 from kvpool.connector.shmcopy import _address, _prefault_aside
 from kvpool.protocol import transport
+from kvpool.protocol.auth import Security
 from kvpool.protocol.dataplane import DataRequest, frame, recv_reply
 from kvpool.protocol.errors import KVPoolError, NodeUnavailable
 from kvpool.protocol.messages import ExtentRef
@@ -33,29 +36,54 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 log = logging.getLogger("kvpool.data")
 
 
-class _SegmentMaps:
-    """The shared-memory mappings of a :class:`~connector.dataclient.DataPlane` (mixed into
-    it; uses its ``_maps``, ``_bases``, ``_mmaps``, ``_node_inc``, ``_map_retry``,
-    ``_proven``, ``_told_remote``, ``_map_lock``, ``_pins``, ``mode``, ``host_id``,
-    ``io_timeout_s`` and ``security``)."""
+class SegmentMaps:
+    """The same-host segment mappings of a :class:`~connector.dataclient.DataPlane`, by node
+    incarnation: ``maps`` (incarnation -> the mapped segment as a memoryview, or None when
+    it cannot be mapped), the ``lock`` that guards them (and what :class:`~connector.dma.
+    CudaDirect` registers with CUDA on them), each node's process as a pidfd
+    (:meth:`node_alive`) and whether each node proved it shares this host
+    (:meth:`same_host`).
+
+    Given ``host_id`` (this client's host id), ``mode`` (the DataPlane's transport mode:
+    ``tcp`` never maps, ``unix``/``ucx`` ask the question but do not map), ``io_timeout_s``
+    (seconds; bounds the ``map`` handshake with 2 s) and ``security`` (TLS and the cluster
+    secret of the handshake). ``before_unmap(incarnation, base address or None)``, when
+    set, is called under ``lock`` before a mapping goes (the CUDA part drops its
+    registration of it there)."""
+
+    def __init__(self, host_id: str, mode: str, io_timeout_s: float, security: Security) -> None:
+        self.host_id = host_id
+        self.mode = mode
+        self.io_timeout_s = io_timeout_s
+        self.security = security
+        self.before_unmap: Callable[[str, int | None], None] | None = None
+        self.maps: dict[str, memoryview | None] = {}
+        self.lock = threading.Lock()
+        self._bases: dict[str, int] = {}  # incarnation -> address of the mapping's first byte
+        self._mmaps: dict[str, mmap.mmap] = {}
+        self._node_inc: dict[str, str] = {}  # node id -> incarnation currently mapped
+        self._map_retry: dict[str, float] = {}  # incarnation -> when to ask again for a mapping not answered
+        self._proven: dict[str, bool] = {}  # incarnation -> its node proved to share this host (same_host)
+        self._pidfds: dict[str, int | None] = {}  # incarnation -> pidfd of its node's process (node_alive)
+        self._told_remote: set[str] = set()  # node ids warned about: same host id, not provably this host
 
     def uses_shm(self, ref: ExtentRef) -> bool:
         """Whether ``ref`` is copied through the mapped segment (a same-host memory replica;
         a disk replica never is: it is read over its node's disk-read socket)."""
         return (self.mode in ("auto", "shm") and ref.host_id == self.host_id and not ref.tier
-                and self._segment(ref) is not None)
+                and self.segment(ref) is not None)
 
     def same_host(self, ref: ExtentRef) -> bool:
         """Whether ``ref``'s node proved to share this host: it publishes this client's host
         id and its Unix socket answered the ``map`` handshake for ``ref``'s incarnation (a
         host id alone proves nothing: two machines may carry the same one). Asked once per
-        incarnation, as :meth:`_segment` asks; a node that does not prove it is reached over
+        incarnation, as :meth:`segment` asks; a node that does not prove it is reached over
         TCP, with one warning per node."""
         if self.mode == "tcp" or ref.host_id != self.host_id or not ref.shm_path:
             return False
-        if self._maps.get(ref.incarnation) is None:
-            self._segment(ref, self.mode in ("auto", "shm"))
-        return bool(self._maps.get(ref.incarnation) is not None or self._proven.get(ref.incarnation))
+        if self.maps.get(ref.incarnation) is None:
+            self.segment(ref, self.mode in ("auto", "shm"))
+        return bool(self.maps.get(ref.incarnation) is not None or self._proven.get(ref.incarnation))
 
     def _not_local(self, ref: ExtentRef, why: str) -> None:
         """Record that ``ref``'s node did not prove it shares this host; warn once per node."""
@@ -66,7 +94,7 @@ class _SegmentMaps:
                         "is on this host (%s); using TCP %s. Give hosts distinct host ids (--host-id) if they "
                         "differ", ref.node_id, self.host_id, ref.shm_path, why, ref.data_addr)
 
-    def _segment(self, ref: ExtentRef, map_it: bool = True) -> memoryview | None:
+    def segment(self, ref: ExtentRef, map_it: bool = True) -> memoryview | None:
         """The mapped segment of ``ref``'s node incarnation (None when it cannot be mapped).
         Asking for the mapping waits at most ``min(io_timeout_s, 2 s)``; a node that did not
         answer (frozen, overloaded, or another machine with the same host id) is asked again
@@ -74,14 +102,14 @@ class _SegmentMaps:
         reply naming ``ref``'s incarnation (a mapping, or a device segment's refusal) proves
         the node is on this host. ``map_it=False`` (transport ``unix``/``ucx``) asks the same
         question but closes the memfd unmapped."""
-        seg = self._maps.get(ref.incarnation, False)
+        seg = self.maps.get(ref.incarnation, False)
         if seg is not False and (seg is not None or ref.incarnation not in self._map_retry):
             return seg
-        with self._map_lock:
-            if ref.incarnation in self._maps:
+        with self.lock:
+            if ref.incarnation in self.maps:
                 if self._map_retry.get(ref.incarnation, float("inf")) > time.monotonic():
-                    return self._maps[ref.incarnation]
-                del self._maps[ref.incarnation], self._map_retry[ref.incarnation]
+                    return self.maps[ref.incarnation]
+                del self.maps[ref.incarnation], self._map_retry[ref.incarnation]
             seg = None
             old = self._node_inc.get(ref.node_id)
             if old is not None and old != ref.incarnation:
@@ -120,7 +148,7 @@ class _SegmentMaps:
                 self._not_local(ref, f"{type(e).__name__}: {e}")
                 if isinstance(e, (TimeoutError, NodeUnavailable)):  # no answer: ask again later
                     self._map_retry[ref.incarnation] = time.monotonic() + _MAP_RETRY_S
-            self._maps[ref.incarnation] = seg
+            self.maps[ref.incarnation] = seg
             return seg
 
     def node_alive(self, ref: ExtentRef) -> bool | None:
@@ -138,31 +166,38 @@ class _SegmentMaps:
         except OSError:  # closed by an unmap meanwhile: the node is being forgotten
             return None
 
-    def _extent_address(self, ref: ExtentRef) -> int:
+    def extent_address(self, ref: ExtentRef) -> int:
         base = self._bases.get(ref.incarnation)
         if base is None:
-            base = self._bases[ref.incarnation] = _address(self._segment(ref)[:1])
+            base = self._bases[ref.incarnation] = _address(self.segment(ref)[:1])
         return base + ref.offset
 
-    def forget_node(self, node_id: str) -> None:
+    def forget(self, node_id: str) -> None:
         """Unmap ``node_id``'s segment (it died): a long-lived client must not keep a dead
         node's whole segment resident."""
-        with self._map_lock:
+        with self.lock:
             inc = self._node_inc.pop(node_id, None)
             if inc is not None:
                 self._unmap(inc)
 
+    def close(self) -> None:
+        """Unmap every segment."""
+        with self.lock:
+            for inc in list(self.maps):
+                self._unmap(inc)
+            self._node_inc.clear()
+
     def _unmap(self, incarnation: str) -> None:
-        """Caller holds ``_map_lock``."""
+        """Caller holds ``lock``."""
         self._proven.pop(incarnation, None)
         fd = self._pidfds.pop(incarnation, None)
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        view = self._maps.pop(incarnation, None)
+        view = self.maps.pop(incarnation, None)
         base = self._bases.pop(incarnation, None)
-        if self._pins is not None:
-            self._pins.drop(incarnation, base)  # CUDA registration goes before the mapping
+        if self.before_unmap is not None:
+            self.before_unmap(incarnation, base)  # CUDA registration goes before the mapping
         mm = self._mmaps.pop(incarnation, None)
         try:
             if view is not None:

@@ -1,12 +1,13 @@
-"""Shared-memory copies of the data plane (:class:`connector.dataclient.DataPlane`): the
-copies between caller buffers and a mapped extent (hashed chunk by chunk as they go, or
-beside the copy on a helper thread; bounced where 4K aliasing slows ``memcpy``), and their
-helpers: a GIL-free ``memcpy`` for big copies, buffer addresses and alignment, and
+"""Shared-memory copies of the data plane (:class:`connector.dataclient.DataPlane`),
+made by :class:`ShmCopies`: the copies between caller buffers and a mapped extent (hashed
+chunk by chunk as they go, or beside the copy on a helper thread; bounced where 4K
+aliasing slows ``memcpy``), and their helpers: a GIL-free ``memcpy`` for big copies, buffer addresses and alignment, and
 prefaulting a new mapping's page tables beside the first transfers."""
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -89,11 +90,29 @@ def _gone(r: ExtentRef) -> NodeUnavailable:
 
 
 
-class _ShmCopies:
-    """The shared-memory copies of a :class:`~connector.dataclient.DataPlane` (mixed into it;
-    uses its mappings, ``_local`` and the ``_hasher`` helper thread)."""
+class ShmCopies:
+    """The shared-memory copies of a :class:`~connector.dataclient.DataPlane`, between caller
+    buffers and extents of mapped segments. Given ``segment(ref)`` (the mapped segment of
+    ``ref``'s node as a memoryview, None when it cannot be mapped) and
+    ``extent_address(ref)`` (the address of ``ref``'s first byte in that mapping): both of
+    :class:`~connector.segmap.SegmentMaps`. Owns a per-thread 256 KiB bounce buffer (4K aliasing, see :meth:`copy_out`) and
+    the one helper thread that hashes a put's buffer beside its copy (:meth:`hash_aside`,
+    also used by network writes); :meth:`close` shuts that thread down."""
 
-    def _write_shm(self, op: WriteOp) -> None:
+    def __init__(self, segment: Callable[[ExtentRef], memoryview | None],
+                 extent_address: Callable[[ExtentRef], int]) -> None:
+        self._segment = segment
+        self._extent_address = extent_address
+        self._local = threading.local()  # .bounce: (buffer, its address), made on first use
+        self._hasher: ThreadPoolExecutor | None = None  # see hash_aside
+        self._hasher_free = threading.Lock()
+
+    def close(self) -> None:
+        """Shut the helper thread down (puts hash inline from then on)."""
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False)
+
+    def write(self, op: WriteOp) -> None:
         """Copy ``op.data`` (a memoryview) into its mapped extent, hashing it on the way
         when no checksum is set yet; NodeUnavailable on the op when the mapping is gone."""
         r = op.ref
@@ -101,12 +120,12 @@ class _ShmCopies:
         if seg is None:
             op.error = _gone(r)
             return
-        digest = self._copy_in(r, seg[r.offset:r.offset + r.size], op.data, op.checksum is None)
+        digest = self.copy_in(r, seg[r.offset:r.offset + r.size], op.data, op.checksum is None)
         if op.checksum is None:
             op.checksum = digest
 
-    def _write_shm_many(self, ops: list[WriteOp]) -> None:
-        """:meth:`_write_shm` for many ops (host buffers, extents checked to fit), in one
+    def write_many(self, ops: list[WriteOp]) -> None:
+        """:meth:`write` for many ops (host buffers, extents checked to fit), in one
         native call: every object copied and hashed (checksums set where none was)."""
         dsts, live = [], []
         for op in ops:
@@ -125,15 +144,15 @@ class _ShmCopies:
                 if op.checksum is None:
                     op.checksum = h
 
-    def _copy_in(self, ref: ExtentRef, dst: memoryview, data: memoryview, digest: bool) -> int | None:
+    def copy_in(self, ref: ExtentRef, dst: memoryview, data: memoryview, digest: bool) -> int | None:
         """Shared-memory write: caller buffer → extent, one copy (bounced in the 4K-aliasing
-        case described in :meth:`_copy_out`). With ``digest``, returns the xxh3_64 of the
+        case described in :meth:`copy_out`). With ``digest``, returns the xxh3_64 of the
         bytes, hashed per 256 KiB chunk right after it is copied (source still in L2)."""
         if copyhash.NATIVE:  # one GIL-free call: large copies streamed past the caches, aliasing bounced in C
             return copyhash.store_hash(dst, data, digest)
         size = len(dst)
         if digest and size >= HASH_ASIDE_MIN:
-            fut = self._hash_aside(data)
+            fut = self.hash_aside(data)
             if fut is not None:
                 _memcpy(dst, data)
                 return fut.result()
@@ -159,8 +178,8 @@ class _ShmCopies:
                 h.update(data[a:b])
         return h.intdigest() if h is not None else None
 
-    def _hash_aside(self, data) -> Future | None:
-        """Start the xxh3_64 of a put's buffer ``data`` on this plane's one helper thread,
+    def hash_aside(self, data) -> Future | None:
+        """Start the xxh3_64 of a put's buffer ``data`` on the one helper thread,
         so that it runs beside the caller's GIL-free ``memcpy`` of the same bytes into the
         segment; None when the helper is busy with another thread's copy or shut down
         (``close()``, interpreter exit): that copy hashes as it goes instead. Puts only: the
@@ -197,7 +216,7 @@ class _ShmCopies:
         k = (src + _PAGE // 2 - b[1]) % _PAGE
         return b[0][k:k + _CHUNK]
 
-    def _copy_out(self, op: ReadOp) -> None:
+    def copy_out(self, op: ReadOp) -> None:
         """Shared-memory read: segment → ``op.out``, one copy. With a digest wanted, the copy
         goes in 256 KiB chunks, each hashed right after it lands (still in L2), which is
         faster than copy-then-hash (benchmarks/RESULTS.md, "Measurements behind choices in
@@ -257,7 +276,7 @@ class _ShmCopies:
         if h is not None:
             op.digest = h.intdigest()
 
-    def _copy_scatter(self, op: ReadOp) -> None:
+    def copy_scatter(self, op: ReadOp) -> None:
         """Shared-memory read into a :class:`~connector.scatter_out.ScatterOut`: segment →
         its pieces, one copy each, each hashed right after it landed (when a digest is
         wanted)."""

@@ -119,7 +119,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             # a full CUDA graph replays without Python: no wait_for_layer_load, so wait here
             mode = getattr(forward_context, "cudagraph_runtime_mode", None)
-            self.worker.start_load_kv(whole=getattr(mode, "name", "") == "FULL")
+            self.worker.loads.start(whole=getattr(mode, "name", "") == "FULL")
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -132,7 +132,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         """Block until this step's layer-wise loads have written ``layer_name``'s pages
         (bounded by the step's load deadline; nothing to wait for with async loads)."""
         if self.worker is not None:
-            self.worker.wait_for_layer_load(layer_name)
+            self.worker.loads.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -152,11 +152,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
             return KVConnectorTransferResults()
-        done, failed = self.worker.get_finished()
+        done, failed = self.worker.loads.get_finished()
         return KVConnectorTransferResults(finished_sending=set(), finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_invalid() if self.worker is not None else set()
+        return self.worker.loads.take_invalid() if self.worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVPoolWorkerMetadata | None:
         return self.worker.take_report() if self.worker is not None else None

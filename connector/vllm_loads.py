@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +29,16 @@ from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.layer_loads import LayerLoads
 from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.scatter_out import ScatterOut
-from kvpool.connector.vllm_meta import GroupLayout, LoadJob, monotonic
-from kvpool.connector.vllm_pages import TORCH_DTYPES, host_bytes
+from kvpool.connector.vllm_meta import (
+    ConnectorSettings,
+    GroupLayout,
+    KVPoolConnectorMetadata,
+    LoadJob,
+    WorkerTally,
+    block_keys,
+    monotonic,
+)
+from kvpool.connector.vllm_pages import TORCH_DTYPES, PageRuns, block_parts, host_bytes, staging
 from kvpool.connector.vllm_plan import NULL_BLOCK
 from kvpool.protocol.errors import ChecksumMismatch, KVPoolError
 
@@ -69,14 +77,36 @@ class _Plan:
 
 
 class WorkerLoads:
-    """The load half of :class:`~connector.vllm_worker.KVPoolWorker` (a mixin: it needs
-    the worker's settings ``s``, ``client``, ``groups``, ``multi_group``, ``meta``,
-    ``pin``, its ``loader`` and ``gatherer`` threads, ``lock``, ``report``, ``stats``, and
-    ``_staging``, ``_keys``, ``_parts``)."""
+    """The loads of a :class:`~connector.vllm_worker.KVPoolWorker` (its ``loads``): the
+    step's load jobs, their futures by request id, this step's layer-wise loads, the blocks
+    that did not load, and the staging arena.
 
-    def _init_loads(self, kv_bytes: int) -> None:
-        """Load state; ``kv_bytes``: the KV cache's bytes (bounds the staging arena)."""
-        self.loads: dict[str, Future] = {}
+    Given ``settings`` (:class:`~connector.vllm_meta.ConnectorSettings`), ``client`` (the
+    worker's KVPoolClient), ``groups`` (the worker's :class:`~connector.vllm_meta.
+    GroupLayout` list, in cache-group order), ``multi_group`` (vLLM's KV cache has several
+    groups: block ids are ambiguous), ``rank`` (TP rank, for keys), the worker's ``loader``
+    and ``gatherer`` threads (one-thread executors: loads run on the first, the arena's
+    prefault on the second), ``tally`` (:class:`~connector.vllm_meta.WorkerTally`: report
+    and stats) and ``kv_bytes`` (bytes of the whole KV cache: bounds the arena). The caches
+    come with :meth:`registered`; each step's metadata with :meth:`bind`."""
+
+    def __init__(self, settings: ConnectorSettings, client, groups: list[GroupLayout], multi_group: bool,
+                 rank: int, loader: ThreadPoolExecutor, gatherer: ThreadPoolExecutor, tally: WorkerTally,
+                 kv_bytes: int) -> None:
+        self.s = settings
+        self.client = client
+        self.groups = groups
+        self.multi_group = multi_group
+        self.rank = rank
+        self.loader = loader
+        self.gatherer = gatherer
+        self.tally = tally
+        self.meta: KVPoolConnectorMetadata | None = None  # this step's, from bind
+        self.caches: dict[str, list] = {}  # from registered: see KVPoolWorker.caches
+        self.layer_pos: dict[str, tuple[int, int]] = {}
+        self.page_runs: list[PageRuns | None] = []
+        self.pin = False
+        self.pending: dict[str, Future] = {}  # asynchronous loads by request id
         self.last_load: Future | None = None  # the loader's newest job
         self.load_stream = None  # device caches: the loader's CUDA stream
         self.layered: tuple[LayerLoads, Future, list[LoadJob]] | None = None  # this step's layer-wise loads
@@ -85,9 +115,14 @@ class WorkerLoads:
         self.arena_ready: Future | None = None
         self.arena_bytes = min(LOAD_ARENA_BYTES, kv_bytes)
 
-    def _alloc_arena(self) -> None:
-        """Allocate the load staging arena once the caches are registered (pinned when
-        they live on a GPU) and fault its pages in on the gather thread."""
+    def registered(self, caches: dict[str, list], layer_pos: dict[str, tuple[int, int]],
+                   page_runs: list[PageRuns | None], pin: bool) -> None:
+        """The worker registered its caches: ``caches`` (layer -> ``(view, shape, dtype)``
+        per sub-tensor of a block), ``layer_pos`` (layer -> ``(group index, byte
+        offset)``), ``page_runs`` (per group, host caches loads fill straight from a mapped
+        segment; None: staged) and ``pin`` (the caches live on a GPU: staging is pinned).
+        Allocates the load staging arena and faults its pages in on the gather thread."""
+        self.caches, self.layer_pos, self.page_runs, self.pin = caches, layer_pos, page_runs, pin
         if self.s.loads and self.arena_bytes and not all(self.page_runs):  # direct groups need no staging
             self.load_arena = torch.empty(self.arena_bytes, dtype=torch.uint8, pin_memory=self.pin)
             if not self.pin:  # pinned memory is resident already; fault host pages in off the loads' path
@@ -102,7 +137,14 @@ class WorkerLoads:
             self.arena_ready = None
         return self.load_arena
 
-    def start_load_kv(self, whole: bool = False) -> None:
+    def bind(self, meta: KVPoolConnectorMetadata | None) -> None:
+        """This step's metadata (None: none for kvpool); a step that ended without its
+        output (an error in its forward) has its layer-wise loads ended unreported."""
+        if self.layered is not None:
+            self._end_layered(report=False)
+        self.meta = meta
+
+    def start(self, whole: bool = False) -> None:
         """Submit this step's load jobs to the loader thread. Asynchronous jobs go as one
         batch: one ``get_into_batch`` per group for all of them (reads under the read
         leases the scheduler's lookup took, so no master round trip for the blocks those
@@ -117,7 +159,7 @@ class WorkerLoads:
         this step's forward pass as well."""
         if self.meta is None:
             return
-        jobs = [job for job in self.meta.loads if job.req_id not in self.loads]
+        jobs = [job for job in self.meta.loads if job.req_id not in self.pending]
         now = [job for job in jobs if job.layerwise]
         later = [job for job in jobs if not job.layerwise]
         if now:
@@ -143,14 +185,14 @@ class WorkerLoads:
         if later:
             fut = self.last_load = self.loader.submit(self._load_batch, later)
             for job in later:
-                self.loads[job.req_id] = fut
+                self.pending[job.req_id] = fut
 
     def _failed(self, job: LoadJob, reason: str) -> _LoadResult:
         """The result of a job none of whose blocks loaded."""
         return self._result(job, _Plan(max((len(gb.positions) for gb in job.groups), default=0), reason, 0, {},
                                        [(None, 0)] * len(job.groups)), 0.0)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer(self, layer_name: str) -> None:
         """Block until this step's layer-wise loads have written ``layer_name``'s pages
         (at most until the step's deadline: then the step's loads are cancelled and
         reported failed)."""
@@ -186,13 +228,13 @@ class WorkerLoads:
             elif n * nb <= free.numel():  # the kept, prefaulted arena; a step past it gets fresh memory
                 room, free = free[:n * nb].view(n, nb), free[n * nb:]
             else:
-                room = self._staging(n, g)
+                room = staging(n, nb, self.pin)
             flat = memoryview(room.numpy()).cast("B") if room is not None else None  # slices: no tensor per block
             for job in todo:
                 pos = job.groups[gi].positions
                 lo = len(keys)
                 spans.append((job, room[lo:lo + len(pos)] if room is not None else None, lo))
-                keys += self._keys(g, job.first, job.hashes, pos)
+                keys += block_keys(self.s, g, self.rank, job.first, job.hashes, pos)
                 if runs is not None:
                     outs += [ScatterOut(runs.pages(b), gate) for b in job.groups[gi].block_ids[:len(pos)]]
                 else:
@@ -204,13 +246,13 @@ class WorkerLoads:
                     res = self.client.get_into_batch(keys, outs, g.layout, leases)
                 except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
                     res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * len(keys)
-                with self.lock:
-                    self.stats.observe_group(g.group_id, "load_s", monotonic() - tg)
+                with self.tally.lock:
+                    self.tally.stats.observe_group(g.group_id, "load_s", monotonic() - tg)
             for job, buf, lo in spans:
                 fetched[job.req_id].append((buf, res[lo:lo + len(job.groups[gi].positions)]))
         if held:
-            with self.lock:
-                self.stats.add("blocks_read_on_lookup_leases", held - len(leases.infos))
+            with self.tally.lock:
+                self.tally.stats.add("blocks_read_on_lookup_leases", held - len(leases.infos))
         return fetched, monotonic() - t0
 
     def _load_batch(self, jobs: list[LoadJob]) -> dict[str, _LoadResult]:
@@ -334,7 +376,7 @@ class WorkerLoads:
         kernel-block views go through ``index_copy_``."""
         if not block_ids:
             return
-        for view, lo, hi, shape, dtype in self._parts(g, name):
+        for view, lo, hi, shape, dtype in block_parts(self.caches, self.layer_pos, name):
             src = buf[:, lo:hi].view(TORCH_DTYPES[dtype]).view(len(block_ids), *shape)
             dst = host_bytes(view)
             if dst is not None:
@@ -352,13 +394,13 @@ class WorkerLoads:
         engine would otherwise spin through empty steps, holding the GIL the loader needs."""
         if self.layered is not None:
             self._end_layered()
-        if self.loads and self.meta is not None and self.meta.idle:
-            wait(list(self.loads.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        if self.pending and self.meta is not None and self.meta.idle:
+            wait(list(self.pending.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         done, failed = set(), set()
-        for req_id, fut in list(self.loads.items()):
+        for req_id, fut in list(self.pending.items()):
             if not fut.done():
                 continue
-            del self.loads[req_id]
+            del self.pending[req_id]
             try:
                 r = fut.result()[req_id]
             except Exception as e:  # noqa: BLE001 - a bug in the load must not hang the request
@@ -390,24 +432,24 @@ class WorkerLoads:
             log.error("kvpool: layer-wise load of %d request(s) did not finish (%s: %s); their blocks are "
                       "reported failed", len(jobs), type(e).__name__, e)
             results = {job.req_id: self._failed(job, "not finished") for job in jobs}
-        with self.lock:
-            self.stats.observe("layer_wait_s", ll.waited_s)
+        with self.tally.lock:
+            self.tally.stats.observe("layer_wait_s", ll.waited_s)
         for r in results.values():
             if report:
                 self.invalid |= r.failed_blocks
             self._count(r)
 
     def _count(self, r: _LoadResult) -> None:
-        with self.lock:
-            self.report.loads[r.req_id] = r.n_failed
-            self.stats.add("loads")
-            self.stats.observe("load_s", r.seconds)
-            self.stats.add("blocks_loaded", r.n_ok)
-            self.stats.add("blocks_load_failed", r.n_failed)
-            self.stats.add("bytes_loaded", r.nbytes)
-            self.stats.add("blocks_corrupt", r.n_corrupt)
+        with self.tally.lock:
+            self.tally.report.loads[r.req_id] = r.n_failed
+            self.tally.stats.add("loads")
+            self.tally.stats.observe("load_s", r.seconds)
+            self.tally.stats.add("blocks_loaded", r.n_ok)
+            self.tally.stats.add("blocks_load_failed", r.n_failed)
+            self.tally.stats.add("bytes_loaded", r.nbytes)
+            self.tally.stats.add("blocks_corrupt", r.n_corrupt)
             for gid, nb in r.group_bytes.items():
-                self.stats.add_group(gid, "bytes_loaded", nb)
+                self.tally.stats.add_group(gid, "bytes_loaded", nb)
 
     def take_invalid(self) -> set[int]:
         out, self.invalid = self.invalid, set()

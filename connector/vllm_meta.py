@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -463,6 +464,15 @@ def keys_for(settings: ConnectorSettings, g: GroupLayout, hashes: list[bytes], r
     return keys
 
 
+def block_keys(settings: ConnectorSettings, g: GroupLayout, rank: int, first: int, hashes: list[bytes],
+               positions: list[int]) -> list[str]:
+    """Keys of group ``g``'s blocks at ``positions`` for TP rank ``rank`` (``hashes[p -
+    first]`` is block ``p``'s hash)."""
+    if not g.is_state:  # a block's key does not depend on its position
+        return keys_for(settings, g, [hashes[p - first] for p in positions], rank)
+    return [keys_for(settings, g, [hashes[p - first]], rank, p)[0] for p in positions]
+
+
 def handoff_group_names(g: GroupLayout, tp_size: int) -> list[tuple[str, int | None]]:
     """Names under which a hand-off record lists ``g``'s keys: one per TP rank for split
     layouts (``"0/tp1"``), one for replicated layouts (``"0"``)."""
@@ -546,6 +556,32 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         for k, v in other.loads.items():
             loads[k] = max(loads.get(k, 0), v)
         return KVPoolWorkerMetadata(self.saves + other.saves, loads)
+
+
+class WorkerTally:
+    """What a vLLM worker's saves and loads tell the scheduler and the metrics, per step:
+    ``report`` (:class:`KVPoolWorkerMetadata`) and ``stats`` (:class:`KVPoolConnectorStats`),
+    both updated from I/O threads under ``lock`` and handed over (and started afresh) by
+    :meth:`take_report` and :meth:`take_stats`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.report = KVPoolWorkerMetadata()
+        self.stats = KVPoolConnectorStats()
+
+    def take_report(self) -> KVPoolWorkerMetadata | None:
+        with self.lock:
+            if not self.report.saves and not self.report.loads:
+                return None
+            rep, self.report = self.report, KVPoolWorkerMetadata()
+            return rep
+
+    def take_stats(self) -> KVPoolConnectorStats | None:
+        with self.lock:
+            if self.stats.is_empty():
+                return None
+            st, self.stats = self.stats, KVPoolConnectorStats()
+            return st
 
 
 # ---- accounting --------------------------------------------------------------------------

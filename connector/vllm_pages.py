@@ -1,16 +1,38 @@
 """KV cache pages as the connector moves them: torch dtypes by layout name, host cache
-views as numpy bytes, the gather copy of saves, and kernel-block caches seen as manager
-blocks. Pure tensor helpers, no I/O."""
+views as numpy bytes, a layer's sub-tensors inside a stored block, staging buffers, the
+gather copy of saves, and kernel-block caches seen as manager blocks. Pure tensor
+helpers, no I/O."""
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
+
+from kvpool.protocol.layout import DTYPE_BYTES
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
                  "int32": torch.int32, "int64": torch.int64, "float8_e4m3fn": torch.float8_e4m3fn,
                  "float8_e5m2": torch.float8_e5m2}
+
+
+def staging(n: int, nbytes: int, pin: bool) -> torch.Tensor:
+    """A ``[n, nbytes]`` uint8 host buffer for ``n`` blocks of ``nbytes`` each: pinned
+    (torch's caching host allocator) when ``pin`` (the caches are on a GPU), so the gather
+    and scatter copies are DMA at full link speed (``benchmarks/gpu_paths.py``)."""
+    return torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=pin)
+
+
+def block_parts(caches: dict[str, list], layer_pos: dict[str, tuple[int, int]], name: str):
+    """``(cache view, byte offset, end, shape, dtype)`` of each sub-tensor of layer ``name``
+    inside one stored block of its group: ``caches[name]`` holds the layer's ``(view, shape,
+    dtype)`` per sub-tensor, ``layer_pos[name]`` its ``(group index, byte offset)``."""
+    off = layer_pos[name][1]
+    for view, shape, dtype in caches[name]:
+        nb = math.prod(shape) * DTYPE_BYTES[dtype]
+        yield view, off, off + nb, shape, dtype
+        off += nb
 
 
 def move_dtype(name: str) -> str:

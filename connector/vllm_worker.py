@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -41,14 +40,23 @@ from kvpool.connector.vllm_meta import (
     KVPoolConnectorStats,
     KVPoolWorkerMetadata,
     SaveJob,
+    WorkerTally,
+    block_keys,
     group_layouts,
-    keys_for,
     monotonic,
 )
 from kvpool.connector.vllm_plan import PAGED
-from kvpool.connector.vllm_pages import TORCH_DTYPES, MergedPages, PageRuns, copy_pages, host_bytes, move_dtype
+from kvpool.connector.vllm_pages import (
+    TORCH_DTYPES,
+    MergedPages,
+    PageRuns,
+    block_parts,
+    copy_pages,
+    host_bytes,
+    move_dtype,
+    staging,
+)
 from kvpool.protocol.errors import ConfigError, KVPoolError
-from kvpool.protocol.layout import DTYPE_BYTES
 
 log = logging.getLogger("kvpool.vllm")
 
@@ -63,9 +71,11 @@ class _Staged:
     gathers: list[Future] = field(default_factory=list)  # host copies still running on the gather thread
 
 
-class KVPoolWorker(WorkerLoads):
+class KVPoolWorker:
     """The worker-side connector of one vLLM worker (one TP rank): registration, the
-    step's metadata, saves here and loads in :class:`~connector.vllm_loads.WorkerLoads`."""
+    step's metadata and saves here; loads in its ``loads``
+    (:class:`~connector.vllm_loads.WorkerLoads`), what both report in its ``tally``
+    (:class:`~connector.vllm_meta.WorkerTally`)."""
 
     def __init__(self, settings: ConnectorSettings, vllm_config, kv_cache_config, client=None) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -98,13 +108,12 @@ class KVPoolWorker(WorkerLoads):
         self.saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save", **pinned)
         self.gatherer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-gather", **pinned)
         self.gathers: list[Future] = []  # this step's host copies: awaited before the next forward
-        self._init_loads(self.num_blocks * sum(g.layout.nbytes for g in self.groups))
+        self.tally = WorkerTally()  # report and stats, updated from I/O threads
+        self.loads = WorkerLoads(settings, self.client, self.groups, self.multi_group, self.rank, self.loader,
+                                 self.gatherer, self.tally, self.num_blocks * sum(g.layout.nbytes for g in self.groups))
         self.saves: list[Future] = []
         self.req_saves: dict[str, list[Future]] = {}  # queued save jobs by request (see wait_for_save)
         self.failed_reqs: set[str] = set()
-        self.report = KVPoolWorkerMetadata()
-        self.stats = KVPoolConnectorStats()
-        self.lock = threading.Lock()  # guards report and stats (updated from I/O threads)
         self.warned: set[str] = set()
         self.pin = False  # staging in pinned host memory: set when the caches live on a GPU
 
@@ -126,8 +135,9 @@ class KVPoolWorker(WorkerLoads):
                 self.pin = self.pin or any(v.device.type == "cuda" for v, _, _ in parts)
         # host caches whose pages loads fill straight from a mapped segment (no staging)
         self.page_runs = [PageRuns.of([(v, lo, hi) for name in g.layer_names for v, lo, hi, _, _ in
-                                       self._parts(g, name)], self.num_blocks, g.layout.nbytes) for g in self.groups]
-        self._alloc_arena()
+                                       block_parts(self.caches, self.layer_pos, name)], self.num_blocks,
+                                      g.layout.nbytes) for g in self.groups]
+        self.loads.registered(self.caches, self.layer_pos, self.page_runs, self.pin)
         log.info("kvpool: registered %d layers in %d group(s) (%s); %d bytes per block; rank %d",
                  len(self.caches), len(self.groups), ", ".join(g.layout.kind for g in self.groups),
                  sum(g.layout.nbytes for g in self.groups), self.rank)
@@ -193,9 +203,8 @@ class KVPoolWorker(WorkerLoads):
 
     def bind(self, meta) -> None:
         self._drain_gathers()  # before this step's forward can write a block the last step saved
-        if self.layered is not None:  # the last step ended without its output (an error in its forward)
-            self._end_layered(report=False)
         self.meta = meta if isinstance(meta, KVPoolConnectorMetadata) else None
+        self.loads.bind(self.meta)
         self.staged = []
         self.barrier = set()
         if self.meta is None or not self.meta.saves:
@@ -205,34 +214,13 @@ class KVPoolWorker(WorkerLoads):
                 if job.sync:  # nothing to stage, but the request's earlier saves must land
                     self.barrier.add(job.req_id)
                 continue
-            bufs = [self._staging(len(gb.positions), g) for g, gb in zip(self.groups, job.groups)]
+            bufs = [staging(len(gb.positions), g.layout.nbytes, self.pin) for g, gb in zip(self.groups, job.groups)]
             self.staged.append(_Staged(job, bufs))
-
-    def _staging(self, n: int, g: GroupLayout) -> torch.Tensor:
-        """A ``[n, layout.nbytes]`` uint8 host buffer for ``n`` blocks of group ``g``: pinned
-        (torch's caching host allocator) when the caches are on a GPU, so the gather and
-        scatter copies are DMA at full link speed (``benchmarks/gpu_paths.py``)."""
-        return torch.empty((n, g.layout.nbytes), dtype=torch.uint8, pin_memory=self.pin)
-
-    def _keys(self, g: GroupLayout, first: int, hashes: list[bytes], positions: list[int]) -> list[str]:
-        """Keys of group ``g``'s blocks at ``positions`` (``hashes[p - first]`` is block
-        ``p``'s hash)."""
-        if not g.is_state:  # a block's key does not depend on its position
-            return keys_for(self.s, g, [hashes[p - first] for p in positions], self.rank)
-        return [keys_for(self.s, g, [hashes[p - first]], self.rank, p)[0] for p in positions]
 
     def clear(self) -> None:
         self.meta = None
+        self.loads.meta = None
         self.staged = []
-
-    def _parts(self, g: GroupLayout, name: str):
-        """``(cache view, byte offset, end, shape, dtype)`` of each sub-tensor of layer
-        ``name`` inside one stored block of ``g``."""
-        off = self.layer_pos[name][1]
-        for view, shape, dtype in self.caches[name]:
-            nb = math.prod(shape) * DTYPE_BYTES[dtype]
-            yield view, off, off + nb, shape, dtype
-            off += nb
 
     # ---- saves ------------------------------------------------------------------------------
 
@@ -250,7 +238,7 @@ class KVPoolWorker(WorkerLoads):
         st.done_layers.add(layer_name)
         if not ids or not self._mine(g):
             return
-        for view, lo, hi, shape, dtype in self._parts(g, layer_name):
+        for view, lo, hi, shape, dtype in block_parts(self.caches, self.layer_pos, layer_name):
             src = None if g.is_state else host_bytes(view)
             if src is not None:
                 fut = self.gatherer.submit(copy_pages, src, st.bufs[gi][:, lo:hi].numpy(), ids)
@@ -321,8 +309,8 @@ class KVPoolWorker(WorkerLoads):
         if bad is not None:  # staging is incomplete: store nothing of this job
             log.error("kvpool: copying the pages of request %s out of the KV cache failed (%s: %s); its blocks are "
                       "not saved", job.req_id, type(bad).__name__, bad)
-            with self.lock:
-                self.stats.add("blocks_save_failed", max((len(gb.positions) for gb in job.groups), default=0))
+            with self.tally.lock:
+                self.tally.stats.add("blocks_save_failed", max((len(gb.positions) for gb in job.groups), default=0))
             return
         for gi in self.commit_order:
             g = self.groups[gi]
@@ -332,7 +320,7 @@ class KVPoolWorker(WorkerLoads):
                 n_paged = max(n_paged, n)
             if not n or not self._mine(g):
                 continue
-            keys = self._keys(g, job.first, job.hashes, gb.positions)
+            keys = block_keys(self.s, g, self.rank, job.first, job.hashes, gb.positions)
             buf = st.bufs[gi]
             tg = monotonic()
             try:
@@ -340,15 +328,15 @@ class KVPoolWorker(WorkerLoads):
             except Exception as e:  # noqa: BLE001 - a failed save is a later cache miss, never a crash
                 err = e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")
                 res = [err] * n
-            with self.lock:
-                self.stats.observe_group(g.group_id, "save_s", monotonic() - tg)
+            with self.tally.lock:
+                self.tally.stats.observe_group(g.group_id, "save_s", monotonic() - tg)
             errs = [r for r in res if r is not None]
             failed = max(failed, len(errs))
             nbytes += (n - len(errs)) * g.layout.nbytes
-            with self.lock:
-                self.stats.add_group(g.group_id, "bytes_saved", (n - len(errs)) * g.layout.nbytes)
+            with self.tally.lock:
+                self.tally.stats.add_group(g.group_id, "bytes_saved", (n - len(errs)) * g.layout.nbytes)
                 if g.is_state:
-                    self.stats.add("states_saved", n - len(errs))
+                    self.tally.stats.add("states_saved", n - len(errs))
             if errs:
                 kind = type(errs[0]).__name__
                 if kind not in self.warned:
@@ -358,26 +346,18 @@ class KVPoolWorker(WorkerLoads):
                                 job.req_id, kind, errs[0])
         first = next((gb.positions[0] for g, gb in zip(self.groups, job.groups)
                       if not g.is_state and gb.positions), job.first)
-        with self.lock:
-            self.report.saves.append((job.req_id, first, n_paged - min(failed, n_paged), failed))
-            self.stats.observe("save_s", monotonic() - t0)
-            self.stats.add("blocks_saved", n_paged - min(failed, n_paged))
-            self.stats.add("blocks_save_failed", failed)
-            self.stats.add("bytes_saved", nbytes)
+        with self.tally.lock:
+            self.tally.report.saves.append((job.req_id, first, n_paged - min(failed, n_paged), failed))
+            self.tally.stats.observe("save_s", monotonic() - t0)
+            self.tally.stats.add("blocks_saved", n_paged - min(failed, n_paged))
+            self.tally.stats.add("blocks_save_failed", failed)
+            self.tally.stats.add("bytes_saved", nbytes)
 
     def take_report(self) -> KVPoolWorkerMetadata | None:
-        with self.lock:
-            if not self.report.saves and not self.report.loads:
-                return None
-            rep, self.report = self.report, KVPoolWorkerMetadata()
-            return rep
+        return self.tally.take_report()
 
     def take_stats(self) -> KVPoolConnectorStats | None:
-        with self.lock:
-            if self.stats.is_empty():
-                return None
-            st, self.stats = self.stats, KVPoolConnectorStats()
-            return st
+        return self.tally.take_stats()
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait for every queued save (used at shutdown and by tests)."""

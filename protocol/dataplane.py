@@ -89,10 +89,10 @@ def frame(msg: DataRequest | DataReply) -> bytes:
     """``u32 length || msgpack`` padded (the message's ``pad`` field) to a multiple of
     :data:`FRAME_ALIGN` bytes. Why: the kernel copies a socket payload into or out of page
     fragments at (about) the stream offset, and ``rep movsb`` between addresses 1–63 bytes
-    apart modulo 4 KiB runs far slower (4K aliasing; see ``DataPlane._copy_out``). With
-    every frame a multiple of 64 bytes, payloads of 64-byte multiples (KV blocks are) keep
-    page-aligned buffers and the kernel's fragments 64-byte aligned to each other
-    (benchmarks/RESULTS.md, "Measurements behind choices in the code")."""
+    apart modulo 4 KiB runs far slower (4K aliasing; see ``ShmCopies.copy_out`` in
+    connector/shmcopy.py). With every frame a multiple of 64 bytes, payloads of 64-byte
+    multiples (KV blocks are) keep page-aligned buffers and the kernel's fragments 64-byte
+    aligned to each other (benchmarks/RESULTS.md, "Measurements behind choices in the code")."""
     body = _enc.encode(msg)
     short = -(4 + len(body)) % FRAME_ALIGN
     if short:  # an empty ``pad`` is 2 bytes (bin8 header); pad bytes up to 255 keep that header

@@ -203,7 +203,7 @@ def test_tls_round_trip(certs):
         with lc.client(host_id="elsewhere", transport="tcp") as c:
             c.put("tls", b"t" * 300_000)
             assert c.get("tls") == b"t" * 300_000
-            streams = list(c.data._conns().values())
+            streams = list(c.data.conns.thread_streams().values())
             assert streams and all(isinstance(st.sock, ssl.SSLSocket) for st in streams)
         d = _descs(lc)[0]
         with pytest.raises(AuthFailed) as e:  # a CA that did not sign the server's certificate

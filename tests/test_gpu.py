@@ -62,13 +62,13 @@ def test_cuda_tensors_move_by_dma_into_and_out_of_a_same_host_segment(cluster):
         assert c.put("dma/small", small) is True and c.put("dma/big", big) is True
         for key, t in (("dma/small", small), ("dma/big", big)):
             ref = _ref(c, key)
-            assert c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
+            assert c.data.cuda.pins.ready(ref.incarnation, ref.offset, ref.size)
             assert net.get(key) == t.cpu().numpy().tobytes()
             out = torch.empty_like(t)
             assert c.get_into(key, out) == t.numel() * t.element_size() and torch.equal(out, t)
             back = torch.zeros_like(t)
             assert staged.get_into(key, back) == t.numel() * t.element_size() and torch.equal(back, t)
-        assert staged.data._pins is None
+        assert staged.data.cuda.pins is None
         # a mixed batch: CUDA and host buffers, one round trip
         outs = [torch.empty_like(small), torch.empty(small.shape, dtype=torch.uint8), torch.empty_like(big)]
         assert c.get_into_batch(["dma/small", "dma/small", "dma/big"], outs) == [small.numel(), small.numel(),
@@ -90,7 +90,7 @@ def test_direct_read_of_a_corrupted_extent_is_a_checksum_error(make_cluster):
         t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
         c.put("dma/corrupt", t)
         ref = _ref(c, "dma/corrupt")
-        seg = c.data._segment(ref)
+        seg = c.data.segmaps.segment(ref)
         seg[ref.offset + 777] = (seg[ref.offset + 777] + 1) % 256
         with pytest.raises(ChecksumMismatch):
             c.get_into("dma/corrupt", torch.empty_like(t))
@@ -106,12 +106,12 @@ def test_forgetting_a_node_unregisters_its_windows(make_cluster):
         t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
         c.put("dma/again", t)
         ref = _ref(c, "dma/again")
-        assert c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
-        c.data.forget_node(ref.node_id)
-        assert not c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
+        assert c.data.cuda.pins.ready(ref.incarnation, ref.offset, ref.size)
+        c.data.segmaps.forget(ref.node_id)
+        assert not c.data.cuda.pins.ready(ref.incarnation, ref.offset, ref.size)
         out = torch.empty_like(t)
         assert c.get_into("dma/again", out) == t.numel() and torch.equal(out, t)
-        assert c.data._pins.ready(ref.incarnation, ref.offset, ref.size)
+        assert c.data.cuda.pins.ready(ref.incarnation, ref.offset, ref.size)
 
 
 def test_copies_run_on_the_callers_stream(cluster):

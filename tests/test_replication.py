@@ -50,10 +50,10 @@ def test_a_node_restarted_at_the_same_address_is_not_reported_dead(make_cluster,
             # thread writes a replica of a two-replica put varies): single-replica puts from
             # this thread reach node-1 (placement is random, weighted by room) and redial.
             for i in range(32):
-                if c.data.redials:
+                if c.data.conns.redials:
                     break
                 assert c.put_batch_results([f"st/re{i}"], [os.urandom(4 * KiB)], replicas=1)[0].ok
-            assert c.data.redials >= 1  # the stale streams were there, and were replaced
+            assert c.data.conns.redials >= 1  # the stale streams were there, and were replaced
             assert c.stats().counters.get("nodes_reported_dead", 0) == 0
         for i in range(8):
             assert c.get(f"st/new{i}") is not None

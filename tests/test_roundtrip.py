@@ -126,7 +126,7 @@ def test_streams_per_node_moves_one_nodes_batch_over_several_connections(cluster
             assert c.get_into_batch(keys, outs) == [2 << 20] * 6
             assert all(np.array_equal(a, b) for a, b in zip(objs, outs))
             node0 = c.lookup(keys[:1])[0].replicas[0].data_addr
-            assert sum(1 for s in list(c.data._all_conns) if s.sock.getpeername() and
+            assert sum(1 for s in c.data.conns.all_streams() if s.sock.getpeername() and
                        f"{s.sock.getpeername()[1]}" == node0.rsplit(":", 1)[1]) >= 2
             c.remove_batch(keys)
         finally:
@@ -305,13 +305,13 @@ def test_checksums_hashed_beside_the_copy_match_the_bytes_and_catch_corruption(m
         key = f"aside/{size}"
         assert c.put(key, data) is True
         # the helper hashed the put (the native copy hashes as it copies, without the GIL)
-        assert (c.data._hasher is not None) == (size > 4 << 20 and not copyhash.NATIVE)
+        assert (c.data.shm._hasher is not None) == (size > 4 << 20 and not copyhash.NATIVE)
         info = c.lookup([key])[0]
         assert info.checksum == xxhash.xxh3_64_intdigest(data)
         out = np.zeros(size, dtype=np.uint8)
         assert c.get_into(key, out) == size and np.array_equal(out, data)
         ref = info.replicas[0]
-        seg = c.data._segment(ref)
+        seg = c.data.segmaps.segment(ref)
         seg[ref.offset + size - 1] = (seg[ref.offset + size - 1] + 1) % 256
         with pytest.raises(E.ChecksumMismatch):
             c.get_into(key, out)
@@ -328,7 +328,7 @@ def test_a_corrupt_only_replica_is_reported_as_corrupt_after_the_retry(make_clus
         data = np.random.default_rng(7).integers(0, 256, 1 << 16, dtype=np.uint8)
         assert c.put("corrupt/a", data) is True
         ref = c.lookup(["corrupt/a"])[0].replicas[0]
-        seg = c.data._segment(ref)
+        seg = c.data.segmaps.segment(ref)
         seg[ref.offset + 100] = (seg[ref.offset + 100] + 1) % 256
         out = np.zeros(data.size, dtype=np.uint8)
         res = c.get_into_batch(["corrupt/a"], [out])
@@ -396,7 +396,7 @@ def test_a_big_put_after_close_hashes_inline(cluster):
     with the executor's untyped RuntimeError."""
     data = np.random.default_rng(5).integers(0, 256, (6 << 20) + 1, dtype=np.uint8)
     c = cluster.client()
-    assert c.put("inline/a", data) is True and (c.data._hasher is not None or copyhash.NATIVE)
+    assert c.put("inline/a", data) is True and (c.data.shm._hasher is not None or copyhash.NATIVE)
     c.close()
     assert c.put("inline/b", data) is True
     assert c.lookup(["inline/b"])[0].checksum == xxhash.xxh3_64_intdigest(data)

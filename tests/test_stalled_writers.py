@@ -25,7 +25,7 @@ KiB = 1 << 10
 # reserved and claimed ahead of need, connector/reserved_puts.py).
 _WRITER = r"""
 import os, signal, sys
-from kvpool.connector import dataclient
+from kvpool.connector import dataclient, shmcopy
 from kvpool.connector.client import KVPoolClient
 from kvpool.protocol.config import load_config
 
@@ -36,7 +36,7 @@ def stall(op):
     print("STALL", op.ref.offset, flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
 
-write, write_shm = dataclient.DataPlane.write, dataclient.DataPlane._write_shm
+write, write_shm = dataclient.DataPlane.write, shmcopy.ShmCopies.write
 if where == "before_claim":
     def hooked(self, ops, deadline=None, **kw):
         stall(ops[0])
@@ -46,7 +46,7 @@ else:
     def hooked(self, op):
         stall(op)
         return write_shm(self, op)
-    dataclient.DataPlane._write_shm = hooked
+    shmcopy.ShmCopies.write = hooked
 try:
     c.put(key, b"\xaa" * int(size))
     print("RESULT ok", flush=True)

@@ -214,7 +214,7 @@ def test_commit_copy_is_one_way_and_refused_without_grant_or_after_free(data_nod
         assert w.error is None and table.committed() == []
 
         def commit(r, token=None, key="c/k"):
-            s = dp._conn(addr)
+            s = dp.conns.stream(addr)
             s.sock.sendall(frame(DataRequest("commit", r.incarnation, r.offset, r.size, r.gen, key,
                                              w.checksum, None, r.token if token is None else token, replicas=2)))
 
@@ -252,7 +252,7 @@ def test_device_segment_is_not_mapped_and_serves_the_unix_socket(tmp_path):
         payload = os.urandom(300 << 10)
         ref = ExtentRef("n0", seg.incarnation, "", srv.addrs[0], "this-host", 4096, len(payload), 1,
                         grant_token(seg.grant_key, seg.incarnation, 4096, len(payload), 1, "k"))
-        assert dp.uses_shm(ref) is False and dp._maps[seg.incarnation] is None
+        assert dp.segmaps.uses_shm(ref) is False and dp.segmaps.maps[seg.incarnation] is None
         w = WriteOp(ref, memoryview(payload), "k", xxhash.xxh3_64_intdigest(payload), None)
         dp.write([w])
         assert w.error is None and seg.read(4096, len(payload)) == payload
@@ -261,7 +261,7 @@ def test_device_segment_is_not_mapped_and_serves_the_unix_socket(tmp_path):
         r = ReadOp(ref, memoryview(out), digest=True)
         dp.read([r])
         assert r.error is None and bytes(out) == payload and r.digest == xxhash.xxh3_64_intdigest(payload)
-        assert set(dp._conns()) == {srv.addrs[0]}
+        assert set(dp.conns.thread_streams()) == {srv.addrs[0]}
     finally:
         dp.close()
         srv.stop()
@@ -354,14 +354,14 @@ def test_shared_memory_copies_any_alignment(dst_offset, size):
     offset = 8192
     seg[offset:offset + size] = payload
     dp = DataPlane("h", "auto", 5.0)
-    dp._maps["inc"] = seg  # what mapping the node's memfd would give
+    dp.segmaps.maps["inc"] = seg  # what mapping the node's memfd would give
     ref = ExtentRef("n0", "inc", "", "", "h", offset, size, 1)
     try:
         for digest in (False, True):
             host = bytearray(size + 8192)
             out = memoryview(host)[dst_offset:dst_offset + size]
             op = ReadOp(ref, out, digest=digest)
-            dp._copy_out(op)
+            dp.shm.copy_out(op)
             assert op.error is None and bytes(out) == payload
             assert op.digest == (xxhash.xxh3_64_intdigest(payload) if digest else None)
         src_host = bytearray(size + 8192)
@@ -369,12 +369,12 @@ def test_shared_memory_copies_any_alignment(dst_offset, size):
         src[:] = payload[::-1]
         for digest in (False, True):
             seg[offset:offset + size] = bytes(size)
-            got = dp._copy_in(ref, seg[offset:offset + size], src, digest)
+            got = dp.shm.copy_in(ref, seg[offset:offset + size], src, digest)
             assert bytes(seg[offset:offset + size]) == payload[::-1]
             assert got == (xxhash.xxh3_64_intdigest(payload[::-1]) if digest else None)
     finally:
-        dp._maps.clear()
-        dp._bases.clear()
+        dp.segmaps.maps.clear()
+        dp.segmaps._bases.clear()
         seg.release()
         seg_map.close()
 
@@ -400,7 +400,7 @@ def test_cluster_end_to_end_over_ucx(make_cluster):
             ref = c.lookup([k])[0].replicas[0]
             assert ref.node_id == "ucx-node" and ref.ucx_addr.startswith("ucx://")
             assert c.get(k) == v.tobytes()
-        assert any(a.startswith("ucx://") for a in c.data._conns())
+        assert any(a.startswith("ucx://") for a in c.data.conns.thread_streams())
         c.drain("node-0", undo=True)
         c.drain("ucx-node")
         assert c.put("plain/1", b"no ucx here") is True  # node-0 serves no ucx: unix socket instead
@@ -424,7 +424,7 @@ def test_window_pieces_split_extents_at_registration_windows():
 @pytest.fixture
 def host_direct(tmp_path, monkeypatch):
     """A shared-memory DataServer and a same-host DataPlane whose direct (DMA) path takes
-    host tensors: registration is replaced by a hold on the mapping (as ``_direct`` takes),
+    host tensors: registration is replaced by a hold on the mapping (as ``CudaDirect.direct`` takes),
     windows are 64 KiB, and stream sync fails on demand. The copies are torch ``copy_``
     as on a GPU; only registration and stream sync are CUDA's parts.
     Yields (segment, data plane, make_ref(offset, size, gen, key), state)."""
@@ -447,18 +447,18 @@ def host_direct(tmp_path, monkeypatch):
     srv = DataServer(seg, table, [f"unix://{tmp_path}/d.sock"])
     srv.start()
     dp = DataPlane("this-host", "auto", 10.0)
-    dp._pins = db.PinnedWindows()
+    dp.cuda.pins = db.PinnedWindows()
 
     def direct(ref, buf):
-        if ref.incarnation in dp._pins._refused or dp._segment(ref) is None:
+        if ref.incarnation in dp.cuda.pins._refused or dp.segmaps.segment(ref) is None:
             return False
-        with dp._map_lock:
-            dp._pins.acquire(ref.incarnation)
+        with dp.segmaps.lock:
+            dp.cuda.pins.acquire(ref.incarnation)
         if state["before_dma"]:
             state["before_dma"](ref)
         return True
 
-    monkeypatch.setattr(dp, "_direct", direct)
+    monkeypatch.setattr(dp.cuda, "direct", direct)
 
     def make_ref(offset, size, gen, key):
         return ExtentRef("n0", seg.incarnation, "", srv.addrs[0], "this-host", offset, size, gen,
@@ -498,7 +498,7 @@ def test_direct_transfer_bookkeeping_and_fallback_with_host_tensors(host_direct)
     dp.read([r])
     assert r.error is None and r.digest == xxhash.xxh3_64_intdigest(payload)
     assert bytes(out.flat[:len(payload)].numpy()) == payload and out._host is None  # no staging
-    assert dp._pins._busy == {}
+    assert dp.cuda.pins._busy == {}
     # a failing copy: the same bytes arrive through pinned (here: host) staging
     state["fail_sync"] = True
     out2 = _dev(len(payload))
@@ -506,7 +506,7 @@ def test_direct_transfer_bookkeeping_and_fallback_with_host_tensors(host_direct)
     dp.read([r2])
     assert r2.error is None and r2.digest == xxhash.xxh3_64_intdigest(payload)
     out2.finish()
-    assert bytes(out2.flat.numpy()) == payload and seg.incarnation in dp._pins._refused
+    assert bytes(out2.flat.numpy()) == payload and seg.incarnation in dp.cuda.pins._refused
     state["fail_sync"] = False
     n = len(pieces)
     other = os.urandom(70 << 10)
@@ -514,7 +514,7 @@ def test_direct_transfer_bookkeeping_and_fallback_with_host_tensors(host_direct)
     w2 = WriteOp(ref2, _dev(other), "k2", None, None)
     dp.write([w2])  # refused mapping: staged, no direct copy attempted
     assert w2.error is None and seg.read(ref2.offset, len(other)) == other and len(pieces) == n
-    assert w2.checksum == xxhash.xxh3_64_intdigest(other) and dp._pins._busy == {}
+    assert w2.checksum == xxhash.xxh3_64_intdigest(other) and dp.cuda.pins._busy == {}
 
 
 def test_staged_read_into_a_bigger_tensor_leaves_its_tail_alone(host_direct):
@@ -526,7 +526,7 @@ def test_staged_read_into_a_bigger_tensor_leaves_its_tail_alone(host_direct):
     payload = os.urandom(10000)
     ref = make_ref(0, len(payload), 1, "k")
     dp.write([WriteOp(ref, memoryview(payload), "k", 0, None)])
-    dp._pins.refuse(seg.incarnation)
+    dp.cuda.pins.refuse(seg.incarnation)
     out = _dev(len(payload) + 4096)
     out.flat.fill_(0xAA)
     r = ReadOp(ref, out, digest=True)
@@ -544,11 +544,11 @@ def test_a_segment_unmapped_before_its_direct_copy_is_a_typed_error(host_direct)
     payload = os.urandom(4096)
     ref = make_ref(0, len(payload), 1, "k")
     dp.write([WriteOp(ref, memoryview(payload), "k", 0, None)])
-    state["before_dma"] = lambda r: dp.forget_node(r.node_id)
+    state["before_dma"] = lambda r: dp.segmaps.forget(r.node_id)
     r = ReadOp(ref, _dev(len(payload)), digest=True)
     dp.read([r])
     assert isinstance(r.error, E.NodeUnavailable) and "went away" in r.error.message
-    assert dp._pins._busy == {}
+    assert dp.cuda.pins._busy == {}
 
 
 def test_unregistration_waits_for_transfers_in_flight(monkeypatch):

@@ -147,7 +147,7 @@ def corrupt(client, key: str, offset: int = 128) -> None:
     (the test process reaches the node's segment through same-host shared memory)."""
     info = client.lookup([key])[0]
     ref = info.replicas[0]
-    seg = client.data._segment(ref)
+    seg = client.data.segmaps.segment(ref)
     assert seg is not None, "test needs same-host shared memory to reach the store node's segment"
     for i in range(8):
         seg[ref.offset + offset + i] ^= 0xFF
