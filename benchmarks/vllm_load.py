@@ -11,7 +11,7 @@ max over the rounds for the rates and the ratio, all from this run:
 
 * ``loader_gbps``: bytes B loaded / the time its loader thread was busy (each batch of
   load jobs: fetch + checksum + scatter into the KV cache), timed around
-  ``WorkerLoads._load_batch`` and ``_load_layers`` (connector/vllm_loads.py) in this process;
+  ``WorkerLoads._load_batch`` and ``_load_layers`` (connector/vllm/loads.py) in this process;
 * ``fetch_s`` and ``scatter_s``: the parts of that busy time spent fetching (into the KV
   cache's pages themselves for this host cache) and scattering staged blocks into the
   cache (device caches, or ``KVPOOL_BENCH_STAGED=1``: loads staged as before, for an A/B);
@@ -41,7 +41,7 @@ max over the rounds for the rates and the ratio, all from this run:
 variable is set) the OpenMP team gets every CPU of this process's mask but the last, which is left to the
 connector's threads: what vLLM's ``auto`` binding does on a machine with CPUs to spare (it
 reserves one CPU per rank for the scheduler and one for a KV connector, and the connector
-runs its threads on CPUs outside the team, ``connector/affinity.py``). On two CPUs ``auto``
+runs its threads on CPUs outside the team, ``connector/vllm/affinity.py``). On two CPUs ``auto``
 cannot reserve any, and the team's spinning threads share the loader's CPU; pass
 ``--omp-bind auto`` to measure that.
 
@@ -61,7 +61,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
 
-from kvpool.connector.affinity import format_cpus  # noqa: E402
+from kvpool.connector.vllm.affinity import format_cpus  # noqa: E402
 
 
 def _get_gbps(client, keys: list[str], nbytes: int, reps: int = 3) -> float:
@@ -138,8 +138,8 @@ def main() -> None:
     from kvpool.protocol.config import load_config
     from tiny_model import build_tiny_llama, prompt_ids
 
-    import kvpool.connector.vllm_loads as loads_mod
-    import kvpool.connector.vllm_worker as worker_mod
+    import kvpool.connector.vllm.loads as loads_mod
+    import kvpool.connector.vllm.worker as worker_mod
 
     busy = [0.0]
     parts = {"fetch": 0.0, "scatter": 0.0}

@@ -1,6 +1,6 @@
 """``kvpool demo``: a shared-prefix workload on real text through a running cluster.
 
-Two engine processes run the reference decoder (``connector.reference``). Engine A
+Two engine processes run the reference decoder (``connector.demo_engine``). Engine A
 prefills prompts made of a shared system prompt (public-domain documents) plus a
 question, and stores its full KV blocks in kvpool; it exits. Engine B, a separate
 process, asks those prompts again, new questions over the same documents, and one
@@ -32,14 +32,14 @@ class _Worker:
 
     def __init__(self, role: str, master: str, namespace: str, engine: str, log_path: str,
                  rpc_timeout_s: float = 10.0) -> None:
-        from kvpool.connector.reference.worker import READY_LINE, RESULT_PREFIX
+        from kvpool.connector.demo_engine.worker import READY_LINE, RESULT_PREFIX
 
         self.role, self.ready_line, self.prefix = role, READY_LINE, RESULT_PREFIX
         self.log_path = log_path
         self._err = open(log_path, "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.connector.reference.worker", "--role", role, "--master", master,
+            [sys.executable, "-m", "kvpool.connector.demo_engine.worker", "--role", role, "--master", master,
              "--namespace", namespace, "--engine", engine, "--rpc-timeout", str(rpc_timeout_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
 
@@ -162,8 +162,8 @@ def run_demo(master_addr: str, quick: bool, hybrid: bool = False, *, namespace: 
     """
     import tempfile
 
-    from kvpool.connector.reference.model import ReferenceModel
-    from kvpool.connector.reference.tokenizer import demo_requests
+    from kvpool.connector.demo_engine.model import ReferenceModel
+    from kvpool.connector.demo_engine.tokenizer import demo_requests
 
     t_start = time.perf_counter()
     namespace = namespace or f"demo-{uuid.uuid4().hex[:8]}"
@@ -176,7 +176,7 @@ def run_demo(master_addr: str, quick: bool, hybrid: bool = False, *, namespace: 
                                     reps=3 if quick else 2, rpc_timeout_s=rpc_timeout_s)
         hybrid_part = None
         if hybrid:
-            from kvpool.connector.reference.hybrid import hybrid_demo_section
+            from kvpool.connector.demo_engine.hybrid import hybrid_demo_section
 
             hybrid_part = hybrid_demo_section(master_addr, namespace, quick, _run_pair, timeout_s, log_dir,
                                               rpc_timeout_s)
@@ -293,7 +293,7 @@ def render_demo(report: dict, console=None) -> None:
     console.print(f"max |Δlogit| {tot['max_abs_diff']:.2e} (tolerance {report['tolerance']:g})")
     h = report.get("hybrid")
     if h is not None:
-        from kvpool.connector.reference.hybrid import render_hybrid_section
+        from kvpool.connector.demo_engine.hybrid import render_hybrid_section
 
         render_hybrid_section(h, console, _request_table, _size)
     ok = report["all_match"]

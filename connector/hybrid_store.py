@@ -115,7 +115,7 @@ class StateSlot:
 
 
 class HybridEngineModel(Protocol):
-    """What :class:`HybridStore` needs from an engine (``connector.reference.hybrid.HybridModel``
+    """What :class:`HybridStore` needs from an engine (``connector.demo_engine.hybrid.HybridModel``
     is one). ``cache`` is the engine's own cache object; the store never looks inside it.
 
     All data crossing this interface is flat CPU tensors in the group's layout order:

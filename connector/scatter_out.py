@@ -18,7 +18,7 @@ checks passed. A failed attempt may leave its bytes in the pieces; the get's res
 the object then says it is not there, and a later attempt that passes rewrites them.
 
 ``gate``: an optional object with ``lock`` (a ``threading.Lock``) and ``cancelled`` (a
-bool), such as :class:`connector.layer_loads.LayerLoads`. Every write into the pieces
+bool), such as :class:`connector.vllm.layer_loads.LayerLoads`. Every write into the pieces
 runs under ``gate.lock`` and only while ``gate.cancelled`` is false: whoever owns the
 pages sets ``cancelled`` and takes the lock once, and from then on no byte is written
 into them (a write already running, one object's copy, is waited out).

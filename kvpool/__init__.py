@@ -10,7 +10,7 @@ stays free of the client's and vLLM's dependencies:
 - the typed errors (:class:`KVPoolError` and its subclasses, ``kvpool.errors``).
 
 Subpackages: ``kvpool.protocol`` (wire contract), ``kvpool.master``, ``kvpool.storenode``,
-``kvpool.connector`` (client library and ``kvpool.connector.vllm_connector``, the vLLM
+``kvpool.connector`` (client library and ``kvpool.connector.vllm.connector``, the vLLM
 ``KVPoolConnector``), ``kvpool.cli`` (the ``kvpool`` command).
 """
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from kvpool.connector.affinity import Topology, format_cpus, host_topology, io_cpus, omp_cpus, parse_cpus, pin_thread
+from kvpool.connector.vllm.affinity import Topology, format_cpus, host_topology, io_cpus, omp_cpus, parse_cpus, pin_thread
 
 
 @pytest.mark.parametrize("text,cpus", [

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from kvpool.cli.demo import render_demo, run_demo
-from kvpool.connector.reference import ReferenceModel
+from kvpool.connector.demo_engine import ReferenceModel
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvpool.connector.hybrid_store import HybridStore, pack_tensors
-from kvpool.connector.reference.hybrid import HybridCache, HybridConfig, HybridModel
-from kvpool.connector.reference.tokenizer import encode, load_text
+from kvpool.connector.demo_engine.hybrid import HybridCache, HybridConfig, HybridModel
+from kvpool.connector.demo_engine.tokenizer import encode, load_text
 from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
 from kvpool.protocol.groups import project
 

@@ -12,8 +12,8 @@ from rich.console import Console
 
 from kvpool.cli.demo import render_demo, run_demo
 from kvpool.connector.hybrid_store import HybridEngineModel, HybridStore, pack_tensors, unpack_tensors
-from kvpool.connector.reference.hybrid import HybridConfig, HybridModel
-from kvpool.connector.reference.tokenizer import encode, load_text
+from kvpool.connector.demo_engine.hybrid import HybridConfig, HybridModel
+from kvpool.connector.demo_engine.tokenizer import encode, load_text
 from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
 from kvpool.protocol.keys import block_hashes, extra_bytes
 from kvpool.protocol.layout import LayoutSpec, TensorSpec

@@ -1,10 +1,10 @@
-"""Layer-wise loads (connector/layer_loads.py): a layer's wait ends when that layer is
+"""Layer-wise loads (connector/vllm/layer_loads.py): a layer's wait ends when that layer is
 written, not the whole load; a lapsed deadline cancels the step and no copy runs after
 the cancel returns. Real threads, no sockets."""
 import threading
 import time
 
-from kvpool.connector.layer_loads import LayerLoads
+from kvpool.connector.vllm.layer_loads import LayerLoads
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 

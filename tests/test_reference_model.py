@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.connector.reference import ModelConfig, ReferenceModel, decode, demo_requests, encode, system_prompt
-from kvpool.connector.reference.tokenizer import DOCUMENTS, TEXT_DIR, load_text
+from kvpool.connector.demo_engine import ModelConfig, ReferenceModel, decode, demo_requests, encode, system_prompt
+from kvpool.connector.demo_engine.tokenizer import DOCUMENTS, TEXT_DIR, load_text
 from kvpool.protocol.keys import block_hashes, extra_bytes
 from kvpool.protocol.layout import LayoutSpec, TensorSpec
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpool.connector.scatter_out import ScatterOut
-from kvpool.connector.vllm_pages import PageRuns
+from kvpool.connector.vllm.pages import PageRuns
 from kvpool.protocol.errors import InvalidRequest, LoadCancelled
 
 KiB = 1 << 10

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from kvpool.connector.vllm_connector import KVPoolConnector
+from kvpool.connector.vllm.connector import KVPoolConnector
 
 log = logging.getLogger("kvpool.vllm")
 

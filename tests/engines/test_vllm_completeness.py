@@ -24,7 +24,7 @@ def _params(fn) -> list[tuple[str, object, object]]:
 
 
 def test_implements_every_abstract_method_with_matching_signature():
-    from kvpool.connector.vllm_connector import KVPoolConnector
+    from kvpool.connector.vllm.connector import KVPoolConnector
 
     assert issubclass(KVPoolConnector, base.KVConnectorBase_V1)
     assert issubclass(KVPoolConnector, base.SupportsHMA) and base.supports_hma(KVPoolConnector)
@@ -39,7 +39,7 @@ def test_implements_every_abstract_method_with_matching_signature():
 
 
 def test_overridden_hooks_keep_vllm_signatures():
-    from kvpool.connector.vllm_connector import KVPoolConnector
+    from kvpool.connector.vllm.connector import KVPoolConnector
 
     for name, ours in KVPoolConnector.__dict__.items():
         theirs = getattr(base.KVConnectorBase_V1, name, None)
@@ -54,7 +54,7 @@ def test_overridden_hooks_keep_vllm_signatures():
 
 
 def test_kvpool_imports_without_vllm():
-    code = ("import sys, kvpool, kvpool.client, kvpool.connector.reference, kvpool.connector.vllm_plugin; "
+    code = ("import sys, kvpool, kvpool.client, kvpool.connector.demo_engine, kvpool.connector.vllm.plugin; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=str(REPO), check=True, timeout=60)
@@ -64,7 +64,7 @@ def _vllm_config(extra: dict, role: str = "kv_both", policy: str = "fail", tp: i
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role=role, kv_load_failure_policy=policy,
-                           kv_connector_module_path="kvpool.connector.vllm_connector", kv_connector_extra_config=extra)
+                           kv_connector_module_path="kvpool.connector.vllm.connector", kv_connector_extra_config=extra)
     return SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/org/tiny"),
                            cache_config=SimpleNamespace(block_size=32, cache_dtype=cache_dtype),
                            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
@@ -72,7 +72,7 @@ def _vllm_config(extra: dict, role: str = "kv_both", policy: str = "fail", tp: i
 
 
 def test_settings():
-    from kvpool.connector.vllm_meta import ConnectorSettings
+    from kvpool.connector.vllm.meta import ConnectorSettings
     from kvpool.protocol.errors import ConfigError
 
     s = ConnectorSettings.from_vllm(_vllm_config({"master": "tcp://127.0.0.1:1"}))
@@ -88,7 +88,7 @@ def test_settings():
 
 
 def test_load_mode_is_layerwise_only_where_vllm_can_take_its_errors():
-    from kvpool.connector.vllm_meta import ConnectorSettings, layerwise_loads
+    from kvpool.connector.vllm.meta import ConnectorSettings, layerwise_loads
     from kvpool.protocol.errors import ConfigError
 
     def mode(m):
@@ -112,7 +112,7 @@ def test_layouts_from_vllm_specs():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    from kvpool.connector.vllm_meta import group_layouts
+    from kvpool.connector.vllm.meta import group_layouts
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.float32)
     (g,) = group_layouts(_vllm_config({"master": "x"}, tp=2), _cache_config(full), tp_rank=1)
@@ -156,8 +156,8 @@ def test_fp8_kv_cache_layouts_from_vllm_specs():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
 
-    from kvpool.connector.vllm_meta import group_layouts
-    from kvpool.connector.vllm_pages import TORCH_DTYPES, move_dtype
+    from kvpool.connector.vllm.meta import group_layouts
+    from kvpool.connector.vllm.pages import TORCH_DTYPES, move_dtype
     from kvpool.protocol.errors import ConfigError
 
     def layout(spec, cache_dtype):
@@ -191,7 +191,7 @@ def test_state_group_layouts_and_refusals():
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec
 
-    from kvpool.connector.vllm_meta import group_layouts
+    from kvpool.connector.vllm.meta import group_layouts
     from kvpool.protocol.errors import ConfigError
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.bfloat16)
@@ -216,7 +216,7 @@ def test_state_group_layouts_and_refusals():
 
 
 def test_stats_aggregate_and_reduce():
-    from kvpool.connector.vllm_connector import KVPoolConnector
+    from kvpool.connector.vllm.connector import KVPoolConnector
 
     a = KVPoolConnector.build_kv_connector_stats()
     assert a.is_empty()

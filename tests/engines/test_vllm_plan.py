@@ -1,4 +1,4 @@
-"""connector.vllm_plan against hand-made patterns and against vLLM's own hybrid KV cache
+"""connector.vllm.plan against hand-made patterns and against vLLM's own hybrid KV cache
 coordinator (``find_longest_cache_hit``) as an oracle.
 
 The oracle builds real vLLM spec objects and a real coordinator, then swaps its block
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvpool.connector.vllm_plan import (
+from kvpool.connector.vllm.plan import (
     NULL_BLOCK,
     PAGED,
     STATE,

@@ -47,11 +47,11 @@ def _scheduler(master: str, lookup_timeout_s: float):
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvpool.connector.vllm_meta import ConnectorSettings
-    from kvpool.connector.vllm_scheduler import KVPoolScheduler
+    from kvpool.connector.vllm.meta import ConnectorSettings
+    from kvpool.connector.vllm.scheduler import KVPoolScheduler
 
     ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both",
-                           kv_connector_module_path="kvpool.connector.vllm_connector",
+                           kv_connector_module_path="kvpool.connector.vllm.connector",
                            kv_connector_extra_config={"master": master, "lookup_timeout_s": lookup_timeout_s,
                                                       "rpc_timeout_s": 30})
     cfg = SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/tiny"),
@@ -116,7 +116,7 @@ def _request(rid: str, n_tokens: int = 100):
 def _store_blocks(sched, client, req, n_blocks: int) -> list[str]:
     """Put stand-in bytes under the keys of ``req``'s first ``n_blocks`` blocks (the
     scheduler only checks that they exist); returns the keys of every full block."""
-    from kvpool.connector.vllm_meta import keys_for
+    from kvpool.connector.vllm.meta import keys_for
 
     g = sched.groups[0]
     keys = keys_for(sched.s, g, sched._hashes(req, (req.num_tokens - 1) // 16), 0)
@@ -152,7 +152,7 @@ def test_a_request_finished_after_its_hit_releases_its_lookup_leases(long_leases
 
 
 def test_lookups_go_in_slices_and_leases_the_load_does_not_need_are_released(long_leases, monkeypatch):
-    import kvpool.connector.vllm_scheduler as vs
+    import kvpool.connector.vllm.scheduler as vs
 
     monkeypatch.setattr(vs, "LOOKUP_KEYS", 4)
     sched = _scheduler(long_leases.master_addr, 30)

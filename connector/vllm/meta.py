@@ -30,8 +30,8 @@ from kvpool.protocol.keys import block_hashes, extra_bytes, group_key
 from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
 
 from kvpool.connector.read_leases import ReadLeases
-from kvpool.connector.vllm_stats import KVPoolConnectorStats, KVPoolPromMetrics  # noqa: F401 - re-exported
-from kvpool.connector.vllm_plan import GroupRule, window_blocks
+from kvpool.connector.vllm.stats import KVPoolConnectorStats, KVPoolPromMetrics  # noqa: F401 - re-exported
+from kvpool.connector.vllm.plan import GroupRule, window_blocks
 
 log = logging.getLogger("kvpool.vllm")
 
@@ -230,7 +230,7 @@ class GroupLayout:
     """One stored cache group: its vLLM index, layers (in order), the sub-tensors one
     block holds per layer (``parts``: ``(shape, dtype)`` each; attention pages in the
     logical ``(H, N, C)`` order, Mamba states as ``MambaSpec.shapes``), the kvpool
-    LayoutSpec, and its restore rule (:class:`~connector.vllm_plan.GroupRule`)."""
+    LayoutSpec, and its restore rule (:class:`~connector.vllm.plan.GroupRule`)."""
 
     group_id: int
     layer_names: tuple[str, ...]
@@ -499,7 +499,7 @@ class LoadJob:
     can be loaded (e.g. a hand-off that could not be claimed under policy ``fail``); the
     worker reports the load as failed. ``layerwise``: vLLM runs the request in the step
     that loads it, each attention layer waiting for its own pages
-    (:mod:`connector.layer_loads`); otherwise the request waits until the whole load is
+    (:mod:`connector.vllm.layer_loads`); otherwise the request waits until the whole load is
     reported finished. ``leases``: the read leases the scheduler's lookup took for the
     load's blocks (None for none; only without TP): the worker reads those blocks
     without a lookup of its own."""

@@ -2,7 +2,7 @@
 
 Token ids are the UTF-8 bytes of the text (vocab 256), so every prompt maps to the
 same ids in every process without a vocabulary file. The texts live in
-``connector/reference/texts/`` (see ``SOURCES.md`` there).
+``connector/demo_engine/texts/`` (see ``SOURCES.md`` there).
 """
 from __future__ import annotations
 

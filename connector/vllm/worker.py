@@ -4,7 +4,7 @@
   view (kernel sub-blocks folded back into manager blocks) and checks it against the
   group's :class:`LayoutSpec`.
 * loads run on a background thread, layer-wise or asynchronous
-  (:mod:`connector.vllm_loads`).
+  (:mod:`connector.vllm.loads`).
 * saves: ``save_kv_layer`` copies the layer's pages of every block saved this step
   into the job's staging buffer (one contiguous object per block) right after the
   layer ran; ``wait_for_save`` completes any layer vLLM did not pass and then puts the
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.connector.affinity import format_cpus, host_topology, io_cpus, omp_cpus, pin_thread
-from kvpool.connector.vllm_loads import WorkerLoads
-from kvpool.connector.vllm_meta import (
+from kvpool.connector.vllm.affinity import format_cpus, host_topology, io_cpus, omp_cpus, pin_thread
+from kvpool.connector.vllm.loads import WorkerLoads
+from kvpool.connector.vllm.meta import (
     ConnectorSettings,
     GroupLayout,
     KVPoolConnectorMetadata,
@@ -45,8 +45,8 @@ from kvpool.connector.vllm_meta import (
     group_layouts,
     monotonic,
 )
-from kvpool.connector.vllm_plan import PAGED
-from kvpool.connector.vllm_pages import (
+from kvpool.connector.vllm.plan import PAGED
+from kvpool.connector.vllm.pages import (
     TORCH_DTYPES,
     MergedPages,
     PageRuns,
@@ -74,8 +74,8 @@ class _Staged:
 class KVPoolWorker:
     """The worker-side connector of one vLLM worker (one TP rank): registration, the
     step's metadata and saves here; loads in its ``loads``
-    (:class:`~connector.vllm_loads.WorkerLoads`), what both report in its ``tally``
-    (:class:`~connector.vllm_meta.WorkerTally`)."""
+    (:class:`~connector.vllm.loads.WorkerLoads`), what both report in its ``tally``
+    (:class:`~connector.vllm.meta.WorkerTally`)."""
 
     def __init__(self, settings: ConnectorSettings, vllm_config, kv_cache_config, client=None) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -99,7 +99,7 @@ class KVPoolWorker:
         self.meta: KVPoolConnectorMetadata | None = None
         self.staged: list[_Staged] = []
         self.barrier: set[str] = set()  # requests whose prompt ended this step with nothing left to stage
-        cpus = _io_cpus()  # beside a bound OpenMP team: see connector.affinity
+        cpus = _io_cpus()  # beside a bound OpenMP team: see connector.vllm.affinity
         pinned = {"initializer": pin_thread, "initargs": (cpus,)} if cpus is not None else {}
         if cpus is not None:
             log.info("kvpool: connector threads run on CPUs %s (the OpenMP team is bound to %s)",

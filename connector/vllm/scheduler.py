@@ -10,7 +10,7 @@ load came from and how far its prompt has been saved. One step:
   its own; otherwise, without TP, it looks the keys up with read leases (counted as
   reads), and with TP it asks which keys exist (``exists_batch``: no lease, no LRU
   touch). The hit is the common boundary of every stored group
-  (:mod:`connector.vllm_plan`); the leases of the blocks its load reads go to the worker
+  (:mod:`connector.vllm.plan`); the leases of the blocks its load reads go to the worker
   with the load (so the load makes no master round trip) and the rest are released at
   once (a lease nobody releases lapses after ``lease_ttl``). The hit loads layer-wise
   (vLLM runs the request in the step that loads it) or asynchronously (the request waits
@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpool.connector.vllm_meta import (
+from kvpool.connector.vllm.meta import (
     PARAMS_KEY,
     ConnectorSettings,
     GroupBlocks,
@@ -55,9 +55,9 @@ from kvpool.connector.vllm_meta import (
 )
 from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.read_leases import ReadLeases
-from kvpool.connector.vllm_accounting import LoadAccounting
-from kvpool.connector.vllm_handoffs import HandoffCloser
-from kvpool.connector.vllm_plan import NULL_BLOCK, find_hit, needed
+from kvpool.connector.vllm.accounting import LoadAccounting
+from kvpool.connector.vllm.handoffs import HandoffCloser
+from kvpool.connector.vllm.plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
 from kvpool.protocol.layout import first_difference
 

@@ -1,4 +1,4 @@
-"""One demo engine process: ``python -m connector.reference.worker --role producer|consumer``.
+"""One demo engine process: ``python -m connector.demo_engine.worker --role producer|consumer``.
 
 The parent (``cli.demo.run_demo``) starts the process, which builds the reference model
 and connects to the cluster, prints ``KVPOOL_WORKER_READY`` and then reads ONE JSON
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from kvpool.connector.reference.model import ModelConfig, ReferenceModel
-from kvpool.connector.reference.tokenizer import encode
+from kvpool.connector.demo_engine.model import ModelConfig, ReferenceModel
+from kvpool.connector.demo_engine.tokenizer import encode
 from kvpool.protocol.keys import block_hashes, extra_bytes
 
 RESULT_PREFIX = "KVPOOL_RESULT "
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     if args.engine == "hybrid":
-        from kvpool.connector.reference.hybrid import HybridEngine
+        from kvpool.connector.demo_engine.hybrid import HybridEngine
 
         eng: Any = HybridEngine(args.master, args.namespace, rpc_timeout_s=args.rpc_timeout)
     else:

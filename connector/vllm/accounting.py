@@ -10,7 +10,7 @@ Hits are counted when the load is *reported*, never at the lookup: ``hit_tokens`
 per group ``group/<g>/hit_tokens``) are the tokens that landed; ``recomputed_tokens``
 those kvpool held but whose load failed, which vLLM computes itself; ``state_hits`` the
 loads that restored a recurrent state. The load's report says how many of its blocks
-failed (:class:`~connector.vllm_meta.KVPoolWorkerMetadata`); with one cache group vLLM
+failed (:class:`~connector.vllm.meta.KVPoolWorkerMetadata`); with one cache group vLLM
 recomputes from the first failed block, with several the whole load
 (:func:`loaded_tokens`). The same correction goes into vLLM's own per-request prefill
 stats (``RequestOutput.num_cached_tokens``, the OpenAI usage's cached tokens and
@@ -27,8 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.connector.vllm_meta import GroupLayout, KVPoolConnectorStats, loaded_tokens
-from kvpool.connector.vllm_plan import needed
+from kvpool.connector.vllm.meta import GroupLayout, KVPoolConnectorStats, loaded_tokens
+from kvpool.connector.vllm.plan import needed
 
 log = logging.getLogger("kvpool.vllm")
 

@@ -14,7 +14,7 @@ later blocks evicted).
   reported failed instead);
 * layer-wise jobs (``LoadJob.layerwise``) feed the step's own forward pass: staged ones
   scatter one layer at a time and ``wait_for_layer_load`` waits for its layer only
-  (:mod:`connector.layer_loads`); the step's output reports the blocks that did not load.
+  (:mod:`connector.vllm.layer_loads`); the step's output reports the blocks that did not load.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.connector.client import LEASE_MARGIN
-from kvpool.connector.layer_loads import LayerLoads
+from kvpool.connector.vllm.layer_loads import LayerLoads
 from kvpool.connector.read_leases import ReadLeases
 from kvpool.connector.scatter_out import ScatterOut
-from kvpool.connector.vllm_meta import (
+from kvpool.connector.vllm.meta import (
     ConnectorSettings,
     GroupLayout,
     KVPoolConnectorMetadata,
@@ -38,8 +38,8 @@ from kvpool.connector.vllm_meta import (
     block_keys,
     monotonic,
 )
-from kvpool.connector.vllm_pages import TORCH_DTYPES, PageRuns, block_parts, host_bytes, staging
-from kvpool.connector.vllm_plan import NULL_BLOCK
+from kvpool.connector.vllm.pages import TORCH_DTYPES, PageRuns, block_parts, host_bytes, staging
+from kvpool.connector.vllm.plan import NULL_BLOCK
 from kvpool.protocol.errors import ChecksumMismatch, KVPoolError
 
 log = logging.getLogger("kvpool.vllm")
@@ -77,16 +77,16 @@ class _Plan:
 
 
 class WorkerLoads:
-    """The loads of a :class:`~connector.vllm_worker.KVPoolWorker` (its ``loads``): the
+    """The loads of a :class:`~connector.vllm.worker.KVPoolWorker` (its ``loads``): the
     step's load jobs, their futures by request id, this step's layer-wise loads, the blocks
     that did not load, and the staging arena.
 
-    Given ``settings`` (:class:`~connector.vllm_meta.ConnectorSettings`), ``client`` (the
-    worker's KVPoolClient), ``groups`` (the worker's :class:`~connector.vllm_meta.
+    Given ``settings`` (:class:`~connector.vllm.meta.ConnectorSettings`), ``client`` (the
+    worker's KVPoolClient), ``groups`` (the worker's :class:`~connector.vllm.meta.
     GroupLayout` list, in cache-group order), ``multi_group`` (vLLM's KV cache has several
     groups: block ids are ambiguous), ``rank`` (TP rank, for keys), the worker's ``loader``
     and ``gatherer`` threads (one-thread executors: loads run on the first, the arena's
-    prefault on the second), ``tally`` (:class:`~connector.vllm_meta.WorkerTally`: report
+    prefault on the second), ``tally`` (:class:`~connector.vllm.meta.WorkerTally`: report
     and stats) and ``kv_bytes`` (bytes of the whole KV cache: bounds the arena). The caches
     come with :meth:`registered`; each step's metadata with :meth:`bind`."""
 
@@ -150,7 +150,7 @@ class WorkerLoads:
         leases the scheduler's lookup took, so no master round trip for the blocks those
         cover; fewer GIL hand-offs beside the engine's own steps), then each request's scatter.
         Layer-wise jobs (``LoadJob.layerwise``: vLLM runs them in this step, after this
-        call) go the same way but scatter layer by layer (:mod:`connector.layer_loads`).
+        call) go the same way but scatter layer by layer (:mod:`connector.vllm.layer_loads`).
         ``whole``: the forward pass will not call ``wait_for_layer_load`` (a full CUDA
         graph replays without Python), so the layer-wise loads are waited for here.
 

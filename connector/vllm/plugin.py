@@ -8,7 +8,7 @@ loads plugins in every engine process; registering twice is a no-op.
 from __future__ import annotations
 
 NAME = "KVPoolConnector"
-MODULE = "kvpool.connector.vllm_connector"
+MODULE = "kvpool.connector.vllm.connector"
 
 
 def register() -> None:

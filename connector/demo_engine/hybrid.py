@@ -29,7 +29,7 @@ The store glue (blocks, state checkpoints, partial tails, the transfer projectio
 common-boundary prefix hit, heterogeneous TP) is :class:`connector.hybrid_store.HybridStore`;
 this model implements its :class:`~connector.hybrid_store.HybridEngineModel` interface.
 The end of this module is the demo's hybrid engine (:class:`HybridEngine`, run by
-``connector.reference.worker --engine hybrid``) and its report section.
+``connector.demo_engine.worker --engine hybrid``) and its report section.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.connector.hybrid_store import HybridStore, StateSlot, pack_tensors, unpack_tensors
-from kvpool.connector.reference.model import apply_rope, causal_attention, rms_norm, rope_cos_sin
-from kvpool.connector.reference.tokenizer import demo_requests, encode, user_turn
+from kvpool.connector.demo_engine.model import apply_rope, causal_attention, rms_norm, rope_cos_sin
+from kvpool.connector.demo_engine.tokenizer import demo_requests, encode, user_turn
 from kvpool.protocol.errors import InvalidRequest, KVPoolError
 from kvpool.protocol.groups import CacheGroupSpec, TransferProjection, describe, project
 from kvpool.protocol.layout import LayoutSpec, TensorSpec
@@ -482,7 +482,7 @@ def hybrid_requests(quick: bool) -> tuple[list, list]:
     """(A's, B's) requests for the hybrid demo: shared documents + questions, a repeat, a
     new question, a multi-turn continuation of A's first prompt (restored exactly at its
     end through the stored partial tails) and a miss."""
-    from kvpool.connector.reference.tokenizer import Request
+    from kvpool.connector.demo_engine.tokenizer import Request
 
     a, b = demo_requests(quick=True)  # one document: the KDA recurrence runs token by token
     a = a[:2]
@@ -494,7 +494,7 @@ def hybrid_requests(quick: bool) -> tuple[list, list]:
 
 
 class HybridEngine:
-    """The worker's hybrid engine: same interface as ``connector.reference.worker.Engine``."""
+    """The worker's hybrid engine: same interface as ``connector.demo_engine.worker.Engine``."""
 
     def __init__(self, master: str | None, namespace: str, config: HybridConfig | None = None, tp_size: int = 1,
                  source_tp: int | None = None, rpc_timeout_s: float = 10.0) -> None:

@@ -4,7 +4,7 @@ Select it with::
 
     kv_transfer_config = {
         "kv_connector": "KVPoolConnector",
-        "kv_connector_module_path": "kvpool.connector.vllm_connector",
+        "kv_connector_module_path": "kvpool.connector.vllm.connector",
         "kv_role": "kv_both",                      # or kv_producer / kv_consumer (P/D)
         "kv_load_failure_policy": "recompute",     # or "fail" (vLLM's default)
         "kv_connector_extra_config": {"master": "tcp://127.0.0.1:PORT", "namespace": "vllm"},
@@ -15,7 +15,7 @@ saved); ``kv_producer`` saves its prompts' blocks and publishes a hand-off when 
 request finishes, returning ``{"kvpool": {"handoff_id": ..., "num_blocks": ...}}`` as
 the request's ``kv_transfer_params``; ``kv_consumer`` takes those params (the router
 passes them on), claims the hand-off, loads, and acks. The scheduler-side logic lives in
-:mod:`connector.vllm_scheduler`, the worker side in :mod:`connector.vllm_worker`; this
+:mod:`connector.vllm.scheduler`, the worker side in :mod:`connector.vllm.worker`; this
 class only routes vLLM's calls to the half that runs in this process.
 
 This module imports vLLM; ``import connector`` and ``connector.client`` do not.
@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.connector.vllm_meta import (
+from kvpool.connector.vllm.meta import (
     ConnectorSettings,
     KVPoolConnectorMetadata,
     KVPoolConnectorStats,
@@ -78,11 +78,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvpool.connector.vllm_scheduler import KVPoolScheduler
+            from kvpool.connector.vllm.scheduler import KVPoolScheduler
 
             self.sched = KVPoolScheduler(self.settings, vllm_config, kv_cache_config)
         else:
-            from kvpool.connector.vllm_worker import KVPoolWorker
+            from kvpool.connector.vllm.worker import KVPoolWorker
 
             self.worker = KVPoolWorker(self.settings, vllm_config, kv_cache_config)
         log.info("kvpool connector: role=%s kv_role=%s namespace=%s model=%s policy=%s", role.name,
