@@ -23,6 +23,11 @@ save-path ratios against ``ref``.
 
     python benchmarks/vllm_vs_mooncake.py [--models tiny,medium] [--rounds 3] [--prompts 6]
         [--tokens 960] [--settle 1.0] [--json results/vllm-vs-mooncake.json]
+        [--kvpool-variant 'nowait={"lookup_wait_s": 0}' ...]
+
+``--kvpool-variant NAME=JSON`` adds a kvpool pair whose ``kv_connector_extra_config`` also
+holds JSON, measured in the same rounds (its cells are named ``NAME_miss``/``NAME_hit``), to
+compare a setting with the default on the same prompts.
 """
 from __future__ import annotations
 
@@ -121,13 +126,19 @@ def run_model(name: str, workdir: str, master: str, mooncake: Mooncake, args) ->
         "mc_a": Engine(f"{name}-mc-a", model, logs, mc_cfg, env=mc_env, **kw),
         "mc_b": Engine(f"{name}-mc-b", model, logs, mc_cfg, env=mc_env, **kw),
     }
+    for tag, extra in args.variants.items():
+        for side in "ab":
+            engines[f"{tag}_{side}"] = Engine(f"{name}-{tag}-{side}", model, logs,
+                                              kv_config("kv_both", master, f"bench-{name}-{tag}", "recompute", **extra),
+                                              **kw)
+    tags = ("kv", "mc", *args.variants)
     try:
         for e in engines.values():
             e.ready()
         rng = random.Random(f"bench-{name}")
         hit_tokens = (args.tokens - 1) // BLOCK * BLOCK
-        res = {k: [] for k in ("ref", "kv_miss", "kv_hit", "mc_miss", "mc_hit")}
-        misses = {"kv": 0, "mc": 0}
+        res = {"ref": [], **{f"{t}_{k}": [] for t in tags for k in ("miss", "hit")}}
+        misses = dict.fromkeys(tags, 0)
         pairs = []
 
         def one(tag: str, prompt: list[int]) -> None:
@@ -146,13 +157,14 @@ def run_model(name: str, workdir: str, master: str, mooncake: Mooncake, args) ->
             for i in range(args.prompts):
                 prompt = [rng.randrange(4, 1000) for _ in range(args.tokens)]
                 ref = engines["ref"].call({"op": "generate", "prompts": [prompt], "max_tokens": 1}, 300)["elapsed_s"]
-                order = ("kv", "mc") if (r * args.prompts + i) % 2 == 0 else ("mc", "kv")
+                turn = (r * args.prompts + i) % len(tags)  # who goes first rotates by prompt
+                order = tags[turn:] + tags[:turn]
                 if r == 0:
                     for tag in order:
                         one(tag, prompt)
                     for k in res:
                         res[k].clear()
-                    misses.update(kv=0, mc=0)
+                    misses.update(dict.fromkeys(tags, 0))
                     continue
                 res["ref"].append(ref)
                 got = {tag: one(tag, prompt) for tag in order}
@@ -164,7 +176,7 @@ def run_model(name: str, workdir: str, master: str, mooncake: Mooncake, args) ->
             "median_of_pairs": round(statistics.median(pairs), 3) if pairs else None,
             "min": round(min(pairs), 3) if pairs else None, "max": round(max(pairs), 3) if pairs else None,
             "pairs": len(pairs)}
-        for tag in ("kv", "mc"):
+        for tag in tags:
             if res[f"{tag}_miss"] and res["ref"]:
                 out[f"{tag}_miss_over_ref"] = round(statistics.median(res[f"{tag}_miss"]) /
                                                     statistics.median(res["ref"]), 3)
@@ -184,7 +196,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=960)
     ap.add_argument("--settle", type=float, default=1.0, help="seconds between A's request and B's")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--kvpool-variant", action="append", default=[], metavar="NAME=JSON",
+                    help="another kvpool pair with these kv_connector_extra_config keys, in the same rounds")
     args = ap.parse_args()
+    args.variants = {}
+    for v in args.kvpool_variant:
+        tag, _, extra = v.partition("=")
+        if not tag.isidentifier() or tag in ("kv", "mc", "ref"):
+            sys.exit(f"--kvpool-variant {v!r}: NAME must be an identifier other than kv, mc, ref")
+        args.variants[tag] = json.loads(extra or "{}")
     try:
         import mooncake.store  # noqa: F401  (vLLM's MooncakeStoreConnector needs it)
     except ImportError as e:

@@ -45,7 +45,7 @@ LOAD_MODES = ("auto", "layerwise", "async")
 PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
 _EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
                "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves",
-               "lookup_timeout_s", "load_mode", "on_auth_failure", "prompt_saves"}
+               "lookup_timeout_s", "lookup_wait_s", "load_mode", "on_auth_failure", "prompt_saves"}
 AUTH_FAILURE_POLICIES = ("fail", "run_uncached")
 PROMPT_SAVES = ("committed", "background")
 PROBE_TIMEOUT_S = 3.0  # longest wait at engine start for the master's first answer (seconds)
@@ -64,7 +64,11 @@ class ConnectorSettings:
     ``handoff_ttl_s`` bounds how long a producer's blocks stay held for the consumer;
     ``max_inflight_saves`` bounds the background save queue (saves beyond it wait);
     ``lookup_timeout_s`` bounds how long a request waits for its prefix lookup before it
-    proceeds as a miss (the scheduler step itself never waits on the network);
+    proceeds as a miss; ``lookup_wait_s`` (seconds, 0: never) is how long one scheduler
+    step may wait for lookups in all, so that a lookup answered within it (a loopback
+    round trip takes well under a millisecond) is used in the step that asked, not the
+    next; the step never waits longer, however many lookups it starts or however slow
+    the master is;
     ``load_mode`` (``auto`` | ``layerwise`` | ``async``): ``layerwise`` runs a hit in the
     step that loads it, each attention layer waiting for its own pages; ``async`` holds
     the request until its whole load has landed; ``auto`` is ``layerwise`` for models with
@@ -95,6 +99,7 @@ class ConnectorSettings:
     max_inflight_saves: int
     engine_id: str
     lookup_timeout_s: float = 2.0
+    lookup_wait_s: float = 0.005
     load_mode: str = "auto"
     on_auth_failure: str = "fail"
     prompt_saves: str = "committed"
@@ -152,7 +157,8 @@ class ConnectorSettings:
             transport=transport, rpc_timeout_s=num("rpc_timeout_s", CLIENT_DEFAULTS["rpc_timeout_s"], 0.001),
             io_timeout_s=num("io_timeout_s", CLIENT_DEFAULTS["io_timeout_s"], 0.001),
             max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
-            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001), load_mode=load_mode, on_auth_failure=on_auth,
+            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001),
+            lookup_wait_s=num("lookup_wait_s", ConnectorSettings.lookup_wait_s, 0.0), load_mode=load_mode, on_auth_failure=on_auth,
             prompt_saves=prompt_saves)
 
     @property

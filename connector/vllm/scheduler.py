@@ -3,9 +3,12 @@
 Per request it keeps the chained block hashes (extended as tokens append), where its
 load came from and how far its prompt has been saved. One step:
 
-* ``get_num_new_matched_tokens``: never blocks on the network. It starts the lookup on a
-  background thread and answers "not yet" (None) until it is back, or treats it as a miss
-  after ``lookup_timeout_s``; a request's lookup is counted once. With hand-off params
+* ``get_num_new_matched_tokens``: starts the lookup on a background thread and waits for
+  it within what is left of the step's ``lookup_wait_s`` (a few milliseconds for every
+  lookup of the step together); a lookup not back by then is answered "not yet" (None)
+  and taken in a later step, or treated as a miss after ``lookup_timeout_s``; a request's
+  lookup is counted once. Waiting, the scheduler thread leaves the interpreter to the
+  lookup thread, which would otherwise get it only at the next step's switch. With hand-off params
   (consumer) the lookup claims the record (a read) and compares the record's keys with
   its own; otherwise, without TP, it looks the keys up with read leases (counted as
   reads), and with TP it asks which keys exist (``exists_batch``: no lease, no LRU
@@ -29,7 +32,7 @@ load came from and how far its prompt has been saved. One step:
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +155,7 @@ class KVPoolScheduler:
         self.closer = HandoffCloser(self.client, self.pool)
         self.closed = False
         self.step = 0  # scheduler steps so far: build_connector_meta ends each one
+        self._wait_left = self.s.lookup_wait_s  # seconds this step may still wait for lookups
         kec = getattr(vllm_config, "kv_events_config", None)
         self.emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
         self.events: list[Any] = []
@@ -322,11 +326,13 @@ class KVPoolScheduler:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Never blocks on the network: the first call for a request starts its lookup
-        (a leased lookup, or a hand-off claim) on a background thread and answers None
-        (vLLM's "not yet": the request is asked again next step); a later call takes the
-        result. A lookup not back within ``lookup_timeout_s`` seconds counts as a miss, so
-        a master that does not answer costs a request at most that delay.
+        """Waits on the network at most what is left of the step's ``lookup_wait_s``
+        seconds: the first call for a request starts its lookup (a leased lookup, or a
+        hand-off claim) on a background thread and waits for it within that budget; not
+        back by then, it answers None (vLLM's "not yet": the request is asked again next
+        step), and a later call takes the result. A lookup not back within
+        ``lookup_timeout_s`` seconds counts as a miss, so a master that does not answer
+        costs a request at most that delay, and each step at most ``lookup_wait_s``.
 
         Idempotent within a step: asked again for the same request and local hit before
         ``build_connector_meta`` (a wrapper or another scheduler may ask twice), it gives
@@ -356,6 +362,10 @@ class KVPoolScheduler:
             hashes = self._hashes(request, top)
             fut = self.pool.submit(self._match, request, hashes, start, top, self._params(request))
             self.lookups[rid] = pend = _Pending(start, fut, monotonic() + self.s.lookup_timeout_s)
+        if not pend.future.done() and self._wait_left > 0:
+            t0 = monotonic()
+            wait_futures((pend.future,), timeout=min(self._wait_left, max(0.0, pend.deadline - t0)))
+            self._wait_left -= monotonic() - t0
         if not pend.future.done():
             if monotonic() < pend.deadline:
                 return None, False
@@ -501,6 +511,7 @@ class KVPoolScheduler:
 
     def build_connector_meta(self, scheduler_output) -> KVPoolConnectorMetadata:
         self.step += 1  # answers given before this call are not repeated
+        self._wait_left = self.s.lookup_wait_s  # the next step's budget for waiting on lookups
         self._keep_block_size()
         meta = KVPoolConnectorMetadata(loads=list(self.pending_loads.values()),
                                        idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))

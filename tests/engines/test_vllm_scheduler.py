@@ -42,7 +42,7 @@ def silent_master():
     srv.close()
 
 
-def _scheduler(master: str, lookup_timeout_s: float):
+def _scheduler(master: str, lookup_timeout_s: float, **extra):
     import torch
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -53,7 +53,7 @@ def _scheduler(master: str, lookup_timeout_s: float):
     ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both",
                            kv_connector_module_path="kvpool.connector.vllm.connector",
                            kv_connector_extra_config={"master": master, "lookup_timeout_s": lookup_timeout_s,
-                                                      "rpc_timeout_s": 30})
+                                                      "rpc_timeout_s": 30, **extra})
     cfg = SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/tiny"),
                           cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True),
                           scheduler_config=SimpleNamespace(enable_chunked_prefill=True),
@@ -194,5 +194,39 @@ def test_a_lookup_given_up_on_releases_its_leases_when_it_comes_back(long_leases
             assert _answer(sched, req) == (0, False)  # a miss: computed locally
             assert back.wait(30)
             wait_for(lambda: not any(_leased(c, keys)), 30, what="the late lookup's leases released")
+    finally:
+        sched.close()
+
+
+def _end_step(sched) -> None:
+    sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={},
+                                               scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+                                                   req_ids=[], num_computed_tokens=[])))
+
+
+def test_a_lookup_back_within_the_steps_wait_is_answered_in_that_step(long_leases, monkeypatch):
+    """The first ask waits for its lookup within the step's ``lookup_wait_s`` and answers
+    the hit at once; once the step's budget is spent, the next request's first ask answers
+    "not yet" (None) without waiting, and a new step brings a new budget."""
+    sched = _scheduler(long_leases.master_addr, 60, lookup_wait_s=30)
+    lookup = sched.client.lookup_leased
+    gate = threading.Event()
+
+    def held(keys):
+        assert gate.wait(60)
+        return lookup(keys)
+
+    try:
+        with long_leases.client() as c:
+            first, second = _request("r-now"), _request("r-next", 120)
+            _store_blocks(sched, c, first, 6)
+            assert sched.get_num_new_matched_tokens(first, 0) == (96, False)  # answered in the step that asked
+            sched.request_finished(first, ([],))
+            monkeypatch.setattr(sched.client, "lookup_leased", held)
+            sched._wait_left = 0.0  # the step's budget spent (by other requests' lookups)
+            assert sched.get_num_new_matched_tokens(second, 0) == (None, False)
+            gate.set()
+            _end_step(sched)  # a new step: its budget covers the lookup
+            assert sched.get_num_new_matched_tokens(second, 0) == (96, False)  # its first 6 blocks are r-now's
     finally:
         sched.close()
