@@ -111,16 +111,20 @@ class MasterState:
         objects, nodes, outbox, counters, story = self.objects, self.nodes, self.outbox, self.counters, self.story
         self.layouts = Layouts()
         self.lru = Lru(nodes, objects, self._drop)
-        self.repair = Repair(objects, nodes, outbox, counters, story, settings_, clock, self.lru, self.rng)
+        tables = dict(objects=objects, nodes=nodes, outbox=outbox, counters=counters, story=story,
+                      settings=settings_)  # the index and node table every part below shares
+        self.repair = Repair(**tables, clock=clock, lru=self.lru, rng=self.rng)
         self.hand = Handoffs(objects, self.waiting_holds, counters, self.lru.add, self.lru.remove,
                              self.repair.maybe_queue, lambda: self.s.max_handoff_ttl_s, clock)
         self.handoffs = self.hand.records  # request id -> Handoff (master/handoffs.py)
-        self.tiers = Tiers(objects, self.pending, nodes, outbox, counters, story, settings_, self.departed,
-                           self.layouts, self.lru, self.repair, self._drop, self.report_corrupt, self._settle_waiting)
-        self.eviction = Eviction(nodes, objects, settings_, self.lru, self.tiers, self.hand, self._drop)
-        self.reservations = Reservations(objects, self.pending, nodes, outbox, counters, story, settings_,
-                                         self.layouts, self.repair, self.eviction, self._place,
-                                         self._revoke_pending, self._settle_waiting)
+        self.tiers = Tiers(**tables, pending=self.pending, departed=self.departed, layouts=self.layouts,
+                           lru=self.lru, repair=self.repair, drop=self._drop, report_corrupt=self.report_corrupt,
+                           settle_waiting=self._settle_waiting)
+        self.eviction = Eviction(nodes, objects, settings_, lru=self.lru, tiers=self.tiers, hand=self.hand,
+                                 drop=self._drop)
+        self.reservations = Reservations(**tables, pending=self.pending, layouts=self.layouts, repair=self.repair,
+                                         eviction=self.eviction, place=self._place,
+                                         revoke_pending=self._revoke_pending, settle_waiting=self._settle_waiting)
 
     # ---- hand-offs (master/handoffs.py) -------------------------------------------------
 
