@@ -1,7 +1,7 @@
 """Shared pieces of the vLLM adapter: settings, layouts, keys, step metadata, stats.
 
-Imported only by the adapter modules (``connector.vllm_*``), never by ``connector`` or
-``connector.client``: this module imports vLLM.
+Imported only by the adapter's modules (``connector.vllm.*``), never by the rest of
+``connector`` (the client library): this module imports vLLM.
 
 Stored format (one kvpool object per block per cache group): the group's layers in the
 group's own layer order, each layer's page in vLLM's *logical* ``[H, N, C]`` order
