@@ -134,15 +134,15 @@ class ConnectorSettings:
                 raise ConfigError(f"kv_connector_extra_config.{key}: must be >= {lo}, got {v}", key=key)
             return v
 
-        load_mode = str(extra.get("load_mode", "auto"))
+        load_mode = str(extra.get("load_mode", ConnectorSettings.load_mode))
         if load_mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.load_mode: {load_mode!r}; accepted: "
                               f"{', '.join(LOAD_MODES)}", key="load_mode")
-        on_auth = str(extra.get("on_auth_failure", "fail"))
+        on_auth = str(extra.get("on_auth_failure", ConnectorSettings.on_auth_failure))
         if on_auth not in AUTH_FAILURE_POLICIES:
             raise ConfigError(f"kv_connector_extra_config.on_auth_failure: {on_auth!r}; accepted: "
                               f"{', '.join(AUTH_FAILURE_POLICIES)}", key="on_auth_failure")
-        prompt_saves = str(extra.get("prompt_saves", "committed"))
+        prompt_saves = str(extra.get("prompt_saves", ConnectorSettings.prompt_saves))
         if prompt_saves not in PROMPT_SAVES:
             raise ConfigError(f"kv_connector_extra_config.prompt_saves: {prompt_saves!r}; accepted: "
                               f"{', '.join(PROMPT_SAVES)}", key="prompt_saves")
@@ -157,8 +157,9 @@ class ConnectorSettings:
             transport=transport, rpc_timeout_s=num("rpc_timeout_s", CLIENT_DEFAULTS["rpc_timeout_s"], 0.001),
             io_timeout_s=num("io_timeout_s", CLIENT_DEFAULTS["io_timeout_s"], 0.001),
             max_inflight_saves=int(num("max_inflight_saves", 64, 1)), engine_id=str(ktc.engine_id),
-            lookup_timeout_s=num("lookup_timeout_s", 2.0, 0.001),
-            lookup_wait_s=num("lookup_wait_s", ConnectorSettings.lookup_wait_s, 0.0), load_mode=load_mode, on_auth_failure=on_auth,
+            lookup_timeout_s=num("lookup_timeout_s", ConnectorSettings.lookup_timeout_s, 0.001),
+            lookup_wait_s=num("lookup_wait_s", ConnectorSettings.lookup_wait_s, 0.0), load_mode=load_mode,
+            on_auth_failure=on_auth,
             prompt_saves=prompt_saves)
 
     @property
