@@ -79,6 +79,13 @@ def test_dockerfile_installs_pinned_cpu_torch_first_and_runs_unprivileged():
     for line in copied:
         for src in line.split():
             assert src.rstrip("/") in allowed, f"COPY {src} is excluded by .dockerignore"
+    # ... and copies every folder the wheel packages (pyproject.toml's package-dir)
+    import tomllib
+
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    sources = {src.rstrip("/") for line in copied for src in line.split()}
+    missing = sorted({d.split("/")[0] for d in dirs} - sources)
+    assert not missing, f"the image's wheel would lack {missing}: COPY them in deploy/Dockerfile"
 
 
 def test_kubernetes_manifests_pass_schema_validation():
