@@ -10,8 +10,10 @@ stays free of the client's and vLLM's dependencies:
 - the typed errors (:class:`KVPoolError` and its subclasses, ``kvpool.errors``).
 
 Subpackages: ``kvpool.protocol`` (wire contract), ``kvpool.master``, ``kvpool.storenode``,
-``kvpool.connector`` (client library and ``kvpool.connector.vllm.connector``, the vLLM
-``KVPoolConnector``), ``kvpool.cli`` (the ``kvpool`` command).
+``kvpool.connector`` (the client library; ``kvpool.connector.vllm``, the vLLM adapter, whose
+``kvpool.connector.vllm.connector`` holds ``KVPoolConnector``; ``kvpool.connector.demo_engine``,
+the demo's engine), ``kvpool.cli`` (the ``kvpool`` command), ``kvpool.configs`` (the default
+config, data only).
 """
 
 from importlib import import_module

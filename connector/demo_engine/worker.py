@@ -1,4 +1,4 @@
-"""One demo engine process: ``python -m connector.demo_engine.worker --role producer|consumer``.
+"""One demo engine process: ``python -m kvpool.connector.demo_engine.worker --role producer|consumer``.
 
 The parent (``cli.demo.run_demo``) starts the process, which builds the reference model
 and connects to the cluster, prints ``KVPOOL_WORKER_READY`` and then reads ONE JSON

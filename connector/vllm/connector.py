@@ -18,7 +18,7 @@ passes them on), claims the hand-off, loads, and acks. The scheduler-side logic 
 :mod:`connector.vllm.scheduler`, the worker side in :mod:`connector.vllm.worker`; this
 class only routes vLLM's calls to the half that runs in this process.
 
-This module imports vLLM; ``import connector`` and ``connector.client`` do not.
+This module imports vLLM; ``kvpool.connector`` and ``kvpool.connector.client`` do not.
 """
 from __future__ import annotations
 
