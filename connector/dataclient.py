@@ -62,7 +62,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvpool.connector.claims import SharedClaims
+from kvpool.connector.claims import _RELEASE_S, SharedClaims
 from kvpool.connector.ops import ReadOp, WriteOp
 from kvpool.connector.datastream import Connections, ReplicaDeadline, _wait_bytes, readable
 from kvpool.connector.dma import CudaDirect, _stage
@@ -81,7 +81,6 @@ __all__ = ["DataPlane", "ReadOp", "ReplicaDeadline", "WriteOp", "readable"]
 _BIG = 64 << 10         # payloads at least this big are read without greedy buffering
 _NET_ASIDE_MIN = 1 << 20  # network writes at least this big, not hashed yet, are hashed beside the send
 _COMMIT_CONNECT_S = 1.0  # seconds a commit copy may wait to connect
-_RELEASE_S = 0.5  # seconds the release of unanswered claims may wait to be sent
 _READ_OP = ("read", "dread")  # by ExtentRef.tier: a memory extent, a disk-tier file (storenode/disk_reads.py)
 
 

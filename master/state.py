@@ -441,8 +441,7 @@ class MasterState:
                 self.outbox[r.node_id].append(NodeCommit([commit_row(obj, r)]))
             self.story.add(key, "stored", obj.node_ids())
             self.lru.add(obj)
-            if key in self.waiting_pins or key in self.waiting_holds:
-                self._settle_waiting(obj, now)
+            self._settle_waiting(obj, now)
             if len(obj.replicas) < obj.replicas_wanted:  # fewer nodes could take it than it asked for
                 self.repair.maybe_queue(obj)
             out.append(None)

@@ -471,10 +471,10 @@ def keys_for(settings: ConnectorSettings, g: GroupLayout, hashes: list[bytes], r
     return keys
 
 
-def block_keys(settings: ConnectorSettings, g: GroupLayout, rank: int, first: int, hashes: list[bytes],
+def block_keys(settings: ConnectorSettings, g: GroupLayout, rank: int | None, first: int, hashes: list[bytes],
                positions: list[int]) -> list[str]:
-    """Keys of group ``g``'s blocks at ``positions`` for TP rank ``rank`` (``hashes[p -
-    first]`` is block ``p``'s hash)."""
+    """Keys of group ``g``'s blocks at ``positions`` for TP rank ``rank`` (ignored for
+    replicated layouts; ``hashes[p - first]`` is block ``p``'s hash)."""
     if not g.is_state:  # a block's key does not depend on its position
         return keys_for(settings, g, [hashes[p - first] for p in positions], rank)
     return [keys_for(settings, g, [hashes[p - first]], rank, p)[0] for p in positions]

@@ -47,6 +47,7 @@ from kvpool.connector.vllm.meta import (
     KVPoolWorkerMetadata,
     LoadJob,
     SaveJob,
+    block_keys,
     group_layouts,
     handoff_group_names,
     layerwise_loads,
@@ -229,10 +230,7 @@ class KVPoolScheduler:
         for g in self.groups:
             pos = needed(g.rule, start, boundary)
             for r in self._ranks(g):
-                if g.is_state:
-                    out.update(keys_for(self.s, g, [hashes[p]], r, p)[0] for p in pos)
-                else:
-                    out.update(keys_for(self.s, g, [hashes[p] for p in pos], r))
+                out.update(block_keys(self.s, g, r, 0, hashes, pos))
         return out
 
     def _keep(self, leases: ReadLeases, hashes: list[bytes], start: int, boundary: int) -> None:
@@ -267,7 +265,7 @@ class KVPoolScheduler:
         for g in self.groups:
             pos = needed(g.rule, 0, boundary)
             for name, rank in handoff_group_names(g, self.tp_size):
-                keys[name] = [keys_for(self.s, g, [hashes[p]], rank, p)[0] for p in pos]
+                keys[name] = block_keys(self.s, g, rank, 0, hashes, pos)
                 layouts[name] = g.layout
         return keys, layouts
 
