@@ -3,7 +3,10 @@ KV cache blocks. Host caches are filled straight from a same-host node's mapped 
 one copy per page (``get_into_batch`` into a :class:`~connector.scatter_out.ScatterOut`
 per block: layout checked before the copy, checksum on the bytes as they landed; a read
 over the network lands in a private buffer and is copied in once it passed). Device
-caches go through staging memory first, whose blocks are then scattered into the cache.
+caches go through staging memory first, whose blocks are then scattered into the cache,
+and so do blocks a hand-off holds at another TP size (``LoadJob.reads``): each stored
+rank's objects are read into staging of their own and their head ranges placed into the
+blocks' staging (:func:`~connector.vllm.pages.place_heads`) before the scatter.
 A block that fails its checks is reported failed, and vLLM recomputes it before any
 output depends on it (a layer-wise step's output of that request is discarded, its
 later blocks evicted).
@@ -23,6 +26,7 @@ import logging
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from kvpool.connector.client import LEASE_MARGIN
@@ -34,11 +38,13 @@ from kvpool.connector.vllm.meta import (
     GroupLayout,
     KVPoolConnectorMetadata,
     LoadJob,
+    TpRead,
     WorkerTally,
     block_keys,
     monotonic,
+    source_group,
 )
-from kvpool.connector.vllm.pages import TORCH_DTYPES, PageRuns, block_parts, host_bytes, staging
+from kvpool.connector.vllm.pages import TORCH_DTYPES, PageRuns, block_parts, host_bytes, place_heads, staging
 from kvpool.connector.vllm.plan import NULL_BLOCK
 from kvpool.protocol.errors import ChecksumMismatch, KVPoolError
 
@@ -220,40 +226,82 @@ class WorkerLoads:
             self.client.release_leases(twice, leases.until(LEASE_MARGIN))
         held = len(leases.infos)
         for gi, g in enumerate(self.groups):
-            keys, outs, spans = [], [], []
-            n, nb = sum(len(job.groups[gi].positions) for job in todo), g.layout.nbytes
+            reads = {job.req_id: job.reads[gi] for job in todo if job.reads and gi in job.reads}
+            keys, outs, lays, spans = [], [], [], []
+            nb = g.layout.nbytes
             runs = self.page_runs[gi]
-            if runs is not None or not n:
+            # staged: every block of a group not read straight into the cache, and those assembled from
+            # another TP size's blocks
+            n = sum(len(job.groups[gi].positions) for job in todo if runs is None or job.req_id in reads)
+            if not n:
                 room = None
             elif n * nb <= free.numel():  # the kept, prefaulted arena; a step past it gets fresh memory
                 room, free = free[:n * nb].view(n, nb), free[n * nb:]
             else:
                 room = staging(n, nb, self.pin)
             flat = memoryview(room.numpy()).cast("B") if room is not None else None  # slices: no tensor per block
+            at = 0  # rows of room taken
             for job in todo:
                 pos = job.groups[gi].positions
-                lo = len(keys)
-                spans.append((job, room[lo:lo + len(pos)] if room is not None else None, lo))
+                lo, k, read = len(keys), len(pos), reads.get(job.req_id)
+                buf = None
+                if room is not None and (runs is None or read is not None):
+                    buf, at = room[at:at + k], at + k
+                if read is not None:
+                    spans.append((job, buf, lo, self._tp_sources(g, job, pos, read, keys, outs, lays)))
+                    continue
+                spans.append((job, buf, lo, None))
                 keys += block_keys(self.s, g, self.rank, job.first, job.hashes, pos)
+                lays += [g.layout] * k
                 if runs is not None:
-                    outs += [ScatterOut(runs.pages(b), gate) for b in job.groups[gi].block_ids[:len(pos)]]
+                    outs += [ScatterOut(runs.pages(b), gate) for b in job.groups[gi].block_ids[:k]]
                 else:
-                    outs += [flat[i * nb:(i + 1) * nb] for i in range(lo, lo + len(pos))]
+                    outs += [flat[i * nb:(i + 1) * nb] for i in range(at - k, at)]
             res: list = []
             if keys:
                 tg = monotonic()
                 try:
-                    res = self.client.get_into_batch(keys, outs, g.layout, leases)
+                    res = self.client.get_into_batch(keys, outs, lays, leases)
                 except Exception as e:  # noqa: BLE001 - reported as failed blocks, never a hang
                     res = [e if isinstance(e, KVPoolError) else KVPoolError(f"{type(e).__name__}: {e}")] * len(keys)
                 with self.tally.lock:
                     self.tally.stats.observe_group(g.group_id, "load_s", monotonic() - tg)
-            for job, buf, lo in spans:
-                fetched[job.req_id].append((buf, res[lo:lo + len(job.groups[gi].positions)]))
+            for job, buf, lo, srcs in spans:
+                k = len(job.groups[gi].positions)
+                if srcs is None:
+                    fetched[job.req_id].append((buf, res[lo:lo + k]))
+                    continue
+                read = reads[job.req_id]
+                got = [res[lo + j * k:lo + (j + 1) * k] for j in range(len(srcs))]
+                # a block loads when every stored rank it takes heads from loaded
+                per_block = [next((r[i] for r in got if not isinstance(r[i], int)), sum(r[i] for r in got))
+                             for i in range(k)]
+                if k:
+                    place_heads(buf.numpy(), {r: sb.numpy() for r, sb in srcs.items()}, read.pieces[self.rank],
+                                g.layout, read.layout)
+                fetched[job.req_id].append((buf, per_block))
         if held:
             with self.tally.lock:
                 self.tally.stats.add("blocks_read_on_lookup_leases", held - len(leases.infos))
         return fetched, monotonic() - t0
+
+    def _tp_sources(self, g: GroupLayout, job: LoadJob, pos: list[int], read: TpRead, keys: list, outs: list,
+                    lays: list) -> dict[int, torch.Tensor]:
+        """Add the reads of ``job``'s blocks of ``g`` at ``pos`` as another TP size stored them
+        (``read``) to a batch (``keys``, ``outs``, ``lays``): for each stored rank this rank
+        takes heads from, in ascending order, every block into a staging buffer of its own
+        (not the cache: :func:`~connector.vllm.pages.place_heads` assembles the blocks).
+        Returns those buffers (``[len(pos), stored block bytes]`` uint8) by stored rank."""
+        src = source_group(g, read.layout)
+        nb = read.layout.nbytes
+        bufs = {}
+        for r in read.ranks(self.rank):
+            sb = bufs[r] = staging(len(pos), nb, self.pin)
+            flat = memoryview(sb.numpy()).cast("B")
+            keys += block_keys(self.s, src, r, job.first, job.hashes, pos)
+            outs += [flat[i * nb:(i + 1) * nb] for i in range(len(pos))]
+            lays += [msgspec.structs.replace(read.layout, tp_rank=r)] * len(pos)
+        return bufs
 
     def _load_batch(self, jobs: list[LoadJob]) -> dict[str, _LoadResult]:
         """Fetch every job's blocks and scatter what loaded; returns the results by

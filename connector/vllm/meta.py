@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvpool.protocol.config import CLIENT_DEFAULTS
 from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.groups import ReadPiece
 from kvpool.protocol.keys import block_hashes, extra_bytes, group_key
 from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec, TensorSpec
 
@@ -480,6 +481,13 @@ def block_keys(settings: ConnectorSettings, g: GroupLayout, rank: int | None, fi
     return [keys_for(settings, g, [hashes[p - first]], rank, p)[0] for p in positions]
 
 
+def source_group(g: GroupLayout, layout: LayoutSpec) -> GroupLayout:
+    """``g`` as another engine stored it: the same group id and restore rule under the
+    stored ``layout`` (e.g. a SPLIT attention group at another TP size), whose
+    fingerprint names the stored keys (:func:`block_keys`)."""
+    return replace(g, layout=layout, parts=tuple((tuple(t.shape), t.dtype) for t in layout.tensors[:1]))
+
+
 def handoff_group_names(g: GroupLayout, tp_size: int) -> list[tuple[str, int | None]]:
     """Names under which a hand-off record lists ``g``'s keys: one per TP rank for split
     layouts (``"0/tp1"``), one for replicated layouts (``"0"``)."""
@@ -499,6 +507,24 @@ class GroupBlocks:
 
 
 @dataclass
+class TpRead:
+    """A SPLIT attention group a load assembles from blocks stored at another TP size
+    (:func:`~protocol.groups.tp_read_plan`). ``layout``: the stored layout (source rank
+    ``r``'s objects carry it with ``tp_rank = r``; their keys follow :func:`block_keys`
+    of :func:`source_group`); ``pieces[q]``: what this engine's TP rank ``q`` reads, each
+    :class:`~protocol.groups.ReadPiece` a source rank's head range ``[head_lo, head_hi)``
+    placed at head ``dst_lo`` of its own block, layer by layer."""
+
+    layout: LayoutSpec
+    pieces: list[list[ReadPiece]]
+
+    def ranks(self, rank: int | None = None) -> list[int]:
+        """The source ranks TP rank ``rank`` reads (None: every rank's), ascending."""
+        lists = self.pieces if rank is None else [self.pieces[rank]]
+        return sorted({p.src_rank for ps in lists for p in ps})
+
+
+@dataclass
 class LoadJob:
     """Load a hit: ``groups[g]`` names the positions and block ids of every stored group
     (in :func:`group_layouts` order); ``hashes[j]`` is the chained hash of block
@@ -509,7 +535,9 @@ class LoadJob:
     (:mod:`connector.vllm.layer_loads`); otherwise the request waits until the whole load is
     reported finished. ``leases``: the read leases the scheduler's lookup took for the
     load's blocks (None for none; only without TP): the worker reads those blocks
-    without a lookup of its own."""
+    without a lookup of its own. ``reads``: by position in ``groups``, the groups read
+    from blocks stored at another TP size (:class:`TpRead`; None: every group is read
+    as this engine stores it)."""
 
     req_id: str
     first: int
@@ -520,6 +548,7 @@ class LoadJob:
     error: str | None = None
     layerwise: bool = False
     leases: ReadLeases | None = None
+    reads: dict[int, TpRead] | None = None
 
 
 @dataclass

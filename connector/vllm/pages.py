@@ -1,15 +1,18 @@
 """KV cache pages as the connector moves them: torch dtypes by layout name, host cache
 views as numpy bytes, a layer's sub-tensors inside a stored block, staging buffers, the
-gather copy of saves, and kernel-block caches seen as manager blocks. Pure tensor
-helpers, no I/O."""
+gather copy of saves, blocks assembled from another TP size's per-rank blocks, and
+kernel-block caches seen as manager blocks. Pure tensor helpers, no I/O."""
 from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
-from kvpool.protocol.layout import DTYPE_BYTES
+from kvpool.protocol.groups import ReadPiece
+from kvpool.protocol.layout import DTYPE_BYTES, LayoutSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
@@ -48,6 +51,56 @@ def copy_pages(src, dst, block_ids: list[int]) -> None:
     an OpenMP team beside the engine's."""
     for i, b in enumerate(block_ids):
         dst[i] = src[b].reshape(-1)
+
+
+def place_heads(dst: np.ndarray, srcs: Mapping[int | None, np.ndarray], pieces: Sequence[ReadPiece],
+                local: LayoutSpec, stored: LayoutSpec) -> None:
+    """Assemble blocks of a SPLIT attention group from the blocks another TP size stored.
+
+    ``dst``: ``[n, local.nbytes]`` uint8 numpy array, ``n`` blocks in this rank's layout
+    ``local``; ``srcs[r]``: ``[n, stored.nbytes]`` uint8 numpy array, the same ``n``
+    blocks as source rank ``r`` stored them (layout ``stored``, any ``tp_rank``);
+    ``pieces``: :class:`~protocol.groups.ReadPiece` list of
+    :func:`~protocol.groups.tp_read_plan` ``(stored, local)``. Both layouts hold the
+    same tensors (one per layer, in order), each ``[..., heads, tokens, content]`` with
+    the heads outermost in the page, so a piece is one byte range per tensor: heads
+    ``[head_lo, head_hi)`` of ``srcs[src_rank]`` are copied, bytes unchanged, to heads
+    ``[dst_lo, dst_lo + head_hi - head_lo)`` of ``dst``. Plain numpy copies (no OpenMP
+    team). Raises ValueError when the buffers or pieces do not fit the layouts."""
+    n = dst.shape[0]
+    if dst.shape != (n, local.nbytes) or len(local.tensors) != len(stored.tensors):
+        raise ValueError(f"place_heads: destination {dst.shape} is not [n, {local.nbytes}] or the layouts hold "
+                         f"{len(local.tensors)} and {len(stored.tensors)} tensors")
+    for p in pieces:
+        src = srcs[p.src_rank]
+        if src.shape != (n, stored.nbytes):
+            raise ValueError(f"place_heads: source rank {p.src_rank} is {src.shape}, not [{n}, {stored.nbytes}]")
+        if not (0 <= p.head_lo < p.head_hi <= stored.num_kv_heads
+                and 0 <= p.dst_lo <= local.num_kv_heads - (p.head_hi - p.head_lo)):
+            raise ValueError(f"place_heads: piece {p} outside {stored.num_kv_heads} stored and "
+                             f"{local.num_kv_heads} local heads")
+    s_off = d_off = 0
+    for ts, td in zip(stored.tensors, local.tensors):
+        s_nb = math.prod(ts.shape) * DTYPE_BYTES[ts.dtype]
+        d_nb = math.prod(td.shape) * DTYPE_BYTES[td.dtype]
+        outer = math.prod(td.shape[:-3])  # dims before the heads (none for vLLM's pages)
+        hd, hs = td.shape[-3], ts.shape[-3]
+        head = d_nb // (outer * hd)  # bytes of one head's tokens and content
+        d = _heads(dst, d_off, outer, hd, head)
+        for p in pieces:
+            s = _heads(srcs[p.src_rank], s_off, outer, hs, head)
+            d[:, :, p.dst_lo:p.dst_lo + p.head_hi - p.head_lo] = s[:, :, p.head_lo:p.head_hi]
+        s_off += s_nb
+        d_off += d_nb
+
+
+def _heads(a, off: int, outer: int, heads: int, head: int):
+    """The view ``[n, outer, heads, head]`` of the tensor starting at byte ``off`` of each
+    row of ``a`` (``[n, bytes]`` uint8, rows contiguous): a view, never a copy."""
+    if a.strides[1] != 1:
+        raise ValueError(f"place_heads: rows of a {a.shape} buffer with strides {a.strides} are not contiguous")
+    return np.lib.stride_tricks.as_strided(a[:, off:], shape=(a.shape[0], outer, heads, head),
+                                           strides=(a.strides[0], heads * head, head, 1))
 
 
 def host_bytes(view):

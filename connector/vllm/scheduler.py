@@ -10,7 +10,8 @@ load came from and how far its prompt has been saved. One step:
   lookup is counted once. Waiting, the scheduler thread leaves the interpreter to the
   lookup thread, which would otherwise get it only at the next step's switch. With hand-off params
   (consumer) the lookup claims the record (a read) and compares the record's keys with
-  its own; otherwise, without TP, it looks the keys up with read leases (counted as
+  its own (a producer of another TP size: its SPLIT attention groups' keys, read as
+  head pieces of its ranks, :meth:`KVPoolScheduler._claim`); otherwise, without TP, it looks the keys up with read leases (counted as
   reads), and with TP it asks which keys exist (``exists_batch``: no lease, no LRU
   touch). The hit is the common boundary of every stored group
   (:mod:`connector.vllm.plan`); the leases of the blocks its load reads go to the worker
@@ -36,6 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvpool.connector.vllm.meta import (
     PARAMS_KEY,
     ConnectorSettings,
@@ -47,6 +50,7 @@ from kvpool.connector.vllm.meta import (
     KVPoolWorkerMetadata,
     LoadJob,
     SaveJob,
+    TpRead,
     block_keys,
     group_layouts,
     handoff_group_names,
@@ -56,6 +60,7 @@ from kvpool.connector.vllm.meta import (
     cluster_refusal,
     monotonic,
     request_extra,
+    source_group,
 )
 from kvpool.connector.client import LEASE_MARGIN
 from kvpool.connector.read_leases import ReadLeases
@@ -63,6 +68,7 @@ from kvpool.connector.vllm.accounting import LoadAccounting
 from kvpool.connector.vllm.handoffs import HandoffCloser
 from kvpool.connector.vllm.plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
+from kvpool.protocol.groups import tp_read_plan
 from kvpool.protocol.layout import first_difference
 
 if TYPE_CHECKING:
@@ -113,6 +119,7 @@ class _Match:
     leases: ReadLeases = field(default_factory=ReadLeases)  # the load's read leases (see KVPoolScheduler._hit)
     state_found: dict[int, bool] = field(default_factory=dict)  # per state group: a usable checkpoint was there
     step: int = -1  # the scheduler step that answered with it (KVPoolScheduler.step)
+    reads: dict[int, TpRead] | None = None  # groups a claimed hand-off holds at another TP size (LoadJob.reads)
 
     @property
     def n(self) -> int:
@@ -178,7 +185,19 @@ class KVPoolScheduler:
     def _ranks(self, g: GroupLayout):
         return [None] if g.replicated else range(self.tp_size)
 
-    def _hit(self, hashes: list[bytes], start: int, top: int) -> tuple[int, ReadLeases, dict[int, bool]]:
+    def _sources(self, gi: int, reads: dict[int, TpRead] | None) -> list[tuple[GroupLayout, int | None]]:
+        """The stored forms a load of group ``gi`` reads, ``(group as stored, rank)`` each:
+        this engine's own ranks, or for a group read from another TP size (``reads``) the
+        stored ranks any of this engine's ranks takes heads from."""
+        g = self.groups[gi]
+        read = reads.get(gi) if reads else None
+        if read is None:
+            return [(g, r) for r in self._ranks(g)]
+        src = source_group(g, read.layout)
+        return [(src, r) for r in read.ranks()]
+
+    def _hit(self, hashes: list[bytes], start: int, top: int, reads: dict[int, TpRead] | None = None
+             ) -> tuple[int, ReadLeases, dict[int, bool]]:
         """The largest boundary in ``(start, top]`` every group can restore from kvpool, or
         ``start``; and the read leases of the blocks a load up to it reads. With one worker
         per load, a leased lookup (:meth:`_lookup_leased`): the answers a load needs go to
@@ -187,15 +206,17 @@ class KVPoolScheduler:
         prefill context parallelism), existence checks (no lease, no LRU touch): every
         worker would receive every worker's answers, and one lease cannot be released by
         several readers. The third value: per state group, whether it holds a checkpoint at
-        some boundary in ``(start, top]`` (for the per-group state hit rate)."""
+        some boundary in ``(start, top]`` (for the per-group state hit rate). ``reads``:
+        groups stored at another TP size (a claimed hand-off's, :meth:`_claim`), looked
+        up under their stored keys."""
         if top <= start:
             return start, ReadLeases(), {}
         span = hashes[start:top]
         keys, where = [], []
-        for g in self.groups:
+        for gi in range(len(self.groups)):
             pos = {}
-            for r in self._ranks(g):
-                for j, k in enumerate(keys_for(self.s, g, span, r, start)):
+            for src, r in self._sources(gi, reads):
+                for j, k in enumerate(keys_for(self.s, src, span, r, start)):
                     pos.setdefault(start + j, []).append(len(keys))
                     keys.append(k)
             where.append(pos)
@@ -207,7 +228,7 @@ class KVPoolScheduler:
         have = [(lambda i, pos=pos: all(found[x] for x in pos.get(i, ()))) for pos in where]
         b = find_hit(self.rules, have, start, top)
         # without a boot id the worker cannot tell whether its clock is the lookup's: no handover
-        self._keep(leases, hashes, start, b if leases.boot else start)
+        self._keep(leases, hashes, start, b if leases.boot else start, reads)
         found = {g.group_id: any(has(i) for i in range(start, top)) for g, has in zip(self.groups, have)
                  if g.is_state}
         return b, leases, found
@@ -224,19 +245,22 @@ class KVPoolScheduler:
             raise
         return leases
 
-    def _load_keys(self, hashes: list[bytes], start: int, boundary: int) -> set[str]:
+    def _load_keys(self, hashes: list[bytes], start: int, boundary: int,
+                   reads: dict[int, TpRead] | None = None) -> set[str]:
         """The keys the worker reads for a load of blocks ``[start, boundary)``."""
         out: set[str] = set()
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             pos = needed(g.rule, start, boundary)
-            for r in self._ranks(g):
-                out.update(block_keys(self.s, g, r, 0, hashes, pos))
+            for src, r in self._sources(gi, reads):
+                out.update(block_keys(self.s, src, r, 0, hashes, pos))
         return out
 
-    def _keep(self, leases: ReadLeases, hashes: list[bytes], start: int, boundary: int) -> None:
+    def _keep(self, leases: ReadLeases, hashes: list[bytes], start: int, boundary: int,
+              reads: dict[int, TpRead] | None = None) -> None:
         """Keep the leases a load of ``[start, boundary)`` uses; release the others."""
         if leases.infos:
-            self._release(leases, leases.keep(self._load_keys(hashes, start, boundary) if boundary > start else ()))
+            self._release(leases, leases.keep(self._load_keys(hashes, start, boundary, reads)
+                                              if boundary > start else ()))
 
     def _release(self, leases: ReadLeases, keys) -> None:
         """Release read leases not used, off the scheduler's thread, and only while they
@@ -269,33 +293,66 @@ class KVPoolScheduler:
                 layouts[name] = g.layout
         return keys, layouts
 
-    def _claim(self, handoff_id: str, hashes: list[bytes], boundary: int) -> int:
+    def _claim(self, handoff_id: str, hashes: list[bytes], boundary: int) -> tuple[int, dict[int, TpRead]]:
         """Claim the hand-off record and check it against this engine's groups; return the
-        boundary (blocks) it restores. Raises the claim's error, or LayoutMismatch /
-        KVPoolError for a record of another model, group set or layout."""
+        boundary (blocks) it restores and, by group position, the groups its producer
+        stored at another TP size (:class:`TpRead`; empty when every group is stored as
+        this engine stores it). Such a group is listed once per producer rank
+        (``<group>/tp<r>``, :func:`handoff_group_names`) and is read by
+        :func:`~protocol.groups.tp_read_plan`: SPLIT attention heads, regathered. Raises the
+        claim's error, or LayoutMismatch / KVPoolError for a record of another model,
+        group set or layout, or one whose TP split cannot be converted (state groups,
+        another head total)."""
         rec = self.client.handoff_claim(handoff_id)
         n = int(rec.num_tokens) // self.block_size if getattr(rec, "num_tokens", 0) else boundary
         n = min(n, boundary)
-        mine, _ = self._record_keys(hashes, n)
-        names = set(mine)
+        tps = [self._record_tp(rec, g) for g in self.groups]
+        names = {name for g, tp in zip(self.groups, tps) for name, _ in handoff_group_names(g, tp)}
         if set(rec.keys) != names:
             raise LayoutMismatch(f"hand-off {handoff_id!r} holds cache groups {sorted(rec.keys)}, this engine "
-                                 f"stores {sorted(names)}; the producer runs another model, group layout or "
+                                 f"reads {sorted(names)}; the producer runs another model, group layout or "
                                  "TP setup", request_id=handoff_id)
-        for g in self.groups:
-            for name, _rank in handoff_group_names(g, self.tp_size):
+        reads: dict[int, TpRead] = {}
+        for gi, (g, tp) in enumerate(zip(self.groups, tps)):
+            src = g
+            if tp != self.tp_size:
+                reads[gi] = self._tp_read(handoff_id, rec, g, tp)
+                src = source_group(g, reads[gi].layout)
+            pos = needed(g.rule, 0, n)
+            for name, rank in handoff_group_names(g, tp):
                 lay = rec.layouts.get(name)
-                if lay is not None and lay.fingerprint() != g.fingerprint:
-                    field_ = first_difference(lay, g.layout)
+                if lay is not None and lay.fingerprint() != src.fingerprint:
+                    field_ = first_difference(lay, src.layout)
                     raise LayoutMismatch(f"hand-off {handoff_id!r} was produced with a different layout of cache "
                                          f"group {name} ({field_}: producer {getattr(lay, field_)!r}, this engine "
-                                         f"{getattr(g.layout, field_)!r}); check model, dtype and TP",
+                                         f"{getattr(src.layout, field_)!r}); check model, dtype and TP",
                                          request_id=handoff_id)
-                if list(rec.keys[name]) != mine[name]:
+                if list(rec.keys[name]) != block_keys(self.s, src, rank, 0, hashes, pos):
                     raise KVPoolError(f"hand-off {handoff_id!r} holds other blocks for cache group {name} than "
                                       "this request's prompt needs (another prompt, model or block size)",
                                       request_id=handoff_id)
-        return n
+        return n, reads
+
+    def _record_tp(self, rec, g: GroupLayout) -> int:
+        """The TP size a hand-off record's producer stored SPLIT group ``g`` at (its rank-0
+        layout's), or this engine's when the record does not say (checked by the caller)."""
+        if g.replicated:
+            return self.tp_size
+        tp = getattr(rec.layouts.get(handoff_group_names(g, 1)[0][0]), "tp_size", None)
+        return tp if isinstance(tp, int) and tp >= 1 else self.tp_size
+
+    def _tp_read(self, handoff_id: str, rec, g: GroupLayout, tp: int) -> TpRead:
+        """How this engine's ranks read group ``g`` from a record that holds it at TP size
+        ``tp``. Raises LayoutMismatch (naming the hand-off, group and field) for what
+        :func:`~protocol.groups.tp_read_plan` does not convert."""
+        stored = msgspec.structs.replace(rec.layouts[handoff_group_names(g, tp)[0][0]], tp_rank=0)
+        try:
+            pieces = [tp_read_plan(stored, msgspec.structs.replace(g.layout, tp_rank=q), g.name)
+                      for q in range(self.tp_size)]
+        except LayoutMismatch as e:
+            raise LayoutMismatch(f"hand-off {handoff_id!r}: {e.message}", request_id=handoff_id,
+                                 **e.fields) from None
+        return TpRead(stored, pieces)
 
     def _keep_block_size(self) -> None:
         """Keep vLLM's ``cache_config.block_size`` at the KV cache groups' block size.
@@ -436,12 +493,12 @@ class KVPoolScheduler:
             if "invalid" in params or not isinstance(handoff_id, str) or not 0 < len(handoff_id) <= 512:
                 raise InvalidRequest(f"kv_transfer_params.{PARAMS_KEY} must be an object whose handoff_id is a "
                                      f"string of 1 to 512 characters, got {params.get('invalid') or shown}")
-            n = self._claim(handoff_id, hashes, top)
+            n, reads = self._claim(handoff_id, hashes, top)
             leases = ReadLeases()
             found: dict[int, bool] = {}
             if self.s.policy == "recompute" and n > start:  # load only what is still there
-                n, leases, found = self._hit(hashes, start, n)
-            return _Match(start, max(start, n), handoff_id, leases=leases, state_found=found)
+                n, leases, found = self._hit(hashes, start, n, reads)
+            return _Match(start, max(start, n), handoff_id, leases=leases, state_found=found, reads=reads or None)
         except KVPoolError as e:
             if self.s.policy == "fail" and top > start:
                 # the request names a hand-off it cannot use: fail it (its blocks are reported failed)
@@ -498,10 +555,10 @@ class KVPoolScheduler:
             groups.append(GroupBlocks(pos, bids))
         full = st.hashes.upto(request.all_token_ids, boundary, bs)
         if error is not None or boundary < m.boundary:  # (the lookup kept the leases of m.boundary's load)
-            self._keep(m.leases, full, m.start, boundary if error is None else m.start)
+            self._keep(m.leases, full, m.start, boundary if error is None else m.start, m.reads)
         self.pending_loads[request.request_id] = LoadJob(request.request_id, m.start, full[m.start:], groups,
                                                          num_external_tokens, m.handoff_id, error, self.layerwise,
-                                                         m.leases if m.leases.infos else None)
+                                                         m.leases if m.leases.infos else None, m.reads)
         if m.handoff_id and m.error is None:
             st.handoff_id = m.handoff_id
         if not self.s.producer:

@@ -1,7 +1,9 @@
 """The connector's scheduler side against real vLLM objects (no engine): a lookup never
 blocks vLLM's scheduler step, even when the master does not answer; the read leases its
 lookups take are kept for the load or released, whatever becomes of the request (real
-master and store node; 300 s leases, so a lease seen gone was released, not lapsed)."""
+master and store node; 300 s leases, so a lease seen gone was released, not lapsed); a
+hand-off record of another TP size is claimed as per-rank head pieces, or refused where
+its heads cannot be regathered (a record handed over by a stand-in client)."""
 from __future__ import annotations
 
 import socket
@@ -42,7 +44,10 @@ def silent_master():
     srv.close()
 
 
-def _scheduler(master: str, lookup_timeout_s: float, **extra):
+def _scheduler(master: str, lookup_timeout_s: float, *, tp: int = 1, heads: int = 2, role: str = "kv_both",
+               client=None, **extra):
+    """A scheduler of a one-layer model with ``heads`` KV heads per rank at TP size ``tp``;
+    ``client``: its kvpool client (None: one of ``master``'s)."""
     import torch
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -50,18 +55,18 @@ def _scheduler(master: str, lookup_timeout_s: float, **extra):
     from kvpool.connector.vllm.meta import ConnectorSettings
     from kvpool.connector.vllm.scheduler import KVPoolScheduler
 
-    ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both",
+    ktc = KVTransferConfig(kv_connector="KVPoolConnector", kv_role=role,
                            kv_connector_module_path="kvpool.connector.vllm.connector",
                            kv_connector_extra_config={"master": master, "lookup_timeout_s": lookup_timeout_s,
                                                       "rpc_timeout_s": 30, **extra})
     cfg = SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model="/models/tiny"),
                           cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True),
                           scheduler_config=SimpleNamespace(enable_chunked_prefill=True),
-                          parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                          parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
                                                           decode_context_parallel_size=1))
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=32, dtype=torch.float32)
     kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return KVPoolScheduler(ConnectorSettings.from_vllm(cfg), cfg, kcc)
+    return KVPoolScheduler(ConnectorSettings.from_vllm(cfg), cfg, kcc, client)
 
 
 def test_a_master_that_does_not_answer_never_blocks_a_scheduler_step(silent_master):
@@ -228,5 +233,79 @@ def test_a_lookup_back_within_the_steps_wait_is_answered_in_that_step(long_lease
             gate.set()
             _end_step(sched)  # a new step: its budget covers the lookup
             assert sched.get_num_new_matched_tokens(second, 0) == (96, False)  # its first 6 blocks are r-now's
+    finally:
+        sched.close()
+
+
+class _OneRecord:
+    """A client whose only call is claiming one hand-off record."""
+
+    def __init__(self, rec) -> None:
+        self.rec = rec
+
+    def handoff_claim(self, handoff_id: str):
+        return self.rec
+
+    def close(self) -> None:
+        pass
+
+
+def _tp2_record(req, heads: int = 1, n_blocks: int = 4):
+    """The hand-off record a TP=2 producer with ``heads`` KV heads per rank publishes for
+    ``req``'s first ``n_blocks`` blocks (its own scheduler computes keys and layouts)."""
+    from kvpool.protocol.messages import HandoffRecord
+
+    prod = _scheduler("tcp://127.0.0.1:9", 30, tp=2, heads=heads, role="kv_producer", client=_OneRecord(None))
+    try:
+        keys, layouts = prod._record_keys(prod._hashes(req, n_blocks), n_blocks)
+    finally:
+        prod.close()
+    return HandoffRecord("h1", keys, layouts, producer="prod", ttl_s=60, num_tokens=n_blocks * 16)
+
+
+def test_a_tp1_consumer_claims_a_tp2_handoff_as_head_pieces():
+    """A TP=1 consumer (2 KV heads) claims a TP=2 producer's record (1 head per rank): the
+    load reads both producer ranks' keys and places rank r's head at head r."""
+    from kvpool.connector.vllm.meta import block_keys, source_group
+    from kvpool.protocol.groups import ReadPiece
+
+    req = _request("r-tp")
+    rec = _tp2_record(req)
+    assert set(rec.keys) == {"0/tp0", "0/tp1"}
+    sched = _scheduler("tcp://127.0.0.1:9", 30, role="kv_consumer", client=_OneRecord(rec))
+    try:
+        hashes = sched._hashes(req, 6)
+        n, reads = sched._claim("h1", hashes, 6)
+        assert n == 4 and list(reads) == [0]
+        read = reads[0]
+        assert read.layout.tp_size == 2 and read.layout.num_kv_heads == 1 and read.ranks() == [0, 1]
+        assert read.pieces == [[ReadPiece(0, 0, 1, 0), ReadPiece(1, 0, 1, 1)]]
+        src = source_group(sched.groups[0], read.layout)
+        assert [block_keys(sched.s, src, r, 0, hashes, list(range(4))) for r in (0, 1)] == \
+            [rec.keys["0/tp0"], rec.keys["0/tp1"]]
+        # the keys a load of blocks [1, 4) reads (and whose lookup leases it keeps): both ranks'
+        assert sched._load_keys(hashes, 1, 4, reads) == {k for r in (0, 1) for k in rec.keys[f"0/tp{r}"][1:4]}
+    finally:
+        sched.close()
+
+
+def test_a_tp2_handoff_a_tp1_consumer_cannot_convert_is_refused():
+    """Refused, never reinterpreted: a producer whose heads do not add up to the consumer's
+    (2 ranks x 2 heads for 2 heads), and a record of another prompt."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvpool.protocol.errors import KVPoolError, LayoutMismatch
+
+    req = _request("r-tp")
+    sched = _scheduler("tcp://127.0.0.1:9", 30, role="kv_consumer", client=_OneRecord(_tp2_record(req, heads=2)))
+    try:
+        with pytest.raises(LayoutMismatch, match="KV heads in total") as e:
+            sched._claim("h1", sched._hashes(req, 6), 6)
+        assert e.value.fields["field"] == "num_kv_heads" and e.value.fields["request_id"] == "h1"
+        other = Request("r-other", list(range(500, 600)), SamplingParams(max_tokens=1), None)
+        sched.client.rec = _tp2_record(other)
+        with pytest.raises(KVPoolError, match="other blocks"):
+            sched._claim("h1", sched._hashes(req, 6), 6)
     finally:
         sched.close()

@@ -3,8 +3,11 @@ workers, each bound to one of the CPUs this process may use (``VLLM_CPU_OMP_THRE
 vLLM's ``auto`` binding wants a NUMA node per rank and refuses two workers on one), and
 store one object per block per rank (SPLIT attention: each rank its heads). A TP=2
 producer hands off to a TP=2 consumer and shares its prompts with it, token-identical
-with a TP=1 engine without connector; a TP=1 consumer refuses a TP=2 hand-off (another
-layout) and computes the prompt itself. REPLICATE (MLA) layouts are not run here: MLA
+with a TP=1 engine without connector; a TP=1 consumer loads a TP=2 hand-off, reading
+both producer ranks' objects of each block and placing each rank's heads in its own
+pages (``protocol.groups.tp_read_plan``), token-identical too, and a TP=2 consumer
+loads a TP=1 hand-off, each rank taking its heads out of the one stored block. REPLICATE (MLA) layouts
+are not run here: MLA
 engines on vllm-cpu cannot prefill on top of loaded context (docs/vllm.md), so their
 one-copy-for-all-TP-sizes keys are checked on vLLM's spec objects
 (``test_vllm_completeness.py::test_layouts_from_vllm_specs``).
@@ -50,6 +53,7 @@ def engines(cluster, tmp_path_factory):
         "prod2": dict(kv_transfer_config=kv_config("kv_producer", m, NS, handoff_ttl_s=120, **wait), **TP2),
         "cons2": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait), **TP2),
         "cons1": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait)),
+        "prod1": dict(kv_transfer_config=kv_config("kv_producer", m, NS, handoff_ttl_s=120, **wait)),
     }
     shm_before = set(os.listdir("/dev/shm"))
     started = {name: Engine(name, model, logs, startup_timeout_s=400, **kw) for name, kw in specs.items()}
@@ -87,15 +91,34 @@ def test_tp2_handoff_and_shared_prefix(engines, kv):
     assert tokens(out) == [ref[1]] and out[0]["num_cached_tokens"] == 5 * BS
 
 
-def test_tp1_consumer_refuses_a_tp2_handoff(engines, kv):
-    """A TP=1 consumer handed a TP=2 producer's params: the record's per-rank groups are
-    not its layout, so it refuses the hand-off (never reinterprets the heads), computes
-    the prompt itself with the reference's tokens, and leaves the hand-off open."""
+def test_tp1_consumer_loads_a_tp2_handoff(engines, kv):
+    """A TP=1 consumer handed a TP=2 producer's params: the record lists every block once
+    per producer rank (one KV head each); the consumer reads both ranks' objects, assembles
+    each block with both heads, loads the whole hand-off (its tokens equal the reference's)
+    and acks it: the producer's blocks are no longer held."""
     z = prompt_ids(503, 6 * BS + 3)
     ref = tokens(engines["ref"].generate([z], max_tokens=8))
     params = engines["prod2"].generate([z], max_tokens=1)[0]["kv_transfer_params"]
+    assert params["kvpool"]["num_blocks"] == 6 and "error" not in params["kvpool"], params
+    acked = kv.stats().counters.get("handoffs_acked", 0)
     out = engines["cons1"].generate([z], max_tokens=8, params=[params])
-    assert tokens(out) == ref and out[0]["num_cached_tokens"] == 0
-    assert "LayoutMismatch" in engines["cons1"].log_text(), engines["cons1"].tail()
-    kv.handoff_release(params["kvpool"]["handoff_id"])
+    assert tokens(out) == ref and out[0]["num_cached_tokens"] == 6 * BS, engines["cons1"].tail()
+    assert "LayoutMismatch" not in engines["cons1"].log_text(), engines["cons1"].tail()
+    wait_for(lambda: kv.stats().counters.get("handoffs_acked", 0) == acked + 1, 60, what="hand-off acked")
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="hand-off released")
+
+
+def test_tp2_consumer_loads_a_tp1_handoff(engines, kv):
+    """The other way: a TP=2 consumer handed a TP=1 producer's params: each of its ranks
+    reads the producer's one object per block and takes its own head out of it."""
+    w = prompt_ids(504, 5 * BS + 7)
+    ref = tokens(engines["ref"].generate([w], max_tokens=8))
+    params = engines["prod1"].generate([w], max_tokens=1)[0]["kv_transfer_params"]
+    assert params["kvpool"]["num_blocks"] == 5 and "error" not in params["kvpool"], params
+    rec = kv.handoff_claim(params["kvpool"]["handoff_id"])
+    assert {g: len(v) for g, v in rec.keys.items()} == {"0/tp0": 5}, rec.keys
+    acked = kv.stats().counters.get("handoffs_acked", 0)
+    out = engines["cons2"].generate([w], max_tokens=8, params=[params])
+    assert tokens(out) == ref and out[0]["num_cached_tokens"] == 5 * BS, engines["cons2"].tail()
+    wait_for(lambda: kv.stats().counters.get("handoffs_acked", 0) == acked + 1, 60, what="hand-off acked")
     wait_for(lambda: kv.stats().held_bytes == 0, 60, what="hand-off released")
