@@ -14,7 +14,9 @@ Also here, free of I/O:
 - :func:`storage_layout`: the layout a group's objects are stored under (REPLICATE
   layouts in canonical form: one copy serves every TP size and rank).
 - :func:`tp_read_plan`: which stored TP ranks and head ranges a reader rank needs
-  (heterogeneous TP for SPLIT attention groups; rejects what cannot be sliced exactly).
+  (heterogeneous TP for SPLIT attention groups; rejects what cannot be sliced exactly);
+  :func:`layout_at_tp`: the layout such a group has at another TP size (what an engine of
+  that size stores, so its keys can be looked up).
 - :func:`validate_state_slot`: mamba/KDA state slots must carry every sub-tensor (conv
   history *and* recurrent state), name the token count they represent, sit on an
   aligned boundary (or be a declared tail), and never be speculative.
@@ -267,6 +269,36 @@ def tp_read_plan(stored: LayoutSpec, local: LayoutSpec, group: str = "?") -> lis
         pieces.append(ReadPiece(src, src_lo, src_lo + take, h - lo))
         h += take
     return pieces
+
+
+def layout_at_tp(layout: LayoutSpec, tp_size: int, group: str = "?") -> LayoutSpec:
+    """The layout (rank 0) of SPLIT attention group ``layout`` as an engine with
+    ``tp_size`` ranks stores it: the same heads in total, ``num_kv_heads * layout.tp_size /
+    tp_size`` per rank, each tensor's head axis (``shape[-3]``, heads outermost in a page)
+    set to that; everything else unchanged. Its fingerprint names that engine's keys, and
+    :func:`tp_read_plan` ``(layout_at_tp(l, t), l)`` reads them. Raises LayoutMismatch
+    (naming ``group``) for a REPLICATE layout (one copy serves every TP size already), a
+    kind other than full or sliding-window attention (states are split otherwise), a
+    ``tp_size`` below 1, or heads that ``tp_size`` ranks cannot share evenly."""
+    if layout.replicated:
+        raise LayoutMismatch(f"group {group!r} is replicated: one stored copy serves every TP size",
+                             field="parallel", group=group)
+    if layout.kind not in ATTENTION_KINDS:
+        raise LayoutMismatch(f"group {group!r} ({layout.kind}) is split across TP ranks in a way kvpool does "
+                             "not convert; only attention heads are regathered", field="kind", group=group)
+    total = layout.num_kv_heads * layout.tp_size
+    if tp_size < 1 or total % tp_size:
+        raise LayoutMismatch(f"group {group!r}: {total} KV heads cannot be shared evenly by {tp_size} TP ranks",
+                             field="num_kv_heads", group=group)
+    heads = total // tp_size
+    tensors = []
+    for t in layout.tensors:
+        if len(t.shape) < 3 or t.shape[-3] != layout.num_kv_heads:
+            raise LayoutMismatch(f"group {group!r}: tensor {t.name!r} of shape {tuple(t.shape)} has no head axis "
+                                 f"of {layout.num_kv_heads} at dimension -3", field="tensors", group=group)
+        shape = tuple(t.shape)
+        tensors.append(msgspec.structs.replace(t, shape=(*shape[:-3], heads, *shape[-2:])))
+    return msgspec.structs.replace(layout, num_kv_heads=heads, tp_size=tp_size, tp_rank=0, tensors=tuple(tensors))
 
 
 def check_projection(stored: TransferProjection, local: TransferProjection, *,

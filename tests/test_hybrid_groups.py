@@ -6,8 +6,8 @@ import pytest
 
 from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
 from kvpool.protocol.groups import (CacheGroupSpec, ReadPiece, SlotInfo, TransferProjection, check_projection,
-                             common_prefix, hit_alignment, project, slot_key, storage_layout, tail_hash, tail_key, tail_layout,
-                             tp_read_plan, validate_state_slot)
+                             common_prefix, hit_alignment, layout_at_tp, project, slot_key, storage_layout, tail_hash,
+                             tail_key, tail_layout, tp_read_plan, validate_state_slot)
 from kvpool.protocol.keys import group_key
 from kvpool.protocol.layout import LayoutSpec, TensorSpec
 
@@ -116,6 +116,27 @@ def test_tp_read_plans():
     # a group's fingerprint is its layout's: REPLICATE ones agree across TP sizes, SPLIT ones do not
     assert project(groups(tp=2, rank=1)).group("mla").fingerprint == project(groups()).group("mla").fingerprint
     assert project(groups(tp=2, rank=1)).group("attn").fingerprint != project(groups()).group("attn").fingerprint
+
+
+def test_layout_at_tp_is_what_that_tp_size_stores():
+    # the layout an engine of the other size computes itself: same fingerprint, so the same keys
+    for heads, tp, to in ((4, 1, 2), (2, 2, 1), (1, 4, 2), (2, 2, 4), (4, 1, 4)):
+        total = heads * tp
+        other = layout_at_tp(attn(heads, tp, 0), to)
+        assert other == attn(total // to, to, 0)
+        assert other.fingerprint() == attn(total // to, to, to - 1).fingerprint()
+        # and its blocks are read back into this layout
+        assert tp_read_plan(other, attn(heads, tp, 0))
+    assert layout_at_tp(attn(2, 2, 1, kind="sliding_window"), 1) == attn(4, 1, 0, kind="sliding_window")
+    with pytest.raises(LayoutMismatch, match="replicated"):
+        layout_at_tp(mla(), 2)
+    with pytest.raises(LayoutMismatch, match="mamba"):
+        layout_at_tp(mamba(4), 2, "kda")
+    with pytest.raises(LayoutMismatch, match="shared evenly") as e:
+        layout_at_tp(attn(3), 2, "attn")
+    assert e.value.fields == {"field": "num_kv_heads", "group": "attn"}
+    with pytest.raises(LayoutMismatch, match="head axis"):
+        layout_at_tp(msgspec.structs.replace(attn(4), tensors=(TensorSpec("kv", (4, 32), "float32"),)), 2)
 
 
 def test_tp_read_plan_rejections():

@@ -46,7 +46,8 @@ LOAD_MODES = ("auto", "layerwise", "async")
 PARAMS_KEY = "kvpool"  # our entry in kv_transfer_params
 _EXTRA_KEYS = {"master", "etcd", "cluster", "namespace", "model_id", "load_failure_policy",
                "handoff_ttl_s", "transport", "rpc_timeout_s", "io_timeout_s", "max_inflight_saves",
-               "lookup_timeout_s", "lookup_wait_s", "load_mode", "on_auth_failure", "prompt_saves"}
+               "lookup_timeout_s", "lookup_wait_s", "load_mode", "on_auth_failure", "prompt_saves",
+               "share_tp_sizes"}
 AUTH_FAILURE_POLICIES = ("fail", "run_uncached")
 PROMPT_SAVES = ("committed", "background")
 PROBE_TIMEOUT_S = 3.0  # longest wait at engine start for the master's first answer (seconds)
@@ -84,6 +85,13 @@ class ConnectorSettings:
     (what another engine's lookup can then find); ``background`` leaves every put to the
     saver thread (no wait in the step; a lookup racing it misses). Producers always
     commit (the hand-off is published as the request ends).
+    ``share_tp_sizes`` (TP sizes, e.g. ``[2, 4]``; default none): on a prefix lookup that
+    finds fewer blocks under this engine's own keys, also look for the blocks engines of
+    these TP sizes stored, and load them with their attention heads regathered
+    (:func:`~protocol.groups.tp_read_plan`); every such size costs a missed lookup one
+    more existence check. Models whose split groups cannot be regathered (state groups
+    split across ranks, heads that do not divide) ignore a size, with one warning.
+    Replicated groups (MLA) need none of this: one copy serves every TP size.
     """
 
     master: str | None
@@ -104,6 +112,7 @@ class ConnectorSettings:
     load_mode: str = "auto"
     on_auth_failure: str = "fail"
     prompt_saves: str = "committed"
+    share_tp_sizes: tuple[int, ...] = ()
 
     @staticmethod
     def from_vllm(vllm_config: "VllmConfig") -> "ConnectorSettings":
@@ -147,6 +156,11 @@ class ConnectorSettings:
         if prompt_saves not in PROMPT_SAVES:
             raise ConfigError(f"kv_connector_extra_config.prompt_saves: {prompt_saves!r}; accepted: "
                               f"{', '.join(PROMPT_SAVES)}", key="prompt_saves")
+        shares = extra.get("share_tp_sizes", ())
+        if not isinstance(shares, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= 1024 for t in shares):
+            raise ConfigError(f"kv_connector_extra_config.share_tp_sizes: {shares!r}; accepted: a list of TP "
+                              "sizes (integers 1-1024), e.g. [2, 4]", key="share_tp_sizes")
         transport = str(extra.get("transport", "auto"))
         if transport not in ("auto", "tcp", "shm", "unix", "ucx"):
             raise ConfigError(f"kv_connector_extra_config.transport: {transport!r}; accepted: auto, tcp, "
@@ -161,7 +175,7 @@ class ConnectorSettings:
             lookup_timeout_s=num("lookup_timeout_s", ConnectorSettings.lookup_timeout_s, 0.001),
             lookup_wait_s=num("lookup_wait_s", ConnectorSettings.lookup_wait_s, 0.0), load_mode=load_mode,
             on_auth_failure=on_auth,
-            prompt_saves=prompt_saves)
+            prompt_saves=prompt_saves, share_tp_sizes=tuple(dict.fromkeys(shares)))
 
     @property
     def loads(self) -> bool:

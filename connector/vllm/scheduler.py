@@ -13,7 +13,9 @@ load came from and how far its prompt has been saved. One step:
   its own (a producer of another TP size: its SPLIT attention groups' keys, read as
   head pieces of its ranks, :meth:`KVPoolScheduler._claim`); otherwise, without TP, it looks the keys up with read leases (counted as
   reads), and with TP it asks which keys exist (``exists_batch``: no lease, no LRU
-  touch). The hit is the common boundary of every stored group
+  touch); where this engine's own keys fall short, it tries those of each TP size in
+  ``share_tp_sizes`` (blocks regathered on load, as from a hand-off of that size). The
+  hit is the common boundary of every stored group
   (:mod:`connector.vllm.plan`); the leases of the blocks its load reads go to the worker
   with the load (so the load makes no master round trip) and the rest are released at
   once (a lease nobody releases lapses after ``lease_ttl``). The hit loads layer-wise
@@ -68,7 +70,7 @@ from kvpool.connector.vllm.accounting import LoadAccounting
 from kvpool.connector.vllm.handoffs import HandoffCloser
 from kvpool.connector.vllm.plan import NULL_BLOCK, find_hit, needed
 from kvpool.protocol.errors import InvalidRequest, KVPoolError, LayoutMismatch
-from kvpool.protocol.groups import tp_read_plan
+from kvpool.protocol.groups import layout_at_tp, tp_read_plan
 from kvpool.protocol.layout import first_difference
 
 if TYPE_CHECKING:
@@ -138,6 +140,7 @@ class KVPoolScheduler:
             getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1) == 1
         self.groups: list[GroupLayout] = group_layouts(vllm_config, kv_cache_config, 0)
         self.rules = [g.rule for g in self.groups]
+        self.tp_shares = self._tp_shares()  # other TP sizes whose stored blocks a lookup also tries
         self.has_state = any(g.is_state for g in self.groups)
         self.layerwise = layerwise_loads(settings, len(kv_cache_config.kv_cache_groups))
         self.client = client if client is not None else settings.make_client()
@@ -207,8 +210,8 @@ class KVPoolScheduler:
         worker would receive every worker's answers, and one lease cannot be released by
         several readers. The third value: per state group, whether it holds a checkpoint at
         some boundary in ``(start, top]`` (for the per-group state hit rate). ``reads``:
-        groups stored at another TP size (a claimed hand-off's, :meth:`_claim`), looked
-        up under their stored keys."""
+        groups stored at another TP size (a claimed hand-off's, :meth:`_claim`, or a
+        ``share_tp_sizes`` size's, :meth:`_tp_shares`), looked up under their stored keys."""
         if top <= start:
             return start, ReadLeases(), {}
         span = hashes[start:top]
@@ -340,6 +343,31 @@ class KVPoolScheduler:
             return self.tp_size
         tp = getattr(rec.layouts.get(handoff_group_names(g, 1)[0][0]), "tp_size", None)
         return tp if isinstance(tp, int) and tp >= 1 else self.tp_size
+
+    def _tp_shares(self) -> list[tuple[int, dict[int, TpRead]]]:
+        """For each of ``share_tp_sizes`` other than this engine's TP size: how this
+        engine's ranks read every SPLIT group (by position, :class:`TpRead`) from the
+        blocks an engine of that size stores (:func:`~protocol.groups.layout_at_tp`). A
+        size left out: one at which a group cannot be read (logged once), or one no group
+        needs (every group replicated: its keys are this engine's own)."""
+        out = []
+        for tp in self.s.share_tp_sizes:
+            if tp == self.tp_size:
+                continue
+            reads: dict[int, TpRead] = {}
+            try:
+                for gi, g in enumerate(self.groups):
+                    if not g.replicated:
+                        stored = layout_at_tp(g.layout, tp, g.name)
+                        reads[gi] = TpRead(stored, [tp_read_plan(stored, msgspec.structs.replace(g.layout, tp_rank=q),
+                                                                 g.name) for q in range(self.tp_size)])
+            except LayoutMismatch as e:
+                log.warning("kvpool: share_tp_sizes: this engine (TP size %d) cannot read blocks stored at TP "
+                            "size %d (%s); lookups will not look for them", self.tp_size, tp, e.message)
+                continue
+            if reads:
+                out.append((tp, reads))
+        return out
 
     def _tp_read(self, handoff_id: str, rec, g: GroupLayout, tp: int) -> TpRead:
         """How this engine's ranks read group ``g`` from a record that holds it at TP size
@@ -515,14 +543,32 @@ class KVPoolScheduler:
             return m
 
     def _lookup(self, request: "Request", hashes: list[bytes], start: int, top: int) -> _Match:
+        """The prefix hit under this engine's own keys or, where that falls short of
+        ``top``, under the keys of a ``share_tp_sizes`` TP size that reaches further (the
+        first such size, in the order given, wins a tie). Never raises: a failed lookup is
+        a miss."""
         try:
             b, leases, found = self._hit(hashes, start, top)
-            return _Match(start, b, leases=leases, state_found=found)
+            m = _Match(start, b, leases=leases, state_found=found)
         except KVPoolError as e:
             if not self.closed:  # a lookup cut short by shutdown is not worth a warning
                 log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
                             request.request_id, type(e).__name__, e)
             return _Match(start, start)
+        for _tp, reads in self.tp_shares:
+            if m.boundary >= top:
+                break
+            try:
+                b, leases, found = self._hit(hashes, start, top, reads)
+            except KVPoolError as e:
+                log.debug("kvpool: lookup for request %s at TP size %d failed (%s)", request.request_id, _tp, e)
+                continue
+            if b > m.boundary:
+                self._release(m.leases, m.leases.keep(()))
+                m = _Match(start, b, leases=leases, state_found=found, reads=reads)
+            else:
+                self._release(leases, leases.keep(()))
+        return m
 
     def loaded_group_ids(self) -> tuple[int, ...]:
         """The groups a load restores: every stored group."""

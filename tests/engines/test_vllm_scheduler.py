@@ -309,3 +309,41 @@ def test_a_tp2_handoff_a_tp1_consumer_cannot_convert_is_refused():
             sched._claim("h1", sched._hashes(req, 6), 6)
     finally:
         sched.close()
+
+
+def test_a_lookup_finds_blocks_another_tp_size_stored(long_leases, caplog):
+    """``share_tp_sizes``: a TP=1 engine whose own keys reach 2 blocks finds 5 under a TP=2
+    engine's per-rank keys (both ranks stored), plans the load from those with both ranks'
+    heads gathered, keeps the leases of exactly the blocks that load reads and releases
+    the rest; a size whose heads do not divide is left out with a warning, and a malformed
+    setting is refused."""
+    from kvpool.connector.vllm.meta import block_keys, keys_for, source_group
+    from kvpool.protocol.errors import ConfigError
+    from kvpool.protocol.groups import ReadPiece
+
+    sched = _scheduler(long_leases.master_addr, 30, role="kv_consumer", share_tp_sizes=[3, 2])
+    try:
+        assert [tp for tp, _ in sched.tp_shares] == [2]  # 2 heads cannot be shared by 3 ranks
+        assert "cannot read blocks stored at TP size 3" in caplog.text
+        with long_leases.client() as c:
+            req = _request("r-share")
+            hashes = sched._hashes(req, 6)
+            own = _store_blocks(sched, c, req, 2)
+            read = sched.tp_shares[0][1][0]
+            assert read.pieces == [[ReadPiece(0, 0, 1, 0), ReadPiece(1, 0, 1, 1)]]
+            src = source_group(sched.groups[0], read.layout)
+            theirs = [block_keys(sched.s, src, r, 0, hashes, list(range(6))) for r in (0, 1)]
+            for keys in theirs:
+                assert c.put_batch(keys[:5], [os.urandom(2048) for _ in range(5)]) == [None] * 5
+            assert _answer(sched, req)[0] == 5 * 16
+            m = sched.matches[req.request_id]
+            assert m.reads is not None and m.reads[0].layout == read.layout
+            wait_for(lambda: _leased(c, theirs[0][:5] + theirs[1][:5]) == [True] * 10 and not any(_leased(c, own)),
+                     30, what="the TP=2 blocks' leases kept, this engine's own released")
+            sched.request_finished(req, ([],))
+            wait_for(lambda: not any(_leased(c, theirs[0] + theirs[1])), 30, what="every lookup lease released")
+        assert keys_for(sched.s, sched.groups[0], hashes[:2], 0) == own[:2]
+    finally:
+        sched.close()
+    with pytest.raises(ConfigError, match="share_tp_sizes"):
+        _scheduler("tcp://127.0.0.1:9", 30, share_tp_sizes="2", client=_OneRecord(None))

