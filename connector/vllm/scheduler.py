@@ -338,11 +338,17 @@ class KVPoolScheduler:
 
     def _record_tp(self, rec, g: GroupLayout) -> int:
         """The TP size a hand-off record's producer stored SPLIT group ``g`` at (its rank-0
-        layout's), or this engine's when the record does not say (checked by the caller)."""
+        layout's), or this engine's when the record does not say (checked by the caller).
+        Raises LayoutMismatch for a size larger than the record's entries could list."""
         if g.replicated:
             return self.tp_size
         tp = getattr(rec.layouts.get(handoff_group_names(g, 1)[0][0]), "tp_size", None)
-        return tp if isinstance(tp, int) and tp >= 1 else self.tp_size
+        if not isinstance(tp, int) or tp < 1:
+            return self.tp_size
+        if tp > len(rec.keys):  # one entry per rank: a larger size is not what the record holds
+            raise LayoutMismatch(f"hand-off record says group {g.name} was stored at TP size {tp} but lists "
+                                 f"{len(rec.keys)} group entries", field="tp_size", group=g.name)
+        return tp
 
     def _tp_shares(self) -> list[tuple[int, dict[int, TpRead]]]:
         """For each of ``share_tp_sizes`` other than this engine's TP size: how this

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import os
 
+import msgspec
 import pytest
 
 from tests.conftest import wait_for
@@ -303,6 +304,13 @@ def test_a_tp2_handoff_a_tp1_consumer_cannot_convert_is_refused():
         with pytest.raises(LayoutMismatch, match="KV heads in total") as e:
             sched._claim("h1", sched._hashes(req, 6), 6)
         assert e.value.fields["field"] == "num_kv_heads" and e.value.fields["request_id"] == "h1"
+        # a forged TP size is refused at once, not spelled out rank by rank
+        forged = _tp2_record(req)
+        lay = forged.layouts["0/tp0"]
+        forged.layouts["0/tp0"] = msgspec.structs.replace(lay, tp_size=10 ** 12)
+        sched.client.rec = forged
+        with pytest.raises(LayoutMismatch, match="TP size 1000000000000"):
+            sched._claim("h1", sched._hashes(req, 6), 6)
         other = Request("r-other", list(range(500, 600)), SamplingParams(max_tokens=1), None)
         sched.client.rec = _tp2_record(other)
         with pytest.raises(KVPoolError, match="other blocks"):
