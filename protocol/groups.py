@@ -229,8 +229,9 @@ def tp_read_plan(stored: LayoutSpec, local: LayoutSpec, group: str = "?") -> lis
       ``[r*h_local, (r+1)*h_local)`` are gathered from the stored ranks that hold them
       (slicing when the reader has more ranks, concatenating when it has fewer).
     - Anything else (mamba/KDA state split differently, total heads differing or not
-      divisible, other fields differing) raises LayoutMismatch naming the group and field;
-      bytes are never converted.
+      divisible, a tensor whose head axis (``shape[-3]``) is not ``num_kv_heads``, other
+      fields differing) raises LayoutMismatch naming the group and field; bytes are never
+      converted.
     """
     if stored.replicated != local.replicated:
         raise LayoutMismatch(f"group {group!r}: stored parallel mode {stored.parallel}, this engine "
@@ -254,6 +255,12 @@ def tp_read_plan(stored: LayoutSpec, local: LayoutSpec, group: str = "?") -> lis
     if f is not None:
         raise LayoutMismatch(f"group {group!r}: stored {f}={getattr(stored, f)!r}, this engine uses "
                              f"{getattr(local, f)!r}", field=f, group=group)
+    for lay, side in ((stored, "stored blocks have"), (local, "this engine has")):
+        bad = next((t for t in lay.tensors if len(t.shape) < 3 or t.shape[-3] != lay.num_kv_heads), None)
+        if bad is not None:
+            raise LayoutMismatch(f"group {group!r}: {side} tensor {bad.name!r} of shape {tuple(bad.shape)}, "
+                                 f"without a head axis of {lay.num_kv_heads} (num_kv_heads) at dimension -3; "
+                                 "heads are not regathered", field="tensors", group=group)
     total_s, total_l = stored.num_kv_heads * stored.tp_size, local.num_kv_heads * local.tp_size
     if total_s != total_l:
         raise LayoutMismatch(f"group {group!r}: stored blocks hold {total_s} KV heads in total "

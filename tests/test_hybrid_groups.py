@@ -152,6 +152,13 @@ def test_tp_read_plan_rejections():
     with pytest.raises(LayoutMismatch, match="head_size"):
         tp_read_plan(attn(4), msgspec.structs.replace(attn(4), head_size=64,
                                                       tensors=(TensorSpec("kv", (1, 2, 4, 16, 64), "float32"),)))
+    # a stored layout whose pages hold another number of heads than it declares (a forged
+    # record): its bytes are not cut up by the declared count
+    for axis in (2, 3):
+        forged = msgspec.structs.replace(attn(1, 2, 0), tensors=(TensorSpec("kv", (1, 2, axis, 16, 32), "float32"),))
+        with pytest.raises(LayoutMismatch, match="without a head axis of 1") as e:
+            tp_read_plan(forged, attn(2, 1, 0), "attn")
+        assert e.value.fields == {"field": "tensors", "group": "attn"}
     with pytest.raises(LayoutMismatch):
         check_projection(project(groups(tp=1)), project(groups(tp=2)), allow_tp_reshard=False)
     # the whole projection with a KDA group cannot be resharded 1 -> 2

@@ -273,9 +273,12 @@ class WorkerLoads:
                     continue
                 read = reads[job.req_id]
                 got = [res[lo + j * k:lo + (j + 1) * k] for j in range(len(srcs))]
-                # a block loads when every stored rank it takes heads from loaded
-                per_block = [next((r[i] for r in got if not isinstance(r[i], int)), sum(r[i] for r in got))
-                             for i in range(k)]
+                # a block loads when every stored rank it takes heads from loaded; else the
+                # first rank's failure (an error, or None: missing) is the block's
+                per_block = []
+                for i in range(k):
+                    bad = [r[i] for r in got if not isinstance(r[i], int)]
+                    per_block.append(bad[0] if bad else sum(r[i] for r in got))
                 if k:
                     place_heads(buf.numpy(), {r: sb.numpy() for r, sb in srcs.items()}, read.pieces[self.rank],
                                 g.layout, read.layout)

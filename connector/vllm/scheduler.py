@@ -346,8 +346,9 @@ class KVPoolScheduler:
         if not isinstance(tp, int) or tp < 1:
             return self.tp_size
         if tp > len(rec.keys):  # one entry per rank: a larger size is not what the record holds
-            raise LayoutMismatch(f"hand-off record says group {g.name} was stored at TP size {tp} but lists "
-                                 f"{len(rec.keys)} group entries", field="tp_size", group=g.name)
+            raise LayoutMismatch(f"hand-off {rec.request_id!r}: its record says group {g.name} was stored at TP "
+                                 f"size {tp} but lists {len(rec.keys)} group entries", field="tp_size",
+                                 group=g.name, request_id=rec.request_id)
         return tp
 
     def _tp_shares(self) -> list[tuple[int, dict[int, TpRead]]]:

@@ -290,6 +290,61 @@ def test_a_tp1_consumer_claims_a_tp2_handoff_as_head_pieces():
         sched.close()
 
 
+class _Reads:
+    """A worker's client whose reads fill each block with its stored rank's number (1 + rank)
+    and answer ``bad[key]`` (an error, or None: missing) for the keys named there."""
+
+    def __init__(self, rank_keys: dict[int, list[str]], bad: dict) -> None:
+        self.rank = {k: r for r, keys in rank_keys.items() for k in keys}
+        self.bad = bad
+
+    def get_into_batch(self, keys, outs, layouts, leases=None):
+        res = []
+        for k, out in zip(keys, outs):
+            if k in self.bad:
+                res.append(self.bad[k])
+                continue
+            out[:] = bytes([1 + self.rank[k]]) * len(out)
+            res.append(len(out))
+        return res
+
+
+def test_a_block_one_stored_rank_cannot_give_is_not_loaded_and_stops_the_load():
+    """A TP=1 worker assembling a TP=2 producer's blocks: rank 1's object of block 2 fails
+    its checksum and rank 0's of block 3 is gone. Blocks 0 and 1 hold both ranks' heads and
+    load; the load stops at block 2 (its error, counted corrupt), never assembling a block
+    from one rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvpool.connector.vllm.loads import WorkerLoads
+    from kvpool.connector.vllm.meta import GroupBlocks, LoadJob, WorkerTally
+    from kvpool.protocol.errors import ChecksumMismatch
+
+    req = _request("r-tp")
+    rec = _tp2_record(req)
+    sched = _scheduler("tcp://127.0.0.1:9", 30, role="kv_consumer", client=_OneRecord(rec))
+    pools = [ThreadPoolExecutor(1) for _ in range(2)]
+    try:
+        hashes = sched._hashes(req, 6)
+        _, reads = sched._claim("h1", hashes, 6)
+        bad = {rec.keys["0/tp1"][2]: ChecksumMismatch("flipped"), rec.keys["0/tp0"][3]: None}
+        client = _Reads({r: rec.keys[f"0/tp{r}"] for r in (0, 1)}, bad)
+        loads = WorkerLoads(sched.s, client, sched.groups, False, 0, *pools, WorkerTally(), 1 << 20)
+        loads.registered({}, {}, [None], False)
+        job = LoadJob("r-tp", 0, hashes[:4], [GroupBlocks([0, 1, 2, 3], [5, 6, 7, 8])], 4 * 16, reads=reads)
+        fetched, _ = loads._fetch([job])
+        plan = loads._plan(job, fetched["r-tp"])
+        assert plan.ok_upto == 2 and "ChecksumMismatch" in plan.reason and plan.n_corrupt == 1
+        buf, k = plan.spans[0]
+        assert k == 2
+        heads = buf[:2].numpy().reshape(2, 2, -1)  # one layer: [blocks, heads, bytes of a head]
+        assert (heads[:, 0] == 1).all() and (heads[:, 1] == 2).all()  # head r from stored rank r
+    finally:
+        sched.close()
+        for p in pools:
+            p.shutdown()
+
+
 def test_a_tp2_handoff_a_tp1_consumer_cannot_convert_is_refused():
     """Refused, never reinterpreted: a producer whose heads do not add up to the consumer's
     (2 ranks x 2 heads for 2 heads), and a record of another prompt."""
@@ -315,6 +370,94 @@ def test_a_tp2_handoff_a_tp1_consumer_cannot_convert_is_refused():
         sched.client.rec = _tp2_record(other)
         with pytest.raises(KVPoolError, match="other blocks"):
             sched._claim("h1", sched._hashes(req, 6), 6)
+    finally:
+        sched.close()
+
+
+def _forge(rec, other, how: str, sched, hashes):
+    """``rec`` (a TP=2 producer's record) changed as ``how`` says; ``other``: a record of
+    another prompt; ``sched``, ``hashes``: the consumer and its prompt's block hashes."""
+    keys, lay = dict(rec.keys), dict(rec.layouts)
+    l1 = lay["0/tp1"]
+    if how == "rank 1 of another prompt":
+        keys["0/tp1"] = other.keys["0/tp1"]
+    elif how == "rank 1 with another head size":
+        t = l1.tensors[0]
+        lay["0/tp1"] = msgspec.structs.replace(
+            l1, head_size=64, tensors=(msgspec.structs.replace(t, shape=(*t.shape[:-1], 64)),))
+    elif how == "rank 1 with another dtype":
+        lay["0/tp1"] = msgspec.structs.replace(l1, tensors=(msgspec.structs.replace(l1.tensors[0], dtype="float16"),))
+    elif how == "head axis unlike num_kv_heads":  # keys named by the forged layout, as a forger would
+        from kvpool.connector.vllm.meta import block_keys, source_group
+
+        t = l1.tensors[0]
+        forged = msgspec.structs.replace(l1, tensors=(msgspec.structs.replace(t, shape=(2, *t.shape[1:])),))
+        src = source_group(sched.groups[0], msgspec.structs.replace(forged, tp_rank=0))
+        for r in (0, 1):
+            lay[f"0/tp{r}"] = msgspec.structs.replace(forged, tp_rank=r)
+            keys[f"0/tp{r}"] = block_keys(sched.s, src, r, 0, hashes, list(range(len(keys["0/tp0"]))))
+    elif how == "a third rank":
+        keys["0/tp2"], lay["0/tp2"] = keys["0/tp1"], l1
+    elif how == "rank 1 missing":
+        del keys["0/tp1"], lay["0/tp1"]
+    elif how == "rank 0 saying TP size 1":
+        lay["0/tp0"] = msgspec.structs.replace(lay["0/tp0"], tp_size=1)
+    elif how == "rank 0 saying TP size 3":
+        lay["0/tp0"] = msgspec.structs.replace(lay["0/tp0"], tp_size=3)
+    elif how == "more blocks than keys":
+        keys = {name: k[:3] for name, k in keys.items()}
+    return msgspec.structs.replace(rec, keys=keys, layouts=lay)
+
+
+@pytest.mark.parametrize("how", ["rank 1 of another prompt", "rank 1 with another head size",
+                                 "rank 1 with another dtype", "head axis unlike num_kv_heads", "a third rank",
+                                 "rank 1 missing", "rank 0 saying TP size 1", "rank 0 saying TP size 3",
+                                 "more blocks than keys"])
+def test_a_forged_tp2_record_is_refused_by_a_tp1_consumer(how):
+    """A record that passes for a TP=2 producer's but is not: refused at the claim with a
+    typed error (the consumer then applies its load-failure policy), never turned into a
+    load; the genuine record is claimed."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvpool.protocol.errors import KVPoolError
+
+    req = _request("r-tp")
+    rec = _tp2_record(req)
+    other = _tp2_record(Request("r-other", list(range(500, 600)), SamplingParams(max_tokens=1), None))
+    sched = _scheduler("tcp://127.0.0.1:9", 30, role="kv_consumer", client=_OneRecord(rec))
+    try:
+        hashes = sched._hashes(req, 6)
+        assert sched._claim("h1", hashes, 6)[0] == 4
+        sched.client.rec = _forge(rec, other, how, sched, hashes)
+        with pytest.raises(KVPoolError) as e:
+            sched._claim("h1", hashes, 6)
+        assert "h1" in str(e.value) or e.value.fields.get("request_id") == "h1", e.value
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("value", ["2", True, [True], [0], [-2], [1025], [10 ** 30], [2.0], ["2"], [None], [[2]],
+                                   {"2": 1}, None])
+def test_a_malformed_share_tp_sizes_is_refused_at_start(value):
+    from kvpool.protocol.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="share_tp_sizes") as e:
+        _scheduler("tcp://127.0.0.1:9", 30, role="kv_consumer", share_tp_sizes=value, client=_OneRecord(None))
+    assert e.value.fields["key"] == "share_tp_sizes"
+
+
+@pytest.mark.parametrize("tp, value, kept", [(1, [1], []), (1, [2, 2, 1, 2], [2]), (1, [1024, 4, 3], []),
+                                              (2, [2, 1, 1], [1]), (2, [4], [])])
+def test_share_tp_sizes_keeps_only_sizes_it_can_read(tp, value, kept, caplog):
+    """The engine's own size and duplicates are dropped; a size the model's heads cannot
+    be spread over (2 KV heads in all) is left out with a warning; the engine starts."""
+    sched = _scheduler("tcp://127.0.0.1:9", 30, tp=tp, heads=2 // tp, role="kv_consumer", share_tp_sizes=value,
+                       client=_OneRecord(None))
+    try:
+        assert [t for t, _ in sched.tp_shares] == kept
+        for t in set(value) - set(kept) - {tp}:
+            assert f"cannot read blocks stored at TP size {t}" in caplog.text
     finally:
         sched.close()
 
