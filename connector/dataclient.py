@@ -146,22 +146,29 @@ class DataPlane:
         ``held``: the same-host ops' extents are claimed already, on the shared claim stream
         (reserved extents, :mod:`connector.claims`): they are copied without a claim, and
         their claims outlive this call (``claims.end`` ends them)."""
-        uses_shm, segment, copies = self.segmaps.uses_shm, self.segmaps.segment, self.shm
+        copies = self.shm
         shm, net, dma = [], [], []
-        for op in ops:
-            local = uses_shm(op.ref)
+        seg_of: dict[int, memoryview] = {}  # id(op) -> the mapped segment a same-host op is copied into
+        for op, seg in zip(ops, self.segmaps.shm_segments([op.ref for op in ops])):
+            local = seg is not None
             if not isinstance(op.data, memoryview):  # a CUDA tensor
                 if local and self.cuda.direct(op.ref, op.data):
                     dma.append(op)
                 elif not _stage(op, True):
                     continue
-            (shm if local else net).append(op)
+            if local:
+                shm.append(op)
+                seg_of[id(op)] = seg
+            else:
+                net.append(op)
         for op in shm:
             r = op.ref
-            seg = segment(r)
-            if seg is None:
+            try:
+                cap = len(seg_of[id(op)])
+            except ValueError:  # released: the node's mapping went meanwhile
                 op.error = _gone(r)
-            elif r.offset < 0 or r.offset + r.size > len(seg) or len(op.data) != r.size:
+                continue
+            if r.offset < 0 or r.offset + r.size > cap or len(op.data) != r.size:
                 op.error = KVPoolError(f"grant for {op.key!r} does not fit the mapped segment")
         if held:
             claim, claimed = None, [op for op in shm if op.error is None]
@@ -173,7 +180,7 @@ class DataPlane:
         try:
             host = [op for op in claimed if isinstance(op.data, memoryview)]
             if copyhash.NATIVE and len(host) > 1:  # one GIL-free call for the whole batch
-                copies.write_many(host)
+                copies.write_many(host, [seg_of[id(op)] for op in host])
             else:
                 for op in host:
                     copies.write(op)

@@ -73,11 +73,16 @@ class ReservedPuts:
         """Put ``items`` through reservations; returns the positions (in ``items``) left for
         ``put_start`` (not reservable, or this path could not finish them)."""
         rep = replicas or 0
-        fallback = [j for j, it in enumerate(items) if not self.reservable(it.size)]
-        by_size: dict[int, list[int]] = defaultdict(list)
+        fallback: list[int] = []
+        by_size: dict[int, list[int]] = {}
         for j, it in enumerate(items):
-            if self.reservable(it.size):
-                by_size[it.size].append(j)
+            js = by_size.get(it.size)
+            if js is None:
+                js = by_size[it.size] = []
+            js.append(j)
+        for size in [size for size in by_size if not self.reservable(size)]:
+            fallback += by_size.pop(size)
+        fallback.sort()
         slot_of: dict[int, Slot] = {}
         now = time.monotonic()
         try:
@@ -111,13 +116,18 @@ class ReservedPuts:
                     return sorted(fallback)
         by_node: dict[str, list[WriteOp]] = defaultdict(list)
         ops_of: dict[int, list[WriteOp]] = {}
+        lays: dict[int, tuple] = {}  # id(wire layout) -> (it, its bytes): items of a batch share one
         for j, s in slot_of.items():
-            lay = layout_bytes(items[j].wire_layout)
-            ops = [WriteOp(r, bufs[j], "", sums.get(j) if k == 0 else 0, lay, s.wanted)
-                   for k, r in enumerate(s.res.replicas)]
+            raw = items[j].wire_layout
+            got = lays.get(id(raw))
+            if got is None or got[0] is not raw:
+                got = lays[id(raw)] = (raw, layout_bytes(raw))
+            lay, buf, ops = got[1], bufs[j], []
+            for k, r in enumerate(s.res.replicas):
+                op = WriteOp(r, buf, "", sums.get(j) if k == 0 else 0, lay, s.wanted)
+                ops.append(op)
+                by_node[r.node_id].append(op)
             ops_of[j] = ops
-            for op in ops:
-                by_node[op.ref.node_id].append(op)
         try:
             self._parallel(self._write_held, by_node)
         except BaseException:  # a bug or Ctrl-C mid-copy: the reservations are given back
@@ -128,9 +138,11 @@ class ReservedPuts:
         failed: list[Slot] = []  # a replica write failed: given back, the object goes the long way
         commit_j, failed_j = [], []
         for j, ops in ops_of.items():
-            if any(op.error is not None for op in ops):
-                failed.append(slot_of[j])
-                failed_j.append(j)
+            for op in ops:
+                if op.error is not None:
+                    failed.append(slot_of[j])
+                    failed_j.append(j)
+                    break
             else:
                 commit_j.append(j)
         fallback += failed_j
@@ -223,9 +235,9 @@ class ReservedPuts:
         hand), the others go to the pool. None is claimed yet (see :meth:`_claim`)."""
         term = self.rpc.term
         use_by = t_sent + got.ttl_s * 0.5
-        uses_shm = self.data.segmaps.uses_shm
+        local = iter(self.data.segmaps.shm_segments([x for r in got.reservations for x in r.replicas]))
         slots = [Slot(r, size, replicas, got.replicas_wanted, term, use_by,
-                      claimed=not any(uses_shm(x) for x in r.replicas)) for r in got.reservations]
+                      claimed=all([next(local) is None for _ in r.replicas])) for r in got.reservations]
         self._res_pool.add(slots[keep:])
         self._start_reaper()
         return slots[:keep]
@@ -235,11 +247,10 @@ class ReservedPuts:
         refused (or unanswered), whose other claims are ended. Sets ``claimed`` on the rest.
         ``meanwhile()``: work done once, while the first node answers."""
         local: dict[str, list[tuple[int, M.ExtentRef]]] = defaultdict(list)
-        uses_shm = self.data.segmaps.uses_shm
-        for i, s in enumerate(slots):
-            for r in s.res.replicas:
-                if uses_shm(r):
-                    local[r.node_id].append((i, r))
+        pairs = [(i, r) for i, s in enumerate(slots) for r in s.res.replicas]
+        for (i, r), seg in zip(pairs, self.data.segmaps.shm_segments([r for _, r in pairs])):
+            if seg is not None:
+                local[r.node_id].append((i, r))
         if self._ends_n:
             self.flush_ends()  # our own ended claims first: a range freed since may come back to us
         timeout = self._write_deadline.timeout_s if self._write_deadline is not None else self.data.io_timeout_s

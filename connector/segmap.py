@@ -20,7 +20,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvpool.connector.shmcopy import _address, _prefault_aside
 from kvpool.protocol import transport
@@ -72,6 +72,21 @@ class SegmentMaps:
         a disk replica never is: it is read over its node's disk-read socket)."""
         return (self.mode in ("auto", "shm") and ref.host_id == self.host_id and not ref.tier
                 and self.segment(ref) is not None)
+
+    def shm_segments(self, refs: Iterable[ExtentRef]) -> list[memoryview | None]:
+        """Per ref of ``refs``: the mapped segment it is copied through when :meth:`uses_shm`
+        holds for it, else None; asked once per node incarnation (host id and tier) of the
+        batch, as :meth:`segment` asks."""
+        out: list[memoryview | None] = []
+        memo: dict[tuple[str, str, int], memoryview | None] = {}
+        shm_mode, host_id = self.mode in ("auto", "shm"), self.host_id
+        for r in refs:
+            k = (r.incarnation, r.host_id, r.tier)
+            seg = memo.get(k, False)
+            if seg is False:
+                seg = memo[k] = self.segment(r) if shm_mode and r.host_id == host_id and not r.tier else None
+            out.append(seg)
+        return out
 
     def same_host(self, ref: ExtentRef) -> bool:
         """Whether ``ref``'s node proved to share this host: it publishes this client's host

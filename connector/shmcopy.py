@@ -124,13 +124,22 @@ class ShmCopies:
         if op.checksum is None:
             op.checksum = digest
 
-    def write_many(self, ops: list[WriteOp]) -> None:
+    def write_many(self, ops: list[WriteOp], segs: list[memoryview | None] | None = None) -> None:
         """:meth:`write` for many ops (host buffers, extents checked to fit), in one
-        native call: every object copied and hashed (checksums set where none was)."""
+        native call: every object copied and hashed (checksums set where none was).
+        ``segs``: each op's mapped segment, when the caller looked them up already."""
         dsts, live = [], []
-        for op in ops:
+        segment = self._segment
+        for i, op in enumerate(ops):
             r = op.ref
-            seg = self._segment(r)
+            if segs is not None:
+                try:
+                    dsts.append(segs[i][r.offset:r.offset + r.size])
+                    live.append(op)
+                    continue
+                except ValueError:  # released: the node's mapping went meanwhile (looked up again)
+                    pass
+            seg = segment(r)
             if seg is None:
                 op.error = _gone(r)
                 continue

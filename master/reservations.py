@@ -268,7 +268,7 @@ class Reservations:
             rows.setdefault(r.node_id, []).append(ExtentEntry(key, r.offset, r.size, r.gen, it.checksum, lay, True,
                                                               held.wanted))
         self.counters["puts_reserved"] += 1
-        self.story.add(key, "stored", obj.node_ids())
+        self.story.add(key, "stored", [r.node_id for r in held.refs])  # obj.node_ids(), unpacked
         self._settle_waiting(obj, now)
         if len(held.refs) < held.wanted:
             self.repair.maybe_queue(obj)

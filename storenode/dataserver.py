@@ -38,6 +38,7 @@ import functools
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 
 import msgspec
 
@@ -46,7 +47,7 @@ from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.config import SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
 from kvpool.protocol.errors import AuthFailed, InvalidRequest, KVPoolError, NodeUnavailable, Overloaded, StaleExtent
-from kvpool.protocol.grants import check_token
+from kvpool.protocol.grants import check_token, grants_of
 from kvpool.protocol.messages import ExtentEntry
 from kvpool.storenode.connpool import Conn, ConnPool, TLSSlices
 from kvpool.storenode.device_segment import DeviceSegment
@@ -238,31 +239,76 @@ class DataServer:
             for it in req.items:  # (the reservation's commit, from the master and the writer, records the row)
                 table.release(it.offset, it.gen, w)
             return 0
-        errors: list = []
-        for it in req.items:
-            try:
-                if op == "commits" and table.settled(it.offset, it.gen, w):
-                    continue  # the master's notice came first: nothing to check or record (one-way)
-                table.check_bounds(it.offset, it.size)
-                if not check_token(seg.grant_key, seg.incarnation, it.offset, it.size, it.gen, it.key, it.token):
-                    raise InvalidRequest(f"[{it.offset}, +{it.size}) gen {it.gen} carries no valid grant from the "
-                                         "master; writes need a grant")
-                if op == "claims":
-                    table.claim(it.offset, it.size, it.gen, w)
+        items = req.items
+        check = grants_of(seg.grant_key, seg.incarnation).check
+        if op == "claims":  # grants checked item by item, then every claim taken under one lock
+            errors: list = [None] * len(items)
+            todo, where = [], []
+            for i, it in enumerate(items):
+                try:
+                    self._check_grant(it, check)
+                except KVPoolError as e:
+                    errors[i] = e
                 else:
-                    if not it.key:
-                        raise InvalidRequest("commit names no object key")
-                    table.check_write(it.offset, it.gen)
-                    table.commit(ExtentEntry(it.key, it.offset, it.size, it.gen, it.checksum, it.layout, True,
-                                             it.replicas), writer=w)
-                errors.append(None)
+                    todo.append((it.offset, it.size, it.gen))
+                    where.append(i)
+            for i, e in zip(where, table.claim_many(todo, w)):
+                errors[i] = e
+            wire = []
+            for e in errors:
+                if e is None:
+                    wire.append(None)
+                else:
+                    self.stats.errors["data", e.code] += 1
+                    wire.append(e.to_wire())
+            out.append(frame(DataReply(True, errors=wire)))
+            return 64
+        if len({it.offset for it in items}) < len(items):  # an offset named twice: one item after the
+            for it in items:  # other, as single commits (items at distinct offsets touch distinct rows)
+                self._commit_one(it, w, check)
+            return 0
+        rows = []
+        for it, done in zip(items, table.settled_many([(it.offset, it.gen) for it in items], w)):
+            if done:
+                continue  # the master's notice came first: nothing to check or record (one-way)
+            try:
+                self._check_grant(it, check)
+                if not it.key:
+                    raise InvalidRequest("commit names no object key")
             except KVPoolError as e:
                 self.stats.errors["data", e.code] += 1
-                errors.append(e.to_wire())
-        if op != "claims":
-            return 0
-        out.append(frame(DataReply(True, errors=errors)))
-        return 64
+            else:
+                rows.append(ExtentEntry(it.key, it.offset, it.size, it.gen, it.checksum, it.layout, True,
+                                        it.replicas))
+        for e in table.commit_many(rows, writer=w):  # each checked as check_write checks it
+            if e is not None:
+                self.stats.errors["data", e.code] += 1
+        return 0
+
+    def _check_grant(self, it, check: Callable[..., bool]) -> None:
+        """Raise InvalidRequest unless batch item ``it`` lies in the segment and carries the
+        master's grant token for its extent and key (``check``: the segment's
+        :meth:`Grants.check <protocol.grants.Grants.check>`)."""
+        if it.offset < 0 or it.size < 0 or it.offset + it.size > self.table.capacity:
+            self.table.check_bounds(it.offset, it.size)
+        if not check(it.offset, it.size, it.gen, it.key, it.token):
+            raise InvalidRequest(f"[{it.offset}, +{it.size}) gen {it.gen} carries no valid grant from the "
+                                 "master; writes need a grant")
+
+    def _commit_one(self, it, w: Writer, check: Callable[..., bool]) -> None:
+        """The writer's copy of one commit (batch item ``it``), one-way: errors are counted."""
+        table = self.table
+        try:
+            if table.settled(it.offset, it.gen, w):
+                return  # the master's notice came first: nothing to check or record
+            self._check_grant(it, check)
+            if not it.key:
+                raise InvalidRequest("commit names no object key")
+            table.check_write(it.offset, it.gen)
+            table.commit(ExtentEntry(it.key, it.offset, it.size, it.gen, it.checksum, it.layout, True,
+                                     it.replicas), writer=w)
+        except KVPoolError as e:
+            self.stats.errors["data", e.code] += 1
 
     def _handle(self, conn, rd: FrameReader, req: DataRequest, unix: bool, out: list, w: Writer) -> int:
         """Serve one request, appending its reply buffers to ``out``; returns their bytes."""

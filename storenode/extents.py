@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Iterable
 
 import msgspec
 
-from kvpool.protocol.errors import ExtentBusy, InvalidRequest, PutRevoked, StaleExtent, StaleTerm
+from kvpool.protocol.errors import ExtentBusy, InvalidRequest, KVPoolError, PutRevoked, StaleExtent, StaleTerm
 from kvpool.protocol.messages import ExtentEntry
 from kvpool.protocol.terms import gen_term
 
@@ -72,10 +73,14 @@ class ExtentTable:
         owner. Raises PutRevoked, or StaleTerm for a grant of a deposed leader."""
         self.check_term(gen)
         with self._lock:
-            cur = self._rows.get(offset)
-            if gen < self._floor.get(offset, 0) or (cur is not None and cur.gen > gen):
-                raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than the extent's "
-                                  "current one (the put was revoked); put the object again", offset=offset, gen=gen)
+            self._check_write(offset, gen)
+
+    def _check_write(self, offset: int, gen: int) -> None:
+        """:meth:`check_write` but the term; caller holds the lock."""
+        cur = self._rows.get(offset)
+        if gen < self._floor.get(offset, 0) or (cur is not None and cur.gen > gen):
+            raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than the extent's "
+                             "current one (the put was revoked); put the object again", offset=offset, gen=gen)
 
     def claim(self, offset: int, size: int, gen: int, owner: object) -> None:
         """Take the write claim of ``[offset, offset + size)`` for grant ``gen`` on behalf of
@@ -86,36 +91,77 @@ class ExtentTable:
         a grant of a deposed leader."""
         self.check_bounds(offset, size)
         self.check_term(gen)
-        end = offset + size
         with self._lock:
-            if gen < self._floor.get(offset, 0):
-                raise PutRevoked(f"write to offset {offset} carries generation {gen}, which the master freed "
-                                 "(the put was revoked: its writer was silent past put_timeout); put the "
-                                 "object again", offset=offset, gen=gen)
-            for row in self._overlapping_rows(offset, end):
-                if row.gen > gen:
-                    raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than the "
-                                     f"extent's current one ({row.gen}): the put was revoked; put the object "
-                                     "again", offset=offset, gen=gen)
-            for c_off, c_gen, c_size in self._overlapping_claims(offset, offset + max(size, 1)):
-                if (c_off, c_gen) != (offset, gen):
-                    if c_gen > gen:
-                        raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than a "
-                                         f"write in progress there ({c_gen}): the put was revoked; put the "
-                                         "object again", offset=offset, gen=gen)
-                    raise ExtentBusy(f"[{offset}, +{size}) overlaps memory a revoked writer may still be "
-                                     f"copying into (generation {c_gen}); the put is placed again elsewhere",
-                                     offset=offset, gen=gen)
-            held = self._claims.get((offset, gen))
-            if held is not None and held[1] is not owner:
-                raise ExtentBusy(f"[{offset}, +{size}) generation {gen} is being written by another writer",
+            self._claim(offset, size, gen, owner)
+
+    def claim_many(self, items: Iterable[tuple[int, int, int]], owner: object) -> list[KVPoolError | None]:
+        """:meth:`claim` of each ``(offset, size, gen)`` of ``items`` (bytes, bytes, grant
+        generation) for ``owner``, in order, under one acquisition of the lock: the same
+        verdicts as that many calls of :meth:`claim` in a row. Per item None (claimed) or the
+        error :meth:`claim` raises for it (InvalidRequest outside the segment, StaleTerm,
+        PutRevoked, ExtentBusy); an item refused takes no claim, and the others go on.
+        Raises nothing itself."""
+        out: list[KVPoolError | None] = []
+        append = out.append
+        cap = self.capacity
+        with self._lock:
+            for offset, size, gen in items:
+                try:
+                    if offset < 0 or size < 0 or offset + size > cap:
+                        self.check_bounds(offset, size)
+                    self.check_term(gen)
+                    self._claim(offset, size, gen, owner)
+                except KVPoolError as e:
+                    append(e)
+                else:
+                    append(None)
+        return out
+
+    def _claim(self, offset: int, size: int, gen: int, owner: object) -> None:
+        """:meth:`claim`'s rules, bounds and term checked already; caller holds the lock."""
+        end = offset + size
+        if gen < self._floor.get(offset, 0):
+            raise PutRevoked(f"write to offset {offset} carries generation {gen}, which the master freed "
+                             "(the put was revoked: its writer was silent past put_timeout); put the "
+                             "object again", offset=offset, gen=gen)
+        offs, rows, reach = self._offs, self._rows, self._max_size
+        i = bisect.bisect_left(offs, end) - 1
+        while i >= 0 and offs[i] + reach > offset:  # the rows overlapping the range (_overlapping_rows)
+            row = rows[offs[i]]
+            if row.offset + row.size > offset and row.gen > gen:
+                raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than the "
+                                 f"extent's current one ({row.gen}): the put was revoked; put the object "
+                                 "again", offset=offset, gen=gen)
+            i -= 1
+        coffs = self._coffs
+        i = bisect.bisect_left(coffs, offset + max(size, 1)) - 1
+        if i >= 0 and coffs[i] + self._max_claim > offset:  # a claim may overlap: the full scan
+            self._claim_overlaps(offset, size, gen)
+        held = self._claims.get((offset, gen))
+        if held is not None and held[1] is not owner:
+            raise ExtentBusy(f"[{offset}, +{size}) generation {gen} is being written by another writer",
+                             offset=offset, gen=gen)
+        if held is None:
+            bisect.insort(self._coffs, offset)
+        self._claims[(offset, gen)] = (size, owner)
+        self._claim_gen[offset] = gen
+        if size > self._max_claim or not self._max_claim:
+            self._max_claim = max(size, 1)
+        if gen > self.max_gen:
+            self.max_gen = gen
+
+    def _claim_overlaps(self, offset: int, size: int, gen: int) -> None:
+        """Rule 1 (a newer grant's claim) and rule 2 (another live claim) against the claims
+        overlapping ``[offset, offset + size)``; caller holds the lock."""
+        for c_off, c_gen, _ in self._overlapping_claims(offset, offset + max(size, 1)):
+            if (c_off, c_gen) != (offset, gen):
+                if c_gen > gen:
+                    raise PutRevoked(f"write to offset {offset} carries generation {gen}, older than a "
+                                     f"write in progress there ({c_gen}): the put was revoked; put the "
+                                     "object again", offset=offset, gen=gen)
+                raise ExtentBusy(f"[{offset}, +{size}) overlaps memory a revoked writer may still be "
+                                 f"copying into (generation {c_gen}); the put is placed again elsewhere",
                                  offset=offset, gen=gen)
-            if held is None:
-                bisect.insort(self._coffs, offset)
-            self._claims[(offset, gen)] = (size, owner)
-            self._claim_gen[offset] = gen
-            self._max_claim = max(self._max_claim, size, 1)
-            self.max_gen = max(self.max_gen, gen)
 
     def release(self, offset: int, gen: int, owner: object) -> bool:
         """End ``owner``'s claim of ``(offset, gen)`` (its writer finished copying). False
@@ -247,29 +293,76 @@ class ExtentTable:
         InvalidRequest outside the segment."""
         self.check_bounds(row.offset, row.size)
         with self._lock:
-            held = self._claims.get((row.offset, row.gen))
-            if held is not None and (writer is None or held[1] is writer):
-                self._unclaim(row.offset, row.gen)
-            cur = self._rows.get(row.offset)
-            if row.gen < self._floor.get(row.offset, 0):
-                return  # committed and already freed again (notices arrive in order)
-            if writer is not None and cur is not None and cur.gen == row.gen and cur.committed:
-                return
-            if cur is None or cur.gen <= row.gen:
-                self._put_row(row if row.committed else msgspec.structs.replace(row, committed=True))
-                self.max_gen = max(self.max_gen, row.gen)
+            self._commit(row, writer)
+
+    def commit_many(self, rows: Iterable[ExtentEntry], writer: object | None = None,
+                    until_error: bool = False) -> list[KVPoolError | None]:
+        """:meth:`commit` of each of ``rows``, in order, under one acquisition of the lock.
+        For a writer's copies (``writer`` set) each row is first checked as
+        :meth:`check_write` checks a write, and a row it refuses is neither committed nor
+        ends a claim: the same as :meth:`check_write` then :meth:`commit` per row. Per row
+        None (done) or the error refusing it (InvalidRequest outside the segment; for a
+        writer's copy also StaleTerm, PutRevoked); with ``until_error`` the first refusal
+        ends the call (the rows after it are left alone and the list ends with it). Raises
+        nothing itself."""
+        out: list[KVPoolError | None] = []
+        append = out.append
+        cap = self.capacity
+        with self._lock:
+            for row in rows:
+                try:
+                    if row.offset < 0 or row.size < 0 or row.offset + row.size > cap:
+                        self.check_bounds(row.offset, row.size)
+                    if writer is not None:
+                        self.check_term(row.gen)
+                        self._check_write(row.offset, row.gen)
+                    self._commit(row, writer)
+                except KVPoolError as e:
+                    append(e)
+                    if until_error:
+                        break
+                else:
+                    append(None)
+        return out
+
+    def _commit(self, row: ExtentEntry, writer: object | None) -> None:
+        """:meth:`commit`, bounds checked already; caller holds the lock."""
+        off, gen = row.offset, row.gen
+        held = self._claims.get((off, gen))
+        if held is not None and (writer is None or held[1] is writer):
+            self._unclaim(off, gen)
+        cur = self._rows.get(off)
+        if gen < self._floor.get(off, 0):
+            return  # committed and already freed again (notices arrive in order)
+        if cur is not None and cur.gen == gen and cur.committed and (writer is not None or cur == row):
+            return  # committed already (a writer's copy never replaces it; the same row changes nothing)
+        if cur is None or cur.gen <= gen:
+            self._put_row(row if row.committed else msgspec.structs.replace(row, committed=True))
+            if gen > self.max_gen:
+                self.max_gen = gen
 
     def settled(self, offset: int, gen: int, owner: object) -> bool:
         """Whether ``(offset, gen)`` is committed already (the master's notice came first): a
         writer's copy of that commit then only ends ``owner``'s claim of it, which this does."""
         with self._lock:
-            cur = self._rows.get(offset)
-            if cur is None or cur.gen != gen or not cur.committed:
-                return False
-            held = self._claims.get((offset, gen))
-            if held is not None and held[1] is owner:
-                self._unclaim(offset, gen)
-            return True
+            return self._settled(offset, gen, owner)
+
+    def settled_many(self, extents: Iterable[tuple[int, int]], owner: object) -> list[bool]:
+        """:meth:`settled` of each ``(offset, gen)`` of ``extents`` (byte offset, grant
+        generation), in order, under one acquisition of the lock: per extent whether it was
+        committed already (``owner``'s claim of it then ended). Raises nothing."""
+        with self._lock:
+            return [self._settled(offset, gen, owner) for offset, gen in extents]
+
+    def _settled(self, offset: int, gen: int, owner: object) -> bool:
+        """Caller holds the lock."""
+        cur = self._rows.get(offset)
+        if cur is None or cur.gen != gen or not cur.committed:
+            return False
+        held = self._claims.get((offset, gen))
+        if held is not None and held[1] is owner:
+            self._unclaim(offset, gen)
+        return True
 
     def free(self, offset: int, gen: int) -> None:
         """Drop the row of ``(offset, gen)``; from now on a write of that generation or an

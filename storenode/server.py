@@ -349,8 +349,9 @@ class StoreNode:
     def _control_one(self, ident: bytes, req) -> bytes | None:
         self._see_term(req.term, type(req).__name__)  # raises StaleTerm: answered as an error Reply
         if isinstance(req, M.NodeCommit):
-            for row in req.rows:
-                self.table.commit(row)
+            bad = self.table.commit_many(req.rows, until_error=True)
+            if bad and bad[-1] is not None:
+                raise bad[-1]
         elif isinstance(req, M.NodeFree):
             for off, gen in req.extents:
                 self.table.free(off, gen)
