@@ -204,9 +204,13 @@ class WorkerLoads:
         reported failed)."""
         ll = self.layered[0] if self.layered is not None else None
         if ll is not None and not ll.cancelled and not ll.wait(layer_name):
-            log.error("kvpool: layer-wise load of %d request(s) did not reach layer %s within %.3gs; "
-                      "their blocks are reported failed", len(self.layered[2]), layer_name,
-                      self.s.rpc_timeout_s + self.s.io_timeout_s)
+            if monotonic() < ll.deadline:  # the loader stopped early: its error is logged as the step ends
+                log.error("kvpool: layer-wise load of %d request(s) stopped before layer %s (the loader "
+                          "failed); their blocks are reported failed", len(self.layered[2]), layer_name)
+            else:
+                log.error("kvpool: layer-wise load of %d request(s) did not reach layer %s within %.3gs; "
+                          "their blocks are reported failed", len(self.layered[2]), layer_name,
+                          self.s.rpc_timeout_s + self.s.io_timeout_s)
 
     def _fetch(self, jobs: list[LoadJob], gate: LayerLoads | None = None) -> tuple[dict[str, list], float]:
         """Every job's blocks, per group one batch call for all jobs: ``(staging buffer,

@@ -498,3 +498,28 @@ def test_a_lookup_finds_blocks_another_tp_size_stored(long_leases, caplog):
         sched.close()
     with pytest.raises(ConfigError, match="share_tp_sizes"):
         _scheduler("tcp://127.0.0.1:9", 30, share_tp_sizes="2", client=_OneRecord(None))
+
+
+def test_a_layer_wait_names_a_failed_loader_apart_from_a_deadline(caplog):
+    """The forward pass's wait on a layer ends early when the loader fails (it cancels and
+    releases every layer): logged as a stopped load, not as a lapsed deadline; a wait that
+    runs out its deadline is logged as that."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvpool.connector.vllm.layer_loads import LayerLoads
+    from kvpool.connector.vllm.loads import WorkerLoads
+    from kvpool.connector.vllm.meta import monotonic
+
+    s = SimpleNamespace(rpc_timeout_s=10.0, io_timeout_s=30.0)
+    ll = LayerLoads(["l0"], monotonic() + 60)
+    failed = threading.Timer(0.05, lambda: (ll.cancel(), ll.finish()))
+    failed.start()
+    WorkerLoads.wait_for_layer(SimpleNamespace(layered=(ll, None, ["job"]), s=s), "l0")
+    failed.join()
+    assert "stopped before layer l0 (the loader failed)" in caplog.text
+    assert "within" not in caplog.text
+    caplog.clear()
+    late = LayerLoads(["l0"], monotonic() + 0.05)
+    WorkerLoads.wait_for_layer(SimpleNamespace(layered=(late, None, ["job"]), s=s), "l0")
+    assert "did not reach layer l0 within 40s" in caplog.text and late.cancelled
