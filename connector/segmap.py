@@ -70,8 +70,12 @@ class SegmentMaps:
     def uses_shm(self, ref: ExtentRef) -> bool:
         """Whether ``ref`` is copied through the mapped segment (a same-host memory replica;
         a disk replica never is: it is read over its node's disk-read socket)."""
-        return (self.mode in ("auto", "shm") and ref.host_id == self.host_id and not ref.tier
-                and self.segment(ref) is not None)
+        return self._may_map(ref) and self.segment(ref) is not None
+
+    def _may_map(self, ref: ExtentRef) -> bool:
+        """Whether this client copies ``ref`` through a mapping, should its node's be there:
+        shared memory allowed, the same host, a memory extent (not the disk tier)."""
+        return self.mode in ("auto", "shm") and ref.host_id == self.host_id and not ref.tier
 
     def shm_segments(self, refs: Iterable[ExtentRef]) -> list[memoryview | None]:
         """Per ref of ``refs``: the mapped segment it is copied through when :meth:`uses_shm`
@@ -79,12 +83,11 @@ class SegmentMaps:
         batch, as :meth:`segment` asks."""
         out: list[memoryview | None] = []
         memo: dict[tuple[str, str, int], memoryview | None] = {}
-        shm_mode, host_id = self.mode in ("auto", "shm"), self.host_id
         for r in refs:
             k = (r.incarnation, r.host_id, r.tier)
             seg = memo.get(k, False)
             if seg is False:
-                seg = memo[k] = self.segment(r) if shm_mode and r.host_id == host_id and not r.tier else None
+                seg = memo[k] = self.segment(r) if self._may_map(r) else None
             out.append(seg)
         return out
 

@@ -264,13 +264,22 @@ class DataServer:
             out.append(frame(DataReply(True, errors=wire)))
             return 64
         if len({it.offset for it in items}) < len(items):  # an offset named twice: one item after the
-            for it in items:  # other, as single commits (items at distinct offsets touch distinct rows)
-                self._commit_one(it, w, check)
-            return 0
+            for it in items:  # other (items at distinct offsets touch distinct rows)
+                self._commit_copies([it], w, check)
+        else:
+            self._commit_copies(items, w, check)
+        return 0
+
+    def _commit_copies(self, items, w: Writer, check: Callable[..., bool]) -> None:
+        """The writer's copies of commits (batch items at distinct offsets), one-way: those
+        the master's notice settled first only end ``w``'s claims; the others are checked
+        (grant, key, then as :meth:`~storenode.extents.ExtentTable.check_write` checks a
+        write) and committed. Errors are counted, never answered."""
+        table = self.table
         rows = []
         for it, done in zip(items, table.settled_many([(it.offset, it.gen) for it in items], w)):
             if done:
-                continue  # the master's notice came first: nothing to check or record (one-way)
+                continue  # the master's notice came first: nothing to check or record
             try:
                 self._check_grant(it, check)
                 if not it.key:
@@ -280,35 +289,18 @@ class DataServer:
             else:
                 rows.append(ExtentEntry(it.key, it.offset, it.size, it.gen, it.checksum, it.layout, True,
                                         it.replicas))
-        for e in table.commit_many(rows, writer=w):  # each checked as check_write checks it
+        for e in table.commit_many(rows, writer=w):
             if e is not None:
                 self.stats.errors["data", e.code] += 1
-        return 0
 
     def _check_grant(self, it, check: Callable[..., bool]) -> None:
         """Raise InvalidRequest unless batch item ``it`` lies in the segment and carries the
         master's grant token for its extent and key (``check``: the segment's
         :meth:`Grants.check <protocol.grants.Grants.check>`)."""
-        if it.offset < 0 or it.size < 0 or it.offset + it.size > self.table.capacity:
-            self.table.check_bounds(it.offset, it.size)
+        self.table.check_bounds(it.offset, it.size)
         if not check(it.offset, it.size, it.gen, it.key, it.token):
             raise InvalidRequest(f"[{it.offset}, +{it.size}) gen {it.gen} carries no valid grant from the "
                                  "master; writes need a grant")
-
-    def _commit_one(self, it, w: Writer, check: Callable[..., bool]) -> None:
-        """The writer's copy of one commit (batch item ``it``), one-way: errors are counted."""
-        table = self.table
-        try:
-            if table.settled(it.offset, it.gen, w):
-                return  # the master's notice came first: nothing to check or record
-            self._check_grant(it, check)
-            if not it.key:
-                raise InvalidRequest("commit names no object key")
-            table.check_write(it.offset, it.gen)
-            table.commit(ExtentEntry(it.key, it.offset, it.size, it.gen, it.checksum, it.layout, True,
-                                     it.replicas), writer=w)
-        except KVPoolError as e:
-            self.stats.errors["data", e.code] += 1
 
     def _handle(self, conn, rd: FrameReader, req: DataRequest, unix: bool, out: list, w: Writer) -> int:
         """Serve one request, appending its reply buffers to ``out``; returns their bytes."""

@@ -103,12 +103,10 @@ class ExtentTable:
         Raises nothing itself."""
         out: list[KVPoolError | None] = []
         append = out.append
-        cap = self.capacity
         with self._lock:
             for offset, size, gen in items:
                 try:
-                    if offset < 0 or size < 0 or offset + size > cap:
-                        self.check_bounds(offset, size)
+                    self.check_bounds(offset, size)
                     self.check_term(gen)
                     self._claim(offset, size, gen, owner)
                 except KVPoolError as e:
@@ -307,12 +305,10 @@ class ExtentTable:
         nothing itself."""
         out: list[KVPoolError | None] = []
         append = out.append
-        cap = self.capacity
         with self._lock:
             for row in rows:
                 try:
-                    if row.offset < 0 or row.size < 0 or row.offset + row.size > cap:
-                        self.check_bounds(row.offset, row.size)
+                    self.check_bounds(row.offset, row.size)
                     if writer is not None:
                         self.check_term(row.gen)
                         self._check_write(row.offset, row.gen)
