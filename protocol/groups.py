@@ -256,7 +256,7 @@ def tp_read_plan(stored: LayoutSpec, local: LayoutSpec, group: str = "?") -> lis
         raise LayoutMismatch(f"group {group!r}: stored {f}={getattr(stored, f)!r}, this engine uses "
                              f"{getattr(local, f)!r}", field=f, group=group)
     for lay, side in ((stored, "stored blocks have"), (local, "this engine has")):
-        bad = next((t for t in lay.tensors if len(t.shape) < 3 or t.shape[-3] != lay.num_kv_heads), None)
+        bad = _headless_tensor(lay)
         if bad is not None:
             raise LayoutMismatch(f"group {group!r}: {side} tensor {bad.name!r} of shape {tuple(bad.shape)}, "
                                  f"without a head axis of {lay.num_kv_heads} (num_kv_heads) at dimension -3; "
@@ -297,15 +297,19 @@ def layout_at_tp(layout: LayoutSpec, tp_size: int, group: str = "?") -> LayoutSp
     if tp_size < 1 or total % tp_size:
         raise LayoutMismatch(f"group {group!r}: {total} KV heads cannot be shared evenly by {tp_size} TP ranks",
                              field="num_kv_heads", group=group)
+    bad = _headless_tensor(layout)
+    if bad is not None:
+        raise LayoutMismatch(f"group {group!r}: tensor {bad.name!r} of shape {tuple(bad.shape)} has no head axis "
+                             f"of {layout.num_kv_heads} at dimension -3", field="tensors", group=group)
     heads = total // tp_size
-    tensors = []
-    for t in layout.tensors:
-        if len(t.shape) < 3 or t.shape[-3] != layout.num_kv_heads:
-            raise LayoutMismatch(f"group {group!r}: tensor {t.name!r} of shape {tuple(t.shape)} has no head axis "
-                                 f"of {layout.num_kv_heads} at dimension -3", field="tensors", group=group)
-        shape = tuple(t.shape)
-        tensors.append(msgspec.structs.replace(t, shape=(*shape[:-3], heads, *shape[-2:])))
-    return msgspec.structs.replace(layout, num_kv_heads=heads, tp_size=tp_size, tp_rank=0, tensors=tuple(tensors))
+    tensors = tuple(msgspec.structs.replace(t, shape=(*t.shape[:-3], heads, *t.shape[-2:])) for t in layout.tensors)
+    return msgspec.structs.replace(layout, num_kv_heads=heads, tp_size=tp_size, tp_rank=0, tensors=tensors)
+
+
+def _headless_tensor(layout: LayoutSpec):
+    """The first tensor of ``layout`` whose page has no head axis of ``num_kv_heads`` at
+    dimension -3 (heads outermost in a page, as SPLIT attention stores them), or None."""
+    return next((t for t in layout.tensors if len(t.shape) < 3 or t.shape[-3] != layout.num_kv_heads), None)
 
 
 def check_projection(stored: TransferProjection, local: TransferProjection, *,

@@ -365,9 +365,7 @@ class KVPoolScheduler:
             try:
                 for gi, g in enumerate(self.groups):
                     if not g.replicated:
-                        stored = layout_at_tp(g.layout, tp, g.name)
-                        reads[gi] = TpRead(stored, [tp_read_plan(stored, msgspec.structs.replace(g.layout, tp_rank=q),
-                                                                 g.name) for q in range(self.tp_size)])
+                        reads[gi] = self._tp_plan(layout_at_tp(g.layout, tp, g.name), g)
             except LayoutMismatch as e:
                 log.warning("kvpool: share_tp_sizes: this engine (TP size %d) cannot read blocks stored at TP "
                             "size %d (%s); lookups will not look for them", self.tp_size, tp, e.message)
@@ -382,12 +380,17 @@ class KVPoolScheduler:
         :func:`~protocol.groups.tp_read_plan` does not convert."""
         stored = msgspec.structs.replace(rec.layouts[handoff_group_names(g, tp)[0][0]], tp_rank=0)
         try:
-            pieces = [tp_read_plan(stored, msgspec.structs.replace(g.layout, tp_rank=q), g.name)
-                      for q in range(self.tp_size)]
+            return self._tp_plan(stored, g)
         except LayoutMismatch as e:
             raise LayoutMismatch(f"hand-off {handoff_id!r}: {e.message}", request_id=handoff_id,
                                  **e.fields) from None
-        return TpRead(stored, pieces)
+
+    def _tp_plan(self, stored, g: GroupLayout) -> TpRead:
+        """How each of this engine's ranks reads group ``g`` from blocks stored with the
+        rank-0 layout ``stored`` (:func:`~protocol.groups.tp_read_plan`, which raises
+        LayoutMismatch for what it does not convert)."""
+        return TpRead(stored, [tp_read_plan(stored, msgspec.structs.replace(g.layout, tp_rank=q), g.name)
+                               for q in range(self.tp_size)])
 
     def _keep_block_size(self) -> None:
         """Keep vLLM's ``cache_config.block_size`` at the KV cache groups' block size.
@@ -562,13 +565,13 @@ class KVPoolScheduler:
                 log.warning("kvpool: lookup for request %s failed (%s: %s); computing it locally",
                             request.request_id, type(e).__name__, e)
             return _Match(start, start)
-        for _tp, reads in self.tp_shares:
+        for tp, reads in self.tp_shares:
             if m.boundary >= top:
                 break
             try:
                 b, leases, found = self._hit(hashes, start, top, reads)
             except KVPoolError as e:
-                log.debug("kvpool: lookup for request %s at TP size %d failed (%s)", request.request_id, _tp, e)
+                log.debug("kvpool: lookup for request %s at TP size %d failed (%s)", request.request_id, tp, e)
                 continue
             if b > m.boundary:
                 self._release(m.leases, m.leases.keep(()))
