@@ -103,9 +103,6 @@ class _Conn:
     __del__ = close
 
 
-# commits: the master sends their notices to store nodes before it answers, and polling for
-# the answer would take a CPU those notices need; waits for these replies sleep at once
-_NO_SPIN = (M.PutReserved, M.PutEnd)
 _HELLO_RID = (1 << 64) - 1  # request id of the Hello (ids of calls count up from 1)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -217,7 +214,6 @@ class MasterRPC:
                                  "frame limit; send fewer keys per request (KVPoolClient's batch calls split by "
                                  "bytes)", limit=rpcwire.MAX_FRAME, request_bytes=len(body))
         typ = M.RESULT_TYPES[type(req)]
-        spin = type(req) not in _NO_SPIN
         if meanwhile is not None:
             meanwhile = _once(meanwhile)
         fenced: KVPoolError | None = None  # the last "no leader for now" answer (LeaderFenced, NotLeader)
@@ -227,7 +223,7 @@ class MasterRPC:
                 self._resolve()
                 addr = self._addr
             if addr is not None:
-                rep, spent = self._round_trip(addr, body, deadline, meanwhile, spin)
+                rep, spent = self._round_trip(addr, body, deadline, meanwhile)
                 deadline += spent  # time spent in meanwhile is not the master's
                 if rep is not None and rep.term and rep.term < self._term:
                     # a deposed leader's answer (a newer term was seen): not trusted; find the leader
@@ -265,9 +261,9 @@ class MasterRPC:
             time.sleep(0.05)
 
     def _round_trip(self, addr: str, body: bytes, deadline: float,
-                    meanwhile=None, spin: bool = False) -> tuple[M.Reply | None, float]:
-        """One send (then ``meanwhile``, see :meth:`call`) + the matching reply (with ``spin``,
-        polled for before the wait sleeps), and the seconds ``meanwhile`` ran (the wait
+                    meanwhile=None) -> tuple[M.Reply | None, float]:
+        """One send (then ``meanwhile``, see :meth:`call`) + the matching reply (polled for
+        before the wait sleeps, protocol/spin.py), and the seconds ``meanwhile`` ran (the wait
         for the reply starts after it); the reply is None when the connection failed (retry)."""
         spent = 0.0
         left = deadline - time.monotonic()
@@ -295,8 +291,7 @@ class MasterRPC:
         try:
             if meanwhile is not None:
                 c.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            if spin:
-                self.spin.wait(c.frames)
+            self.spin.wait(c.frames)
             while True:
                 got, payload = c.frames.read()
                 if got == rid:

@@ -74,6 +74,7 @@ from kvpool.protocol.auth import curve_client_keys
 from kvpool.protocol.errors import (EtcdUnavailable, Forbidden, InvalidRequest, KVPoolError, LeaderFenced,
                                     NotFound, NotLeader, ReplyTooLarge)
 from kvpool.protocol.etcd import Etcd, Keys
+from kvpool.protocol.spin import Spinner
 
 HEALTH_STALL_S = 10.0  # /healthz fails when the RPC loop has not turned for this long (seconds)
 log = logging.getLogger("kvpool.master")
@@ -253,16 +254,23 @@ class MasterServer:
     # ---- RPC thread ---------------------------------------------------------------------
 
     def _rpc_loop(self) -> None:
-        conns = self.conns
+        conns, poller = self.conns, self.poller
+        spin = Spinner(self.s.spin_wait_s)
+        awake_until = 0.0  # polled for (protocol/spin.py) instead of slept on until then: master.spin_wait
         next_tick = time.monotonic()
         while not self.stop.is_set():
-            self.rpc_beat = time.monotonic()  # /healthz: the loop turns
+            self.rpc_beat = now = time.monotonic()  # /healthz: the loop turns
             served = set()
             wait = 0 if conns.busy else 5 if self.durable or self.stats.walking else 50
             due = self.nodes.notice_wait_ms()  # notices wait at most NOTICE_DELAY_S (master/nodes.py)
             if due is not None:
                 wait = min(wait, due)
-            for sock, ev in self.poller.poll(wait):
+            events = spin.spin(lambda: poller.poll(0), awake_until - now) if wait and now < awake_until else None
+            if events is None:
+                events = poller.poll(wait)
+            if events:
+                awake_until = time.monotonic() + self.s.spin_wait_s
+            for sock, ev in events:
                 if isinstance(sock, int):  # zmq's poller names plain sockets by fd
                     c = conns.on_event(sock, ev)
                     if c is not None:

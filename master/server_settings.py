@@ -44,6 +44,9 @@ class MasterServerSettings:
     frame_timeout_s: float = SecurityConfig().frame_timeout
     advertise: str | None = MasterConfig().advertise  # published host (protocol/transport.py advertise_host)
     etcd_auth: EtcdAuth = NO_AUTH  # etcd user/password and TLS
+    # after serving a request, the RPC loop polls for the next one this long before it
+    # sleeps (protocol/spin.py; 0 = off)
+    spin_wait_s: float = MasterConfig().spin_wait
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig) -> "MasterServerSettings":
@@ -61,4 +64,4 @@ class MasterServerSettings:
                    m.node_ttl, st, m.etcd_compaction_interval, m.etcd_compaction_retention,
                    *m.join_settings(), security=Security.for_server(cfg.security, "this master"),
                    max_conns=cfg.security.max_conns, frame_timeout_s=cfg.security.frame_timeout,
-                   advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd))
+                   advertise=m.advertise, etcd_auth=EtcdAuth.from_config(cfg.etcd), spin_wait_s=m.spin_wait)

@@ -140,11 +140,14 @@ class MasterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                  "(master/joins.py)"] = "2s"
     join_backoff: D[str | float, "Wait after a failed join request before the next (doubled per failure)"] = "500ms"
     join_backoff_max: D[str | float, "Cap of the doubled join deadline and wait"] = "30s"
+    spin_wait: D[str | float, "How long the RPC loop keeps polling for the next request after serving one, "
+                              "yielding the CPU, before it sleeps (protocol/spin.py): a client sending one "
+                              "request per reply then finds it awake; 0 = sleep at once"] = "300us"
 
     def __post_init__(self) -> None:  # durations in seconds from here on
         _parse_units(self, "master.", durations=(
             "lease_ttl", "put_timeout", "quarantine", "node_ttl", "max_handoff_ttl", "membership_poll",
-            "etcd_compaction_interval", "join_timeout", "join_backoff", "join_backoff_max"))
+            "etcd_compaction_interval", "join_timeout", "join_backoff", "join_backoff_max", "spin_wait"))
 
     def join_settings(self, key_prefix: str = "master.") -> tuple[float, float, float]:
         """``(join_timeout, join_backoff, join_backoff_max)`` in seconds. Raises ConfigError
@@ -364,9 +367,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 continue  # off
             if getattr(self.client, key) <= 0:
                 raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
-        if not 0 <= self.client.spin_wait <= SPIN_WAIT_MAX_S:
-            raise ConfigError(f"client.spin_wait: {self.client.spin_wait!r}; accepted: 0 (off) to 10ms, e.g. 100us",
-                              key="client.spin_wait")
+        for key, v in (("client.spin_wait", self.client.spin_wait), ("master.spin_wait", m.spin_wait)):
+            if not 0 <= v <= SPIN_WAIT_MAX_S:
+                raise ConfigError(f"{key}: {v!r}; accepted: 0 (off) to 10ms, e.g. 100us", key=key)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: {self.log_level!r}; accepted: {', '.join(LOG_LEVELS)}", key="log_level")
         ports = [("master.metrics_port", m.metrics_port), ("master.rpc_port", m.rpc_port),
