@@ -1,12 +1,12 @@
 """Polling for answers on both ends (protocol/spin.py), measured in one run.
 
-Starts two local clusters that differ only in ``master.spin_wait`` (0: the master sleeps in
-``poll`` at once; the default: it polls for the next request first) and three clients in
-this process: one of the first cluster with ``spin_wait_s=0``, one of it with the client's
-default, and one of the second cluster with the client's default. Then it alternates
+Starts local clusters that differ only in ``master.spin_wait``: one with 0 (the master sleeps
+in ``poll`` at once) and one per value of ``--master-spin-wait`` (default: the setting's
+default), and clients in this process: two of the first cluster (``spin_wait_s=0`` and the
+client's default) and one of each other cluster (the client's default). Then it alternates
 segments of ``--segment`` calls of ``put_batch`` (``--batch`` fresh keys of ``--size`` bytes)
-between the three, ``--rounds`` times, in an order that reverses every round, so that all
-three see the same moments of a machine whose load moves. ``--load N`` runs N CPU-burning
+between the clients, ``--rounds`` times, in an order that reverses every round, so that all
+of them see the same moments of a machine whose load moves. ``--load N`` runs N CPU-burning
 processes throughout (started before the clusters, so the polls meet them from the first
 call).
 
@@ -16,6 +16,7 @@ setting (above 1: faster). Example::
 
     python benchmarks/polling.py --size 64KiB --rounds 12
     python benchmarks/polling.py --size 64KiB --rounds 12 --load 2 --json
+    python benchmarks/polling.py --size 4MiB --segment 100 --master-spin-wait 300us,600us
 """
 from __future__ import annotations
 
@@ -33,9 +34,7 @@ import numpy as np
 from kvpool.cli.cluster import LocalCluster
 from kvpool.client import KVPoolClient
 from kvpool.protocol.config import load_config
-from kvpool.protocol.units import parse_size
-
-SETTINGS = ("master 0, client 0", "master 0, client default", "master default, client default")
+from kvpool.protocol.units import parse_duration, parse_size
 
 
 def _burn() -> None:
@@ -50,6 +49,8 @@ def main() -> None:
     ap.add_argument("--segment", type=int, default=300, help="put_batch calls per segment")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--load", type=int, default=0, help="CPU-burning processes running throughout")
+    ap.add_argument("--master-spin-wait", default=None,
+                    help="master.spin_wait of the polling clusters, comma separated (default: the setting's default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     size = parse_size(a.size)
@@ -57,12 +58,18 @@ def main() -> None:
     for b in burners:
         b.start()
     try:
+        waits = [None] if a.master_spin_wait is None else [parse_duration(w) for w in a.master_spin_wait.split(",")]
         with contextlib.ExitStack() as ex:
             quiet = ex.enter_context(LocalCluster(load_config(None, overrides={"master": {"spin_wait": 0}})))
-            polling = ex.enter_context(LocalCluster(load_config(None)))
-            clients = [ex.enter_context(KVPoolClient(quiet.master_addr, security=quiet.security, spin_wait_s=0)),
-                       ex.enter_context(KVPoolClient(quiet.master_addr, security=quiet.security)),
-                       ex.enter_context(KVPoolClient(polling.master_addr, security=polling.security))]
+            clients = {"master 0, client 0": KVPoolClient(quiet.master_addr, security=quiet.security, spin_wait_s=0),
+                       "master 0, client default": KVPoolClient(quiet.master_addr, security=quiet.security)}
+            for w in waits:
+                lc = ex.enter_context(LocalCluster(load_config(None, overrides={"master": {"spin_wait": w}}
+                                                               if w is not None else None)))
+                clients[f"master {'default' if w is None else f'{w * 1e6:g}us'}, client default"] = KVPoolClient(
+                    lc.master_addr, security=lc.security)
+            for c in clients.values():
+                ex.enter_context(c)
             out = _run(clients, size, a)
     finally:
         for b in burners:
@@ -77,7 +84,7 @@ def main() -> None:
               f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f})")
 
 
-def _run(clients: list[KVPoolClient], size: int, a) -> dict:
+def _run(clients: dict[str, KVPoolClient], size: int, a) -> dict:
     data = [np.random.randint(0, 255, size, dtype=np.uint8) for _ in range(a.batch)]
     tag = uuid.uuid4().hex[:8]
     n = 0
@@ -95,16 +102,16 @@ def _run(clients: list[KVPoolClient], size: int, a) -> dict:
                 raise SystemExit(f"put failed: {next(e for e in errs if e)}")
         return statistics.mean(ts) / a.batch, statistics.median(ts) / a.batch
 
-    for c in clients:  # warm: connections, mappings, reservations of this size
+    for c in clients.values():  # warm: connections, mappings, reservations of this size
         segment(c)
-    got: list[list[tuple[float, float]]] = [[] for _ in clients]
-    order = list(range(len(clients)))
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name in clients}
+    order = list(clients)
     for r in range(a.rounds):
-        for i in (order if r % 2 == 0 else order[::-1]):
-            got[i].append(segment(clients[i]))
-    base = [m for m, _ in got[0]]
+        for name in (order if r % 2 == 0 else order[::-1]):
+            got[name].append(segment(clients[name]))
+    base = [m for m, _ in got[order[0]]]
     settings = {}
-    for name, rows in zip(SETTINGS, got):
+    for name, rows in got.items():
         means = [m for m, _ in rows]
         ratio = [b / m for b, m in zip(base, means)]
         settings[name] = {"mean_us": statistics.median(means) * 1e6, "min_us": min(means) * 1e6,
