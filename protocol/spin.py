@@ -21,9 +21,9 @@ landing while another task holds the CPU waits out that task's time slice. A yie
 at once: one that kept the CPU away for longer than :data:`HOG_S` ran a task that uses
 whole time slices (a shorter absence is a task that ran briefly, often the very peer whose
 answer is awaited, sharing this CPU: the poll goes on). The poll then ends, and once
-:data:`STOLEN_IN_A_ROW` polls in a row ended so, nothing is polled for :data:`HOLD_S`. This
-replaces a gate on the load average, which notices a busy host only tens of seconds late
-and, on a small host, counts the client and the servers it waits for as load.
+:data:`STOLEN_IN_A_ROW` polls in a row ended so, nothing is polled for :data:`HOLD_S`. The
+load average would be the wrong gate: it notices a busy host only tens of seconds late and,
+on a small host, counts the client and the servers it waits for as load.
 """
 from __future__ import annotations
 
