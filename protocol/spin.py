@@ -122,25 +122,28 @@ class Spinner:
         class docstring)."""
         if not self.seconds or reader.buffered() or not isinstance(reader.sock, socket.socket):
             return  # (a ucx:// stream cannot be polled: no verdict on the server's speed)
-        if self.busy():
-            return
-        if self.skip > 0:
-            self.skip -= 1
-        else:
+        if self._may_poll():
             self._verdict(spin_readable(reader.sock, self.seconds))
 
     def spin(self, ready: Callable[[], Any], seconds: float) -> Any:
         """:func:`spin_until` over ``ready`` for at most ``seconds``, gated and backing off
         as :meth:`wait` is (polling off, a busy host, polls backing off: nothing is
         called). Returns ready's truthy result, or None: the caller then blocks."""
-        if not self.seconds or seconds <= 0 or self.busy():
-            return None
-        if self.skip > 0:
-            self.skip -= 1
+        if not self.seconds or seconds <= 0 or not self._may_poll():
             return None
         got = spin_until(ready, seconds)
         self._verdict(got)
         return got or None
+
+    def _may_poll(self) -> bool:
+        """Whether this wait polls: not on a busy host (:meth:`busy`), nor while polls back
+        off (a skipped wait counts down the back-off)."""
+        if self.busy():
+            return False
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
 
     def _verdict(self, got) -> None:
         """A poll answered (the back-off resets), or not: unanswered within its bound, or
