@@ -7,8 +7,8 @@ client's default) and one of each other cluster (the client's default). Then it 
 segments of ``--segment`` calls of ``put_batch`` (``--batch`` fresh keys of ``--size`` bytes)
 between the clients, ``--rounds`` times, in an order that reverses every round, so that all
 of them see the same moments of a machine whose load moves. ``--load N`` runs N CPU-burning
-processes throughout (started before the clusters, so the polls meet them from the first
-call).
+processes throughout, those of ``kvpool bench --load`` (started before the clusters, so the
+polls meet them from the first call).
 
 Printed per setting: the median over the segments of the mean microseconds per object, its
 min and max, the median p50, and the median of the per-round ratio "nothing polls" ÷ this
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import statistics
 import time
@@ -31,15 +30,11 @@ import uuid
 
 import numpy as np
 
+from kvpool.cli.bench_worker import Proc, stop_all
 from kvpool.cli.cluster import LocalCluster
 from kvpool.client import KVPoolClient
 from kvpool.protocol.config import load_config
 from kvpool.protocol.units import parse_duration, parse_size
-
-
-def _burn() -> None:
-    while True:
-        pass
 
 
 def main() -> None:
@@ -54,9 +49,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     size = parse_size(a.size)
-    burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(a.load)]
-    for b in burners:
-        b.start()
+    burners = [Proc("--burn", None, "load") for _ in range(a.load)]
     try:
         waits = [None] if a.master_spin_wait is None else [parse_duration(w) for w in a.master_spin_wait.split(",")]
         with contextlib.ExitStack() as ex:
@@ -72,8 +65,7 @@ def main() -> None:
                 ex.enter_context(c)
             out = _run(clients, size, a)
     finally:
-        for b in burners:
-            b.terminate()
+        stop_all(burners)
     out.update(size=size, batch=a.batch, segment=a.segment, rounds=a.rounds, load=a.load)
     if a.json:
         print(json.dumps(out, indent=1))
