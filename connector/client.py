@@ -49,6 +49,7 @@ from kvpool.protocol.layout import LayoutSpec, check_layout, layout_bytes, raw_l
 from kvpool.protocol.config import CLIENT_DEFAULTS
 from kvpool.protocol.spin import SPIN_WAIT_MAX_S
 from kvpool.protocol.transport import default_host_id
+from kvpool.protocol.units import check_wait
 
 LEASE_MARGIN = 0.9  # use 90% of the granted lease, for clock and scheduling slack
 _INLINE_BYTES = 1 << 20  # shared-memory copies below this hold the GIL: done in the calling thread
@@ -216,9 +217,11 @@ class KVPoolClient:
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")
         self.streams_per_node = streams_per_node
-        if write_timeout_s is not None and not write_timeout_s > 0:
-            raise ConfigError(f"write_timeout_s must be seconds > 0 or None, got {write_timeout_s!r}",
-                              key="write_timeout")
+        for key, v, off in (("rpc_timeout", rpc_timeout_s, False), ("io_timeout", io_timeout_s, False),
+                            ("write_timeout", write_timeout_s, True), ("replica_timeout", replica_timeout_s, True),
+                            ("hedge_after", hedge_after_s, True)):
+            check_wait(v, key=f"{key}_s", none=off)
+        check_wait(in_flight_wait_s, key="in_flight_wait_s", zero=True)
         # a replica write waits at most this long on its node; then the put is placed again
         # without it (it says so: PutResult.short), instead of waiting io_timeout_s
         self._write_deadline = None if write_timeout_s is None else ReplicaDeadline(write_timeout_s)

@@ -23,7 +23,7 @@ import yaml
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.messages import ClusterSettings
 from kvpool.protocol.spin import SPIN_WAIT_MAX_S
-from kvpool.protocol.units import parse_duration, parse_size
+from kvpool.protocol.units import check_wait, parse_duration, parse_size
 
 
 class _Described:
@@ -247,6 +247,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ClientConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transport: str = "auto"
+    # every wait below: more than 0 and at most 1 day (protocol/units.py check_wait)
     rpc_timeout: str | float = "10s"
     io_timeout: str | float = "30s"
     host_id: str | None = None
@@ -363,10 +364,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               "revisions >= 0", key="master.etcd_compaction_retention")
         m.check_repair()
         for key in ("rpc_timeout", "io_timeout", "replica_timeout", "hedge_after", "write_timeout"):
-            if getattr(self.client, key) is None and key in ("replica_timeout", "hedge_after", "write_timeout"):
-                continue  # off
-            if getattr(self.client, key) <= 0:
-                raise ConfigError(f"client.{key}: must be > 0", key=f"client.{key}")
+            check_wait(getattr(self.client, key), key=f"client.{key}",
+                       none=key in ("replica_timeout", "hedge_after", "write_timeout"))
         for key, v in (("client.spin_wait", self.client.spin_wait), ("master.spin_wait", m.spin_wait)):
             if not 0 <= v <= SPIN_WAIT_MAX_S:
                 raise ConfigError(f"{key}: {v!r}; accepted: 0 (off) to 10ms, e.g. 100us", key=key)

@@ -43,6 +43,23 @@ def parse_duration(value: str | float | int, *, key: str = "duration") -> float:
     return float(m.group(1)) * _DUR[m.group(2).lower()]
 
 
+MAX_WAIT_S = 86400.0  # the longest wait a client accepts (1 day); sockets refuse timeouts past about 9.2e9 s
+
+
+def check_wait(value, *, key: str, zero: bool = False, none: bool = False) -> float | None:
+    """``value`` as a wait in seconds: a finite number > 0 (>= 0 with ``zero``; None allowed
+    with ``none``), at most :data:`MAX_WAIT_S`. Raises ConfigError naming ``key`` otherwise,
+    so that a bad timeout is refused where it is set, not by the socket at the first call."""
+    if value is None and none:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        0 <= value if zero else 0 < value) and value <= MAX_WAIT_S  # NaN fails both comparisons
+    if not ok:
+        raise ConfigError(f"{key}: {value!r}; a wait is a number of seconds {'>= 0' if zero else '> 0'} and at most "
+                          f"{MAX_WAIT_S:g} (1 day){' or null (off)' if none else ''}", key=key)
+    return float(value)
+
+
 def format_bytes(n: float) -> str:
     """Human form of a byte count with binary units: 1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -107,6 +107,28 @@ def test_units_and_config(tmp_path):
         load_config(bad, environ={})
 
 
+def test_waits_are_finite_and_bounded_where_they_are_set(tmp_path):
+    """A timeout a socket would refuse (NaN, infinite, past a day) or a negative one is a
+    ConfigError where it is set: in the config file, or in KVPoolClient's arguments."""
+    from kvpool.connector.client import KVPoolClient
+
+    bad = tmp_path / "waits.yaml"
+    for key in ("io_timeout", "rpc_timeout", "write_timeout", "replica_timeout", "hedge_after"):
+        for v in ("99999999999999999999s", "300000000h", ".nan", ".inf", "-1"):
+            bad.write_text(f"client:\n  {key}: {v}\n")
+            with pytest.raises(E.ConfigError, match=f"client.{key}"):
+                load_config(bad, environ={})
+    bad.write_text("client:\n  io_timeout: 1d\n  write_timeout: null\n")
+    assert load_config(bad, environ={}).client.io_timeout == 86400
+    for kw in ({"io_timeout_s": float("nan")}, {"io_timeout_s": float("inf")}, {"io_timeout_s": 0},
+               {"rpc_timeout_s": 1e300}, {"write_timeout_s": float("inf")}, {"replica_timeout_s": "1s"},
+               {"hedge_after_s": -1}, {"in_flight_wait_s": float("inf")}, {"in_flight_wait_s": float("nan")},
+               {"in_flight_wait_s": -1}):
+        with pytest.raises(E.ConfigError, match=next(iter(kw))):
+            KVPoolClient("tcp://127.0.0.1:9", **kw)
+    KVPoolClient("tcp://127.0.0.1:9", in_flight_wait_s=0, write_timeout_s=None, replica_timeout_s=None).close()
+
+
 def test_errors_round_trip_on_the_wire():
     err = E.HasLease("busy", key="k")
     info = msgspec.msgpack.decode(M.encode(err.to_wire()), type=E.ErrorInfo)
@@ -117,6 +139,11 @@ def test_errors_round_trip_on_the_wire():
         M.decode_request(b"\x00\x01garbage")
     with pytest.raises(E.InvalidRequest, match="malformed"):
         M.decode_request(M.encode({"type": "put_start"}))  # missing field
+    deep = b"\x91" * 60000 + b"\xc0"  # nested past msgspec's stack (RecursionError inside)
+    with pytest.raises(E.InvalidRequest, match="malformed"):
+        M.decode_request(M.encode({"type": "put_start", "items": [["k", 10, 0, None]]})[:-1] + deep)
+    with pytest.raises(E.InvalidRequest, match="malformed"):
+        M.decode_node_request(deep)
 
 
 def test_replicated_layout_keys_do_not_depend_on_tp():
