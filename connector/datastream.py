@@ -80,7 +80,7 @@ class _Stream(FrameReader):
     def reply(self, greedy: bool = True) -> DataReply:
         try:
             return _rep_dec.decode(self.frame(greedy))
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             raise InvalidRequest(f"malformed data reply: {e}") from None
 
     def read_into(self, dst: memoryview, h) -> None:

@@ -33,7 +33,7 @@ class ClusterSettingsPart:
         """Apply the cluster settings recorded in etcd (over this process's flags)."""
         try:
             cs = msgspec.json.decode(raw, type=M.ClusterSettings).check()
-        except (msgspec.DecodeError, msgspec.ValidationError, KVPoolError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, KVPoolError) as e:
             log.error("master: ignoring the cluster settings in etcd (%s); using this master's flags. "
                       "Fix them with `kvpool settings --set KEY=VALUE`", e)
             return

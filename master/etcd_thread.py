@@ -219,7 +219,7 @@ class EtcdThread:
     async def _read_nodes(self, etcd: Etcd) -> dict[str, M.NodeDesc]:
         out = {}
         for v in (await etcd.get_prefix(self.keys.nodes)).values():
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 d = msgspec.msgpack.decode(v, type=M.NodeDesc)
                 if self.s.security.secret is not None:  # write grants are keyed by the secret, never by etcd
                     d = msgspec.structs.replace(d, grant_key=self.s.security.grant_key(d.incarnation))

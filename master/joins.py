@@ -75,7 +75,7 @@ def fetch_table(ctx: zmq.Context, desc: M.NodeDesc, timeout_s: float,
             if rep.error is not None:
                 raise InvalidRequest(f"store node {desc.node_id} refused its extent table: {rep.error.message}")
             inc, rows, max_gen = msgspec.msgpack.decode(rep.result, type=tuple[str, list[M.ExtentEntry], int])
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, TypeError) as e:
             raise InvalidRequest(f"store node {desc.node_id} sent a malformed extent table: {e}") from None
         return Table(inc, rows, max_gen)
     finally:

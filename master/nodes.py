@@ -223,7 +223,7 @@ class StoreNodes:
                 body = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 rep = msgspec.msgpack.decode(body, type=M.Reply)
                 if rep.error is not None and rep.error.code == StaleTerm.code:
                     self.depose(rep.error.message)

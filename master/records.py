@@ -51,11 +51,11 @@ def decode_records(handoff_values: Iterable[bytes], pin_values: Iterable[bytes]
         try:
             handoffs.append(msgspec.msgpack.decode(v, type=HandoffRecord))
             continue
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass
         try:
             r = msgspec.msgpack.decode(v, type=_HandoffRecordV1)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             continue
         handoffs.append(HandoffRecord(r.request_id, r.keys, r.layouts, r.producer, _left(r.deadline, wall),
                                       r.num_tokens, r.extra))
@@ -63,7 +63,7 @@ def decode_records(handoff_values: Iterable[bytes], pin_values: Iterable[bytes]
     for v in pin_values:
         try:
             p = msgspec.msgpack.decode(v, type=PinRecord)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             continue
         if p.ttl_s is not None and not p.pinned_at:  # wire version 1: the field is a Unix-time deadline
             p = msgspec.structs.replace(p, ttl_s=_left(p.ttl_s, wall))

@@ -125,7 +125,7 @@ def recv_request(sock) -> DataRequest:
     body = _recv_frame(sock)
     try:
         return _req_dec.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise InvalidRequest(f"malformed data request: {e}") from None
 
 
@@ -133,7 +133,7 @@ def recv_reply(sock) -> DataReply:
     body = _recv_frame(sock)
     try:
         return _rep_dec.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise InvalidRequest(f"malformed data reply: {e}") from None
 
 

@@ -105,7 +105,7 @@ class TransferProjection(msgspec.Struct, frozen=True, kw_only=True):
     def decode(data: bytes) -> "TransferProjection":
         try:
             return msgspec.msgpack.decode(data, type=TransferProjection)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             raise InvalidRequest(f"malformed transfer projection: {e}") from None
 
 

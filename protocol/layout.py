@@ -110,7 +110,7 @@ class LayoutSpec(msgspec.Struct, frozen=True, kw_only=True):
         """Decode a descriptor; raises InvalidRequest for malformed bytes."""
         try:
             return msgspec.msgpack.decode(data, type=LayoutSpec)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             raise InvalidRequest(f"malformed layout descriptor: {e}") from None
 
 

@@ -191,7 +191,7 @@ class DataServer:
                     body = rd.frame()
                     try:
                         req = _req_dec.decode(body)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
                         raise InvalidRequest(f"malformed data request: {e}") from None
                 except InvalidRequest as e:
                     self.stats.errors["data", e.code] += 1

@@ -315,7 +315,7 @@ class StoreNode:
             raw = await etcd.get(key)
             try:
                 other = None if raw is None else msgspec.msgpack.decode(raw, type=M.NodeDesc)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 other = None
             if other is not None and other.incarnation == desc.incarnation:
                 await etcd.put(key, val, lease=lease)  # our own earlier registration

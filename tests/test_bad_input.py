@@ -14,6 +14,9 @@ from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
 from tests.conftest import wait_for
 
 
+_DEEP = b"\x91" * 60000 + b"\xc0"  # a 60,000-level nested array: under the frame limits, past msgspec's stack
+
+
 def test_bad_keys(client):
     with pytest.raises(E.InvalidKey, match="513 bytes"):
         client.put("k" * 513, b"x")
@@ -36,9 +39,10 @@ def test_malformed_rpc_frames_get_errors_and_master_survives(cluster, client):
     host, port = cluster.master_addr[len("tcp://"):].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         frames = rpcwire.BlockingFrames(s)
+        deep = msgspec.msgpack.encode({"type": "exists", "keys": ["a"], "zzz": None})[:-1] + _DEEP
         for i, body in enumerate((b"", b"\xc1\xc1\xc1", msgspec.msgpack.encode({"type": "lookup"}),
                                   msgspec.msgpack.encode({"type": "nope", "keys": []}),
-                                  msgspec.msgpack.encode({"type": "lookup", "keys": [1, 2]})), start=7):
+                                  msgspec.msgpack.encode({"type": "lookup", "keys": [1, 2]}), deep), start=7):
             s.sendall(rpcwire.pack(i, body))
             rid, reply = frames.read()
             rep = msgspec.msgpack.decode(reply, type=M.Reply)
@@ -101,6 +105,13 @@ def test_malformed_and_truncated_data_frames(cluster, client):
         s.sendall(struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
         rep = recv_reply(s)
         assert not rep.ok and rep.error.code == "invalid_request"
+    # an unknown trailing field nested deeper than the decoder's stack: refused, typed
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        d = msgspec.msgpack.encode(DataRequest("ping", ""))
+        body = bytes([d[0] + 1]) + d[1:] + _DEEP  # one more array element than the request has fields
+        s.sendall(struct.pack("<I", len(body)) + body)
+        rep = recv_reply(s)
+        assert not rep.ok and rep.error.code == "invalid_request" and "malformed" in rep.error.message
     # oversized header length: refused
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(struct.pack("<I", 1 << 30))
