@@ -339,6 +339,7 @@ class KVPoolClient:
             todo = self.reserved.put(items, bufs, idx, replicas, results, stored)
             items, bufs, idx = [items[j] for j in todo], [bufs[j] for j in todo], [idx[j] for j in todo]
         if items:
+            self.reserved.forget_old_terms()  # a new leader places over an old one's reservations
             if self.reserved.ends_pending:  # claims this client ended lately first: put_start may grant those ranges again
                 self.reserved.flush_ends()
             for round_ in range(PUT_ROUNDS):  # writes that hit a dead node or a busy extent are placed again

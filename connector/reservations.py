@@ -188,6 +188,20 @@ class ReservationPool:
             out, self._dead = self._dead, []
             return out
 
+    def drop_older(self, term: int) -> int:
+        """Set aside (for :meth:`take_dead`) every held slot granted before leader ``term``:
+        a new leader does not know them and places other writers over their extents.
+        Returns how many."""
+        with self._lock:
+            n = 0
+            for st in self._sizes.values():
+                old = [s for s in st.slots if s.term < term]
+                if old:
+                    st.slots = deque(s for s in st.slots if s.term >= term)
+                    self._dead.extend(old)
+                    n += len(old)
+            return n
+
     def drain(self) -> list[Slot]:
         """Every slot held (the client is closing)."""
         with self._lock:

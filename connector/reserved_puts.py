@@ -63,6 +63,7 @@ class ReservedPuts:
         self._ends: defaultdict = defaultdict(lambda: ([], []))
         self._ends_n = 0
         self._ends_since = 0.0
+        self._term_seen = 0  # the leader term whose reservations the pool holds (see forget_old_terms)
 
     def reservable(self, size: int) -> bool:
         return self.reserve_budget > 0 and 0 < size <= self.reserve_max_object
@@ -72,6 +73,7 @@ class ReservedPuts:
     def put(self, items, bufs, idx, replicas, results, stored) -> list[int]:
         """Put ``items`` through reservations; returns the positions (in ``items``) left for
         ``put_start`` (not reservable, or this path could not finish them)."""
+        self.forget_old_terms()
         rep = replicas or 0
         fallback: list[int] = []
         by_size: dict[int, list[int]] = {}
@@ -306,6 +308,20 @@ class ReservedPuts:
         elif first:  # the reaper's timer sends them
             self._start_reaper()
             self._reaper_wake.set()
+
+    def forget_old_terms(self) -> None:
+        """Once a newer leader term is seen, end at once the claims of every reservation an
+        earlier leader granted (and send all queued ends): the new leader knows none of them
+        and places other puts, this client's own included, over their extents, which a live
+        claim would refuse (ExtentBusy) until it ended."""
+        term = self.rpc.term
+        if term == self._term_seen:
+            return
+        self._term_seen = term
+        if self._res_pool.drop_older(term):
+            self._give_back_dead()
+        if self._ends_n:
+            self.flush_ends()
 
     @property
     def ends_pending(self) -> bool:

@@ -95,6 +95,32 @@ def test_failover_with_reservations_outstanding_loses_no_acknowledged_put(make_c
     assert all(not isinstance(e, AssertionError) for e in errors), errors
 
 
+def test_after_a_failover_no_put_meets_the_claims_of_the_old_terms_reservations(make_cluster):
+    """The leader dies while a batch is being committed; the writer holds more reservations
+    claimed ahead. The new leader knows none of them, revokes the batch and places it again
+    over their extents: the writer ends those claims as soon as it sees the new term, so no
+    put fails on its own claims (ExtentBusy)."""
+    lc = make_cluster(nodes=2, memory="256MiB", node_ttl="1s", replicas=1)
+    standby = lc.start_master(wait_leader=False)
+    data = [os.urandom(64 * KiB) for _ in range(64)]
+    with KVPoolClient(etcd=lc.etcd_endpoint, cluster=lc.cfg.cluster, rpc_timeout_s=20, security=lc.security) as c:
+        for b in range(14):
+            assert c.put_batch([f"fo/{b}/{i}" for i in range(64)], data) == [None] * 64
+        assert c.reservations_held() > 0
+        call = c.rpc.call
+
+        def failover_then(req, *a, **k):  # the leader dies with this batch copied, not committed
+            if isinstance(req, M.PutReserved) and lc.masters[0].alive():
+                lc.masters[0].kill(signal.SIGKILL)
+                standby.wait_line("KVPOOL_LEADER", 20)
+            return call(req, *a, **k)
+
+        c.rpc.call = failover_then
+        for b in range(14, 18):
+            assert c.put_batch([f"fo/{b}/{i}" for i in range(64)], data) == [None] * 64, b
+        assert c.get_batch([f"fo/{b}/{i}" for b in range(18) for i in range(64)]) == data * 18
+
+
 def test_refused_reservation_input(make_cluster):
     lc = make_cluster(nodes=1, memory="16MiB")
     with lc.client() as c:
