@@ -6,8 +6,8 @@ copies each object into its extents (same host: straight into the claimed shared
 network: a ``write`` to the node, which claims while the bytes land), then commits the
 batch with one ``PutReserved`` whose reply carries the next reservations when the pool runs
 low. The ``written_all`` frames that end the claims and the writer's ``commit`` copies of
-what was acknowledged are queued and go to each same-host node in one send, at most 5 ms
-later (see :meth:`ReservedPuts._end_claims`).
+what was acknowledged are queued and go to each same-host node in one send: right after a
+put that committed a batch, else at most 5 ms later (see :meth:`ReservedPuts._end_claims`).
 
 Anything this path cannot finish (a refused claim, a failed write, a reservation the master
 no longer holds, a new leader) falls back to ``put_start``/``put_end`` for that object, so
@@ -34,6 +34,8 @@ from kvpool.protocol.layout import layout_bytes
 _REAP_S = 1.0  # the reaper looks for expired reservations at least this often (seconds)
 _FLUSH_S = 0.005  # queued claim ends and commit copies wait at most this long (seconds)
 _FLUSH_ITEMS = 256  # ... or until this many are queued
+_FLUSH_BATCH = 16  # ... or at once after a put that committed this many
+_EARLY_REFILL_BYTES = 1 << 20  # a put copying this many bytes asks for its refill first, copying meanwhile
 
 
 class ReservedPuts:
@@ -130,11 +132,22 @@ class ReservedPuts:
                 ops.append(op)
                 by_node[r.node_id].append(op)
             ops_of[j] = ops
+        early = None  # (size, replicas, when asked) of a refill the master grants while the bytes are copied
         try:
-            self._parallel(self._write_held, by_node)
-        except BaseException:  # a bug or Ctrl-C mid-copy: the reservations are given back
+            if sum(s.size for s in slot_of.values()) >= _EARLY_REFILL_BYTES and (want := self._refill_of(
+                    slot_of.values())) is not None:
+                size, rp, count = want
+                t_sent = time.monotonic()
+                got = self.rpc.call(M.Reserve(size, 0, self.host_id, rp, [], ahead=count),
+                                    meanwhile=lambda answered: self._parallel(self._write_held, by_node))
+                early = size, rp, t_sent
+            else:
+                self._parallel(self._write_held, by_node)
+        except BaseException:  # a bug or Ctrl-C mid-copy, or no master: the reservations are given back
             self._release(list(slot_of.values()))
             raise
+        if early is not None:
+            self._take_reserved(got, early[1], early[0], early[2])
         done: list[Slot] = []  # not committed and given up: their claims end now (a commit ends its own:
         # the master's notice, or the commit copy sent below on the same claim stream, storenode/extents.py)
         failed: list[Slot] = []  # a replica write failed: given back, the object goes the long way
@@ -160,10 +173,7 @@ class ReservedPuts:
         if not commit_j:
             self._release(failed)
             return sorted(fallback)
-        firsts = {(slot_of[j].size, slot_of[j].replicas): slot_of[j] for j in commit_j}.values()
-        size, rp, count = max(((s.size, s.replicas, self._res_pool.refill(s.size, s.replicas)) for s in firsts),
-                              key=lambda w: w[2])
-        count = _per_call(size, count)
+        size, rp, count = self._refill_of(slot_of[j] for j in commit_j) or (0, 0, 0)
         dead = self._res_pool.take_dead(time.monotonic())
         back = [s.res.res_id for s in dead + failed]
         refill = M.Reserve(size, 0, self.host_id, rp, back, ahead=count) if count or back else None
@@ -203,7 +213,7 @@ class ReservedPuts:
                 else:  # e.g. NoSpace past max_objects: the master keeps the reservation
                     keep.append(s)
                     results[idx[j]] = err
-        self._end_claims(done + dead + failed, commits)
+        self._end_claims(done + dead + failed, commits, now=len(commit_j) >= _FLUSH_BATCH)
         for ops in net_commits.values():
             self.data.commit(ops)
         self._res_pool.give_back(keep)
@@ -212,6 +222,15 @@ class ReservedPuts:
         if in_flight:
             self._await_in_flight(items, idx, in_flight, results)
         return sorted(fallback)
+
+    def _refill_of(self, slots) -> tuple[int, int, int] | None:
+        """The refill a put of ``slots`` asks for: (size, replicas, count) of the size whose
+        pool runs lowest, or None while every size's pool covers its next batch."""
+        size, rp, count = max(((size, rp, self._res_pool.refill(size, rp)) for size, rp in {(s.size, s.replicas)
+                                                                                            for s in slots}),
+                              key=lambda w: w[2], default=(0, 0, 0))
+        count = _per_call(size, count)
+        return (size, rp, count) if count else None
 
     def _write_held(self, ops: list[WriteOp]) -> None:
         self.data.write(ops, self._write_deadline, held=True)
@@ -282,7 +301,9 @@ class ReservedPuts:
         """Queue, per same-host node, ``written`` for ``slots``' extents there and the commit
         copies ``commits[node_id]``; they go out in one send per node once
         :data:`_FLUSH_ITEMS` are queued or the oldest has waited :data:`_FLUSH_S` (the
-        reaper's timer), before the next claims, at close, or at once with ``now``.
+        reaper's timer), before the next claims, at close, or at once with ``now`` (a put
+        that committed :data:`_FLUSH_BATCH` or more: the node works through them while the
+        caller makes its next batch, instead of before answering that batch's claims).
 
         Why waiting is safe: a claim that lasts a little longer only keeps its own range
         busy; the commit copy is the second path by which a node learns an acknowledged
