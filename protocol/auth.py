@@ -49,6 +49,7 @@ encrypted). See :func:`curve_server` / :func:`curve_client_keys`.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -94,11 +95,11 @@ def write_credential_file(path: str | os.PathLike, secret: bytes, role: str) -> 
 
 def _parse_credential(raw: bytes, where: str, key: str) -> tuple[bytes, str]:
     """``(secret or credential, role)`` from a secret file's or variable's bytes."""
-    if not raw.startswith(CREDENTIAL_TAG.encode()):
+    if not raw.startswith(CREDENTIAL_TAG[:11].encode()):  # "kvpool-cred": a near miss of the tag is no secret
         return raw, "cluster"
     parts = raw.decode(errors="replace").split()
     try:
-        if len(parts) != 3 or parts[1] not in ROLES[1:]:
+        if len(parts) != 3 or parts[0] != CREDENTIAL_TAG or parts[1] not in ROLES[1:]:
             raise ValueError
         cred = bytes.fromhex(parts[2])
         if len(cred) != 32:
@@ -115,6 +116,11 @@ def _read_secret(path: str) -> bytes:
     except OSError as e:
         raise ConfigError(f"security.secret_file {path!r} cannot be read ({e.strerror or e}); point it at a file "
                           "holding the cluster secret", key="security.secret_file") from None
+    with contextlib.suppress(OSError):
+        mode = Path(path).expanduser().stat().st_mode
+        if mode & 0o077:
+            logging.getLogger("kvpool").warning("security.secret_file %r is readable by others (mode %o): anyone "
+                                                "who reads it acts with its role; `chmod 600` it", path, mode & 0o777)
     if len(raw) < MIN_SECRET:
         raise ConfigError(f"the cluster secret in {path!r} is {len(raw)} bytes; use at least {MIN_SECRET} "
                           "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))' > FILE`)",

@@ -121,6 +121,25 @@ def test_malformed_credential_files_are_named(tmp_path):
         Security.load(str(bad))
     with pytest.raises(ConfigError, match="unknown role"):
         write_credential_file(tmp_path / "x", b"s" * 32, "root")
+    good = write_credential_file(tmp_path / "c.cred", b"s" * 32, "client")
+    text = open(good).read()
+    for typo in ("kvpool-credentialXX", "kvpool-credentia"):  # a near miss of the tag is not taken for a secret
+        bad.write_text(text.replace("kvpool-credential", typo))
+        with pytest.raises(ConfigError, match="malformed role credential"):
+            Security.load(str(bad))
+
+
+def test_a_secret_file_others_can_read_is_warned_about(tmp_path, caplog):
+    import logging
+
+    path = write_credential_file(tmp_path / "c.cred", b"s" * 32, "client")
+    with caplog.at_level(logging.WARNING, logger="kvpool"):
+        Security.load(path)
+    assert "readable by others" not in caplog.text
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="kvpool"):
+        Security.load(path)
+    assert "readable by others" in caplog.text and "chmod 600" in caplog.text
 
 
 def test_servers_refuse_to_start_open_without_insecure(tmp_path):
