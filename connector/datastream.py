@@ -20,7 +20,7 @@ from kvpool.connector.shmcopy import _CHUNK, _PAGE, _address, _misaligned
 from kvpool.protocol import transport
 from kvpool.protocol.auth import Security
 from kvpool.protocol.dataplane import DataReply, FrameReader
-from kvpool.protocol.errors import InvalidRequest, NodeUnavailable
+from kvpool.protocol.errors import DECODE_ERRORS, InvalidRequest, NodeUnavailable
 
 _BOUNCE_RECV = 64 << 10  # socket payloads at least this big into a misaligned buffer are bounced
 _REDIAL_S = 2.0  # seconds a redial of a stale connection (to a restarted node's old instance) may take
@@ -80,7 +80,7 @@ class _Stream(FrameReader):
     def reply(self, greedy: bool = True) -> DataReply:
         try:
             return _rep_dec.decode(self.frame(greedy))
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        except DECODE_ERRORS as e:
             raise InvalidRequest(f"malformed data reply: {e}") from None
 
     def read_into(self, dst: memoryview, h) -> None:

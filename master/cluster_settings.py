@@ -14,7 +14,7 @@ import msgspec
 from kvpool.master.durable import DurableWrites, Pending
 from kvpool.master.state import MasterSettings, MasterState
 from kvpool.protocol import messages as M
-from kvpool.protocol.errors import ConfigError, EtcdUnavailable, InvalidRequest, KVPoolError
+from kvpool.protocol.errors import DECODE_ERRORS, ConfigError, EtcdUnavailable, InvalidRequest, KVPoolError
 from kvpool.protocol.etcd import Keys
 
 log = logging.getLogger("kvpool.master")
@@ -33,7 +33,7 @@ class ClusterSettingsPart:
         """Apply the cluster settings recorded in etcd (over this process's flags)."""
         try:
             cs = msgspec.json.decode(raw, type=M.ClusterSettings).check()
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, KVPoolError) as e:
+        except (*DECODE_ERRORS, KVPoolError) as e:
             log.error("master: ignoring the cluster settings in etcd (%s); using this master's flags. "
                       "Fix them with `kvpool settings --set KEY=VALUE`", e)
             return

@@ -27,7 +27,7 @@ from kvpool.master.joins import Table
 from kvpool.master.records import decode_records
 from kvpool.master.server_settings import MasterServerSettings
 from kvpool.protocol import messages as M
-from kvpool.protocol.errors import EtcdFull, EtcdUnavailable, KVPoolError
+from kvpool.protocol.errors import DECODE_ERRORS, EtcdFull, EtcdUnavailable, KVPoolError
 from kvpool.protocol.etcd import Etcd, Keys, LeaseClock, kept_alive
 
 log = logging.getLogger("kvpool.master")
@@ -219,7 +219,7 @@ class EtcdThread:
     async def _read_nodes(self, etcd: Etcd) -> dict[str, M.NodeDesc]:
         out = {}
         for v in (await etcd.get_prefix(self.keys.nodes)).values():
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            with contextlib.suppress(*DECODE_ERRORS):
                 d = msgspec.msgpack.decode(v, type=M.NodeDesc)
                 if self.s.security.secret is not None:  # write grants are keyed by the secret, never by etcd
                     d = msgspec.structs.replace(d, grant_key=self.s.security.grant_key(d.incarnation))

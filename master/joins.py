@@ -28,7 +28,7 @@ import zmq
 
 from kvpool.protocol import messages as M
 from kvpool.protocol.config import MasterConfig
-from kvpool.protocol.errors import AuthFailed, InvalidRequest, NodeUnavailable
+from kvpool.protocol.errors import DECODE_ERRORS, AuthFailed, InvalidRequest, NodeUnavailable
 
 _JOIN = MasterConfig().join_settings()  # (timeout, backoff, backoff max) in seconds
 _SLICE_S = 0.1  # a fetch looks at the stop flag this often while it waits
@@ -75,7 +75,7 @@ def fetch_table(ctx: zmq.Context, desc: M.NodeDesc, timeout_s: float,
             if rep.error is not None:
                 raise InvalidRequest(f"store node {desc.node_id} refused its extent table: {rep.error.message}")
             inc, rows, max_gen = msgspec.msgpack.decode(rep.result, type=tuple[str, list[M.ExtentEntry], int])
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, TypeError) as e:
+        except (*DECODE_ERRORS, TypeError) as e:
             raise InvalidRequest(f"store node {desc.node_id} sent a malformed extent table: {e}") from None
         return Table(inc, rows, max_gen)
     finally:

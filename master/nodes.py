@@ -29,7 +29,7 @@ from kvpool.master.server_settings import MasterServerSettings
 from kvpool.master.state import MasterState
 from kvpool.protocol import messages as M
 from kvpool.protocol.layout import layout_of
-from kvpool.protocol.errors import KVPoolError, StaleTerm
+from kvpool.protocol.errors import DECODE_ERRORS, KVPoolError, StaleTerm
 from kvpool.protocol.terms import first_gen
 
 log = logging.getLogger("kvpool.master")
@@ -223,7 +223,7 @@ class StoreNodes:
                 body = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            with contextlib.suppress(*DECODE_ERRORS):
                 rep = msgspec.msgpack.decode(body, type=M.Reply)
                 if rep.error is not None and rep.error.code == StaleTerm.code:
                     self.depose(rep.error.message)

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from kvpool.protocol.errors import DECODE_ERRORS
 from kvpool.protocol.layout import LayoutSpec
 from kvpool.protocol.messages import HandoffRecord, PinRecord
 
@@ -51,11 +52,11 @@ def decode_records(handoff_values: Iterable[bytes], pin_values: Iterable[bytes]
         try:
             handoffs.append(msgspec.msgpack.decode(v, type=HandoffRecord))
             continue
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        except DECODE_ERRORS:
             pass
         try:
             r = msgspec.msgpack.decode(v, type=_HandoffRecordV1)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        except DECODE_ERRORS:
             continue
         handoffs.append(HandoffRecord(r.request_id, r.keys, r.layouts, r.producer, _left(r.deadline, wall),
                                       r.num_tokens, r.extra))
@@ -63,7 +64,7 @@ def decode_records(handoff_values: Iterable[bytes], pin_values: Iterable[bytes]
     for v in pin_values:
         try:
             p = msgspec.msgpack.decode(v, type=PinRecord)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        except DECODE_ERRORS:
             continue
         if p.ttl_s is not None and not p.pinned_at:  # wire version 1: the field is a Unix-time deadline
             p = msgspec.structs.replace(p, ttl_s=_left(p.ttl_s, wall))

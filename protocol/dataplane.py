@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvpool.protocol.errors import ErrorInfo, InvalidRequest, NodeUnavailable
+from kvpool.protocol.errors import DECODE_ERRORS, ErrorInfo, InvalidRequest, NodeUnavailable
 
 _LEN = struct.Struct("<I")
 MAX_HEADER = 1 << 16
@@ -125,7 +125,7 @@ def recv_request(sock) -> DataRequest:
     body = _recv_frame(sock)
     try:
         return _req_dec.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+    except DECODE_ERRORS as e:
         raise InvalidRequest(f"malformed data request: {e}") from None
 
 
@@ -133,7 +133,7 @@ def recv_reply(sock) -> DataReply:
     body = _recv_frame(sock)
     try:
         return _rep_dec.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+    except DECODE_ERRORS as e:
         raise InvalidRequest(f"malformed data reply: {e}") from None
 
 

@@ -10,6 +10,10 @@ from typing import Any, ClassVar
 
 import msgspec
 
+# what decoding untrusted bytes (a socket's, etcd's, a record's) raises when they are malformed:
+# bad msgpack, the wrong types, or nesting deeper than the decoder's stack (RecursionError)
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+
 
 class ErrorInfo(msgspec.Struct, frozen=True, tag="err", array_like=True):
     """Wire form of an error: a stable ``code`` string, the message, extra fields."""

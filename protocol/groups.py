@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
+from kvpool.protocol.errors import DECODE_ERRORS, InvalidRequest, LayoutMismatch
 from kvpool.protocol.keys import group_key, validate_key
 from kvpool.protocol.layout import LayoutSpec
 
@@ -105,7 +105,7 @@ class TransferProjection(msgspec.Struct, frozen=True, kw_only=True):
     def decode(data: bytes) -> "TransferProjection":
         try:
             return msgspec.msgpack.decode(data, type=TransferProjection)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        except DECODE_ERRORS as e:
             raise InvalidRequest(f"malformed transfer projection: {e}") from None
 
 

@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 import xxhash
 
-from kvpool.protocol.errors import InvalidRequest, LayoutMismatch
+from kvpool.protocol.errors import DECODE_ERRORS, InvalidRequest, LayoutMismatch
 
 KINDS = ("full_attention", "sliding_window", "mla", "mamba", "raw")
 PARALLEL = ("split", "replicate")
@@ -110,7 +110,7 @@ class LayoutSpec(msgspec.Struct, frozen=True, kw_only=True):
         """Decode a descriptor; raises InvalidRequest for malformed bytes."""
         try:
             return msgspec.msgpack.decode(data, type=LayoutSpec)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        except DECODE_ERRORS as e:
             raise InvalidRequest(f"malformed layout descriptor: {e}") from None
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-from kvpool.protocol.errors import ConfigError, ErrorInfo, InvalidRequest
+from kvpool.protocol.errors import DECODE_ERRORS, ConfigError, ErrorInfo, InvalidRequest
 from kvpool.protocol.layout import NO_LAYOUT, LayoutSpec, layout_of
 
 MAX_BATCH_KEYS = 16_384  # keys (or items) one request carries at most; the client splits larger batches
@@ -725,19 +725,19 @@ def decode_request(data: bytes) -> Any:
             raise InvalidRequest(f"request refused: {e}; at most {MAX_BATCH_KEYS} keys per request (KVPoolClient "
                                  "splits larger batches): split it", limit=MAX_BATCH_KEYS) from None
         raise InvalidRequest(f"malformed request: {e}") from None
-    except (msgspec.DecodeError, RecursionError) as e:  # (RecursionError: nesting deeper than the decoder's stack)
+    except DECODE_ERRORS as e:  # (its ValidationError is answered above)
         raise InvalidRequest(f"malformed request: {e}") from None
 
 
 def decode_node_request(data: bytes) -> Any:
     try:
         return _node_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+    except DECODE_ERRORS as e:
         raise InvalidRequest(f"malformed node request: {e}") from None
 
 
 def decode_result(data: bytes, typ: Any) -> Any:
     try:
         return msgspec.msgpack.decode(data, type=typ)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+    except DECODE_ERRORS as e:
         raise InvalidRequest(f"malformed reply: {e}") from None

@@ -46,7 +46,8 @@ from kvpool.protocol import admission, transport
 from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.config import SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, FrameReader, frame, sendv
-from kvpool.protocol.errors import AuthFailed, InvalidRequest, KVPoolError, NodeUnavailable, Overloaded, StaleExtent
+from kvpool.protocol.errors import (DECODE_ERRORS, AuthFailed, InvalidRequest, KVPoolError, NodeUnavailable,
+                                    Overloaded, StaleExtent)
 from kvpool.protocol.grants import check_token, grants_of
 from kvpool.protocol.messages import ExtentEntry
 from kvpool.storenode.connpool import Conn, ConnPool, TLSSlices
@@ -191,7 +192,7 @@ class DataServer:
                     body = rd.frame()
                     try:
                         req = _req_dec.decode(body)
-                    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+                    except DECODE_ERRORS as e:
                         raise InvalidRequest(f"malformed data request: {e}") from None
                 except InvalidRequest as e:
                     self.stats.errors["data", e.code] += 1

@@ -42,7 +42,8 @@ from kvpool.protocol import transport
 from kvpool.protocol.auth import OPEN, Security
 from kvpool.protocol.config import ClusterConfig, SecurityConfig, StoreNodeConfig
 from kvpool.protocol.dataplane import DataReply, DataRequest, frame, recv_reply
-from kvpool.protocol.errors import ConfigError, EtcdFull, InvalidRequest, KVPoolError, Overloaded, StaleTerm
+from kvpool.protocol.errors import (DECODE_ERRORS, ConfigError, EtcdFull, InvalidRequest, KVPoolError, Overloaded,
+                                    StaleTerm)
 from kvpool.protocol.etcd import NO_AUTH, Etcd, EtcdAuth, Keys, kept_alive
 from kvpool.storenode.control import ControlChannel
 from kvpool.storenode.dataserver import DataServer
@@ -315,7 +316,7 @@ class StoreNode:
             raw = await etcd.get(key)
             try:
                 other = None if raw is None else msgspec.msgpack.decode(raw, type=M.NodeDesc)
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            except DECODE_ERRORS:
                 other = None
             if other is not None and other.incarnation == desc.incarnation:
                 await etcd.put(key, val, lease=lease)  # our own earlier registration
