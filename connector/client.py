@@ -217,10 +217,8 @@ class KVPoolClient:
             raise ConfigError(f"streams_per_node must be an integer from 1 to 16, got {streams_per_node!r}",
                               key="streams_per_node")
         self.streams_per_node = streams_per_node
-        for key, v, off in (("rpc_timeout", rpc_timeout_s, False), ("io_timeout", io_timeout_s, False),
-                            ("write_timeout", write_timeout_s, True), ("replica_timeout", replica_timeout_s, True),
-                            ("hedge_after", hedge_after_s, True)):
-            check_wait(v, key=f"{key}_s", none=off)
+        # (the other waits are checked where they are used: MasterRPC, DataPlane, ReplicaReads)
+        check_wait(write_timeout_s, key="write_timeout_s", none=True)
         check_wait(in_flight_wait_s, key="in_flight_wait_s", zero=True)
         # a replica write waits at most this long on its node; then the put is placed again
         # without it (it says so: PutResult.short), instead of waiting io_timeout_s

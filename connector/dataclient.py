@@ -75,6 +75,7 @@ from kvpool.protocol.dataplane import DataReply, DataRequest, frame, sendv
 from kvpool.protocol.errors import ConfigError, InvalidRequest, KVPoolError, LoadCancelled, NodeUnavailable, from_wire
 from kvpool.protocol.messages import ExtentRef
 from kvpool.protocol.spin import Spinner
+from kvpool.protocol.units import check_wait
 
 __all__ = ["DataPlane", "ReadOp", "ReplicaDeadline", "WriteOp", "readable"]
 
@@ -112,6 +113,7 @@ class DataPlane:
                  cuda_direct: bool = True, security: Security | None = None, spin_s: float = 0.0) -> None:
         if transport_mode not in self.MODES:
             raise ConfigError(f"transport {transport_mode!r}; accepted: {', '.join(self.MODES)}", key="transport")
+        check_wait(io_timeout_s, key="io_timeout_s")
         self.host_id = host_id
         self.mode = transport_mode
         self.io_timeout_s = io_timeout_s

@@ -25,7 +25,6 @@ the typed error of its last attempt.
 """
 from __future__ import annotations
 
-import math
 import socket
 import threading
 import time
@@ -35,7 +34,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvpool.connector.dataclient import DataPlane, ReadOp, ReplicaDeadline, readable
 from kvpool.protocol import messages as M
-from kvpool.protocol.errors import ConfigError, NodeUnavailable
+from kvpool.protocol.errors import NodeUnavailable
+from kvpool.protocol.units import check_wait
 
 SLOW_MEMORY_S = 5.0  # how long a node that missed a deadline or failed is read last
 _POLL_S = 0.005  # while a hedge is out: how often the primary's socket and the hedge are looked at
@@ -60,14 +60,13 @@ class ReplicaReads:
     wait for bytes (connect included) before the node is given up, at most the data plane's
     ``io_timeout_s``; None: no deadline (wait ``io_timeout_s``), and no hedging.
     ``hedge_after_s``: seconds without a first byte after which the next replica is read as
-    well; None: no hedging. Both finite and > 0 (else ConfigError); a hedge delay at or past
-    the deadline never hedges."""
+    well; None: no hedging. Both finite, > 0 and at most a day (else ConfigError,
+    protocol/units.py check_wait); a hedge delay at or past the deadline never hedges."""
 
     def __init__(self, data: DataPlane, host_id: str, replica_timeout_s: float | None = 1.0,
                  hedge_after_s: float | None = 0.1) -> None:
         for key, v in (("replica_timeout_s", replica_timeout_s), ("hedge_after_s", hedge_after_s)):
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ConfigError(f"{key} must be a number of seconds > 0 (or None: off), got {v!r}", key=key)
+            check_wait(v, key=key, none=True)
         self.data, self.host_id = data, host_id
         self.timeout_s = None if replica_timeout_s is None else min(replica_timeout_s, data.io_timeout_s)
         self.hedge_after_s = hedge_after_s if replica_timeout_s is not None else None

@@ -16,7 +16,6 @@ One-way messages (:meth:`MasterRPC.send_nowait`) cost one ``send`` and get no re
 from __future__ import annotations
 
 import itertools
-import math
 import socket
 import struct
 import threading
@@ -34,6 +33,7 @@ from kvpool.protocol.errors import (AuthFailed, ConfigError, InvalidRequest, KVP
 from kvpool.protocol.etcd import NO_AUTH, EtcdAuth, Keys, parse_endpoints, read_meta_sync
 from kvpool.protocol.spin import Spinner
 from kvpool.protocol.transport import default_host_id
+from kvpool.protocol.units import check_wait
 
 
 class _Conn:
@@ -114,8 +114,7 @@ class MasterRPC:
         if not master and not etcd:
             raise ConfigError("KVPoolClient needs master='tcp://host:port' or etcd='http://host:port'",
                               key="master")
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ConfigError(f"rpc timeout must be a number of seconds > 0, got {timeout_s!r}", key="rpc_timeout")
+        check_wait(timeout_s, key="rpc_timeout_s")
         if master:
             _check_master_addr(master)
         else:  # ConfigError naming a bad URL; several (comma-separated, or a list) fail over
