@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.protocol.messages import Reservation
@@ -149,13 +150,7 @@ class ReservationPool:
     def drop_nodes(self, nodes: set[tuple[str, str]]) -> None:
         """Set aside (for :meth:`take_dead`) every held slot with a replica on one of
         ``nodes`` (node id, incarnation): a write there failed."""
-        with self._lock:
-            for st in self._sizes.values():
-                bad = [s for s in st.slots if any((r.node_id, r.incarnation) in nodes for r in s.res.replicas)]
-                if bad:
-                    gone = {id(s) for s in bad}
-                    st.slots = deque(s for s in st.slots if id(s) not in gone)
-                    self._dead.extend(bad)
+        self._set_aside(lambda s: any((r.node_id, r.incarnation) in nodes for r in s.res.replicas))
 
     def target(self, size: int, replicas: int) -> int:
         """How many reservations of this size to hold (see the module docstring); none for
@@ -192,15 +187,20 @@ class ReservationPool:
         """Set aside (for :meth:`take_dead`) every held slot granted before leader ``term``:
         a new leader does not know them and places other writers over their extents.
         Returns how many."""
+        return self._set_aside(lambda s: s.term < term)
+
+    def _set_aside(self, drop: Callable[[Slot], bool]) -> int:
+        """Move every held slot for which ``drop(slot)`` is true to the slots to give back
+        (:meth:`take_dead`), keeping the others in order; how many moved."""
+        n = 0
         with self._lock:
-            n = 0
             for st in self._sizes.values():
-                old = [s for s in st.slots if s.term < term]
-                if old:
-                    st.slots = deque(s for s in st.slots if s.term >= term)
-                    self._dead.extend(old)
-                    n += len(old)
-            return n
+                gone = [s for s in st.slots if drop(s)]
+                if gone:
+                    st.slots = deque(s for s in st.slots if not drop(s))
+                    self._dead.extend(gone)
+                    n += len(gone)
+        return n
 
     def drain(self) -> list[Slot]:
         """Every slot held (the client is closing)."""

@@ -111,13 +111,14 @@ def _parse_credential(raw: bytes, where: str, key: str) -> tuple[bytes, str]:
 
 
 def _read_secret(path: str) -> bytes:
+    file = Path(path).expanduser()
     try:
-        raw = Path(path).expanduser().read_bytes().strip()
+        raw = file.read_bytes().strip()
     except OSError as e:
         raise ConfigError(f"security.secret_file {path!r} cannot be read ({e.strerror or e}); point it at a file "
                           "holding the cluster secret", key="security.secret_file") from None
     with contextlib.suppress(OSError):
-        mode = Path(path).expanduser().stat().st_mode
+        mode = file.stat().st_mode
         if mode & 0o077:
             logging.getLogger("kvpool").warning("security.secret_file %r is readable by others (mode %o): anyone "
                                                 "who reads it acts with its role; `chmod 600` it", path, mode & 0o777)

@@ -165,7 +165,6 @@ def test_reservations_off_uses_put_start(make_cluster):
         assert st.counters.get("puts_reserved", 0) == 0 and st.reserved_bytes == 0
 
 
-
 def test_a_batch_ends_its_claims_when_it_returns_and_a_single_put_queues_them(make_cluster):
     """The claim ends and commit copies of a committed batch leave with its answer (the
     node takes them in while the caller makes its next batch); a single put's wait up to
@@ -179,6 +178,7 @@ def test_a_batch_ends_its_claims_when_it_returns_and_a_single_put_queues_them(ma
         assert c.put("fb/single", data[0]) and c.reserved.ends_pending
         wait_for(lambda: not c.reserved.ends_pending, 5, what="the queued ends sent by the reaper")
         assert c.get_batch([f"fb/{b}/{i}" for b in range(3) for i in range(16)]) == data * 3
+
 
 _CLAIMER = r"""
 import sys
